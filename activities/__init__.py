@@ -1,0 +1,1 @@
+"""Activities: every piece of I/O a workflow needs, each a small typed function."""

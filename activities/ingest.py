@@ -1,0 +1,81 @@
+"""Ingestion activities: extract text -> chunk -> embed (batches) -> index, plus pruning."""
+
+from __future__ import annotations
+
+import numpy as np
+from temporalio import activity
+
+from activities.models import (
+    ChunkInput, ChunkOutput, EmbedInput, EmbedOutput, ExtractInput, ExtractOutput, IndexInput, IndexOutput,
+    PruneInput, PruneOutput,
+)
+from ragline import text
+from ragline.blobstore import BlobStore
+from ragline.embeddings import Embedder
+from ragline.settings import Settings
+from ragline.vectorstore import ChunkPoint, VectorIndex
+from temporal.errors import translate_errors
+
+
+def _attempt() -> int:
+    return activity.info().attempt
+
+
+class IngestActivities:
+    def __init__(self, settings: Settings, blobs: BlobStore, embedder: Embedder, index: VectorIndex) -> None:
+        self.settings = settings
+        self.blobs = blobs
+        self.embedder = embedder
+        self.index = index
+
+    @activity.defn(name="extract_text")
+    @translate_errors
+    def extract_text(self, req: ExtractInput) -> ExtractOutput:
+        data = self.blobs.get(req.blob_ref)
+        pages = text.extract_pages(
+            data, req.kind, password=req.password, max_pages=self.settings.max_pages,
+            on_page=lambda done, total: activity.heartbeat({"page": done, "pages": total}))
+        text.check_has_text(pages, self.settings.min_text_chars)
+        pages_ref = self.blobs.put_json([{"page": p.number, "text": p.text} for p in pages])
+        return ExtractOutput(pages_ref=pages_ref, pages=len(pages), chars=sum(len(p.text) for p in pages),
+                             attempt=_attempt())
+
+    @activity.defn(name="chunk_text")
+    @translate_errors
+    def chunk_text(self, req: ChunkInput) -> ChunkOutput:
+        pages = [text.Page(number=p["page"], text=p["text"]) for p in self.blobs.get_json(req.pages_ref)]
+        chunks = text.chunk_pages(pages, size=self.settings.chunk_size, overlap=self.settings.chunk_overlap)
+        chunks_ref = self.blobs.put_json([{"i": c.index, "page": c.page, "text": c.text} for c in chunks])
+        return ChunkOutput(chunks_ref=chunks_ref, chunks=len(chunks), batch_size=self.settings.embed_batch_size,
+                           parallelism=self.settings.embed_parallelism, attempt=_attempt())
+
+    @activity.defn(name="embed_chunks")
+    @translate_errors
+    def embed_chunks(self, req: EmbedInput) -> EmbedOutput:
+        chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
+        activity.heartbeat({"embedding": len(chunks)})
+        vectors = np.asarray(self.embedder.passages([c["text"] for c in chunks]), dtype=np.float32)
+        return EmbedOutput(vectors_ref=self.blobs.put(vectors.tobytes()), count=len(chunks),
+                           model=self.embedder.name, attempt=_attempt())
+
+    @activity.defn(name="index_chunks")
+    @translate_errors
+    def index_chunks(self, req: IndexInput) -> IndexOutput:
+        chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
+        vectors = np.frombuffer(self.blobs.get(req.vectors_ref), dtype=np.float32).reshape(len(chunks), -1)
+        points = [
+            ChunkPoint(document_id=req.document_id, chunk_index=c["i"], vector=v.tolist(), payload={
+                "document_id": req.document_id, "filename": req.filename, "collection": req.collection,
+                "page": c["page"], "chunk": c["i"], "text": c["text"]})
+            for c, v in zip(chunks, vectors)
+        ]
+        return IndexOutput(points=self.index.upsert(req.collection, points), attempt=_attempt())
+
+    @activity.defn(name="prune_stale_chunks")
+    @translate_errors
+    def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
+        self.index.prune(req.collection, req.document_id, req.keep_chunks)
+        return PruneOutput(points=self.index.count(req.collection, req.document_id), attempt=_attempt())
+
+    def all(self) -> list:
+        return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks]

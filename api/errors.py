@@ -1,0 +1,51 @@
+"""Every 4xx/5xx answer has the same JSON body: {"error": {"code", "message", ...}}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from temporalio.service import RPCError, RPCStatusCode
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.extra = status, code, message, extra
+
+
+def temporal_unavailable(exc: Exception | None = None) -> ApiError:
+    return ApiError(503, "temporal_unavailable",
+                    "the workflow service (Temporal) is not reachable, so no work can be recorded; try again shortly",
+                    reason=str(exc) if exc else None)
+
+
+def _body(code: str, message: str, **extra: Any) -> dict:
+    return {"error": {"code": code, "message": message, **{k: v for k, v in extra.items() if v is not None}}}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(_body(exc.code, exc.message, **exc.extra), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [{"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
+                    for e in exc.errors()]
+        message = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
+        return JSONResponse(_body("invalid_request", message, problems=problems), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(RPCError)
+    async def _rpc(_: Request, exc: RPCError) -> JSONResponse:
+        if exc.status in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+            err = temporal_unavailable(exc)
+            return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503)
+        return JSONResponse(_body("temporal_error", str(exc)), status_code=502)

@@ -1,0 +1,141 @@
+"""Reading jobs back from Temporal: status mapping, step views, listing through visibility."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from typing import Any
+
+from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.service import RPCError, RPCStatusCode
+
+from api.errors import ApiError
+from temporal import search_attributes as sa
+from workflows.models import JobProgress
+
+JOB_STATUSES = ("queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled")
+JOB_KINDS = ("ingest", "ingest_document", "chat", "agent")
+_OPEN_STATES = ("queued", "running", "waiting_review", "dead_lettered")
+
+
+def job_status(execution: WorkflowExecution) -> str:
+    status = execution.status
+    if status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW, None):
+        own = execution.typed_search_attributes.get(sa.JOB_STATUS)
+        return own if own in _OPEN_STATES else "running"
+    if status == WorkflowExecutionStatus.COMPLETED:
+        return "completed"
+    if status == WorkflowExecutionStatus.CANCELED:
+        return "cancelled"
+    return "failed"  # failed, terminated, timed out
+
+
+def status_query(status: str) -> str:
+    if status == "completed":
+        return "ExecutionStatus = 'Completed'"
+    if status == "cancelled":
+        return "ExecutionStatus = 'Canceled'"
+    if status == "failed":
+        return "ExecutionStatus IN ('Failed', 'Terminated', 'TimedOut')"
+    return f"ExecutionStatus = 'Running' AND {sa.JOB_STATUS.name} = '{status}'"
+
+
+def list_query(*, status: str | None = None, kind: str | None = None, extra: dict[str, str] | None = None) -> str:
+    kinds = [kind] if kind else list(JOB_KINDS)
+    clauses = [f"{sa.JOB_KIND.name} IN ({', '.join(repr(k) for k in kinds)})"]
+    if status:
+        clauses.append(status_query(status))
+    for key, value in (extra or {}).items():
+        clauses.append(f"{key} = '{value}'")  # values are validated identifiers, never free text
+    return " AND ".join(clauses)
+
+
+def summary(execution: WorkflowExecution) -> dict[str, Any]:
+    attrs = execution.typed_search_attributes
+    return {
+        "job_id": execution.id,
+        "kind": attrs.get(sa.JOB_KIND),
+        "status": job_status(execution),
+        "created_at": execution.start_time,
+        "updated_at": execution.close_time or execution.start_time,
+        "collection": attrs.get(sa.COLLECTION),
+    }
+
+
+async def list_jobs(client: Client, query: str, limit: int, rpc_timeout) -> list[WorkflowExecution]:
+    """Latest run of each workflow id matching `query`, newest first."""
+    seen: dict[str, WorkflowExecution] = {}
+    async for execution in client.list_workflows(query, page_size=min(max(limit, 10), 1000), rpc_timeout=rpc_timeout):
+        if execution.id not in seen:
+            seen[execution.id] = execution
+        if len(seen) >= limit:
+            break
+    return list(seen.values())
+
+
+async def describe_job(client: Client, job_id: str, rpc_timeout) -> dict[str, Any]:
+    handle = client.get_workflow_handle(job_id)
+    try:
+        desc = await handle.describe(rpc_timeout=rpc_timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
+        raise
+    if desc.typed_search_attributes.get(sa.JOB_KIND) is None:
+        raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
+    view = summary(desc)
+    view.pop("collection")
+    steps = await _steps(handle, desc, rpc_timeout)
+    result = error = None
+    if desc.status == WorkflowExecutionStatus.COMPLETED:
+        result = await handle.result(rpc_timeout=rpc_timeout)
+    elif view["status"] == "failed":
+        error = await _failure(handle, desc, rpc_timeout)
+    finished = [s["finished_at"] for s in steps if s.get("finished_at")]
+    started = [s["started_at"] for s in steps if s.get("started_at")]
+    view["updated_at"] = max([view["updated_at"], *_aware(finished), *_aware(started)])
+    view.update(steps=steps, result=result, error=error)
+    return view
+
+
+def _aware(values: list) -> list[datetime]:
+    out = []
+    for v in values:
+        if isinstance(v, str):
+            v = datetime.fromisoformat(v)
+        out.append(v if v.tzinfo else v.replace(tzinfo=timezone.utc))
+    return out
+
+
+async def _steps(handle, desc, rpc_timeout) -> list[dict[str, Any]]:
+    try:
+        progress = await asyncio.wait_for(handle.query("progress", result_type=JobProgress, rpc_timeout=rpc_timeout),
+                                          timeout=rpc_timeout.total_seconds())
+        steps = [s.model_dump(mode="json") for s in progress.steps]
+    except Exception:  # no worker to answer the query: show what the server knows
+        steps = []
+    # Live retry information comes from the server's view of activities still pending.
+    by_name = {s["name"]: s for s in steps}
+    for pending in desc.raw_description.pending_activities:
+        step = by_name.get(pending.activity_type.name)
+        if step is None:
+            continue
+        step["attempts"] = max(step.get("attempts", 0), pending.attempt)
+        if pending.HasField("last_failure") and pending.last_failure.message:
+            step["error"] = pending.last_failure.message
+            step["status"] = "running"
+    return steps
+
+
+async def _failure(handle, desc, rpc_timeout) -> dict[str, Any]:
+    try:
+        await handle.result(rpc_timeout=rpc_timeout)
+    except WorkflowFailureError as exc:
+        cause = exc.cause
+        details = list(getattr(cause, "details", []) or [])
+        return {"message": getattr(cause, "message", None) or str(cause),
+                "type": getattr(cause, "type", None) or type(cause).__name__,
+                "details": details[0] if details else None}
+    except Exception as exc:  # terminated / timed out surface as other errors
+        return {"message": str(exc), "type": type(exc).__name__, "details": None}
+    return {"message": f"workflow ended {desc.status.name.lower()}", "type": "Workflow", "details": None}

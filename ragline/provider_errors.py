@@ -1,0 +1,41 @@
+"""Maps errors from the `openai` client onto the project's error taxonomy, in one place."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import openai
+
+from ragline.errors import ProviderRejectedError, TransientError
+
+_REJECTED_STATUSES = {400, 401, 403, 404, 422}
+
+
+def _retry_after(exc: openai.APIStatusError) -> float | None:
+    value = exc.response.headers.get("retry-after") if exc.response is not None else None
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+@contextmanager
+def translate_provider_errors(what: str):
+    try:
+        yield
+    except openai.APITimeoutError as exc:
+        raise TransientError(f"{what}: provider timed out") from exc
+    except openai.APIConnectionError as exc:
+        raise TransientError(f"{what}: cannot reach provider ({exc.__cause__ or exc})") from exc
+    except openai.APIStatusError as exc:
+        status = exc.status_code
+        message = f"{what}: provider answered {status}: {_short(exc)}"
+        if status in _REJECTED_STATUSES:
+            raise ProviderRejectedError(message, details={"status": status}) from exc
+        raise TransientError(message, retry_after=_retry_after(exc) if status == 429 else None,
+                             details={"status": status}) from exc
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= 300 else text[:297] + "..."

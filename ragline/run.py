@@ -1,0 +1,543 @@
+"""Run everything locally: `python -m ragline.run` (what `make run` calls).
+
+A small supervisor:
+  * uses the Temporal server already answering at RAGLINE_TEMPORAL_ADDRESS, or starts the dev server
+    (SQLite file in the data folder, so a second run finds its workflows again);
+  * starts the processes of `process_specs()` in order (today: worker, then API), each in its own
+    process group, waiting for each to be ready before starting the next;
+  * prefixes their output with their name on stdout and keeps it in <data_dir>/logs/<name>.log;
+  * restarts a process (or the dev server it started) that exits unexpectedly, with backoff 1, 2, 4 ... 30 s;
+  * on Ctrl-C / SIGTERM / SIGHUP stops the processes in reverse order, then Temporal, and exits 0.
+    A second Ctrl-C skips the grace period (SIGKILL).
+
+Adding a process (e.g. a local LLM server the worker needs): add a ProcessSpec to `process_specs()`
+before the worker; see the example in its docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ragline.settings import Settings, get_settings
+from temporal.devserver import DevServer, DevServerError, port_in_use, tail, temporal_reachable
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+STOP_TIMEOUT = 10.0       # SIGTERM -> wait this long -> SIGKILL
+BACKOFF_FIRST = 1.0       # restart delays: 1, 2, 4, ... seconds
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 60.0       # a process that ran this long restarts after BACKOFF_FIRST again
+
+ReadyCheck = Callable[[], Awaitable[bool]]
+Preflight = Callable[[], "str | None"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Process specs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One supervised process.
+
+    name:          short name: output prefix `[name]`, log file <data_dir>/logs/<name>.log.
+    argv:          command line; run with cwd (default: project root) and our environment plus `env`.
+    ready:         async check polled every 0.25 s until it returns True (exceptions count as "not yet").
+                   None: the process counts as ready once it has stayed alive for `alive_for` seconds.
+    alive_for:     see `ready`.
+    ready_timeout: seconds to wait for readiness at startup before giving up.
+    preflight:     run once before anything is started; returns an error message to fail fast
+                   (e.g. "port in use"), or None.
+    """
+    name: str
+    argv: Sequence[str]
+    ready: ReadyCheck | None = None
+    alive_for: float = 2.0
+    ready_timeout: float = 60.0
+    preflight: Preflight | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: Path = PROJECT_ROOT
+
+
+def http_ready(url: str, *, require_ok: bool = False, timeout: float = 2.0) -> ReadyCheck:
+    """Ready once `url` answers an HTTP GET: with any status, or only 2xx if require_ok
+    (e.g. llama.cpp's /health answers 503 while the model loads)."""
+    async def check() -> bool:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            resp = await client.get(url)
+        return resp.is_success or not require_ok
+    return check
+
+
+def port_free(host: str, port: int, setting: str) -> Preflight:
+    """Preflight failing with a message naming `setting` if host:port is already taken."""
+    def check() -> str | None:
+        if port_in_use(host, port):
+            return (f"{host}:{port} is already in use (another `make run`, or some other program?). "
+                    f"Stop it or choose another port with {setting}=...")
+        return None
+    return check
+
+
+def _connect_host(host: str) -> str:
+    """Host to connect to for a server bound to `host` (wildcards -> loopback), URL-ready."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"[{host}]" if ":" in host else host
+
+
+def api_base_url(settings: Settings) -> str:
+    return f"http://{_connect_host(settings.api_host)}:{settings.api_port}"
+
+
+def process_specs(settings: Settings) -> list[ProcessSpec]:
+    """The managed processes, in start order (they are stopped in reverse order; Temporal is
+    handled separately: started before all of them, stopped after all of them).
+
+    To add e.g. a llama.cpp server that the worker needs, insert before the worker:
+
+        ProcessSpec(
+            name="llm",
+            argv=["llama-server", "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port)],
+            ready=http_ready(f"http://127.0.0.1:{port}/health", require_ok=True),
+            ready_timeout=300,   # model loading
+            preflight=port_free("127.0.0.1", port, "RAGLINE_LLM_PORT"),
+        ),
+    """
+    host, port = settings.api_host, settings.api_port
+    return [
+        ProcessSpec(
+            name="worker",
+            argv=[sys.executable, "worker.py"],
+            alive_for=2.0,
+        ),
+        ProcessSpec(
+            name="api",
+            argv=[sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port)],
+            ready=http_ready(f"{api_base_url(settings)}/healthz"),
+            preflight=port_free(host, port, "RAGLINE_API_PORT"),
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+def say(text: str, name: str = "run") -> None:
+    out = "".join(f"[{name}] {line}\n" for line in (text.splitlines() or [""]))
+    try:
+        sys.stdout.write(out)
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Stopping(Exception):
+    """Shutdown was requested while we were waiting for something."""
+
+
+# ---------------------------------------------------------------------------------------------
+# One managed child process
+# ---------------------------------------------------------------------------------------------
+
+class Managed:
+    def __init__(self, spec: ProcessSpec, log_dir: Path, env: Mapping[str, str]) -> None:
+        self.spec = spec
+        self.log_path = log_dir / f"{spec.name}.log"
+        self.env = dict(env)
+        self.env.update(spec.env)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.started_at = 0.0
+        self.starts = 0
+        self._log_offset = 0
+        self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self) -> None:
+        """Spawn the process (no waiting for readiness)."""
+        self.starts += 1
+        try:
+            log = open(self.log_path, "ab")
+        except OSError as e:
+            raise StartupError(f"cannot open {self.log_path}: {e}") from e
+        self._log_offset = log.tell()
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} start #{self.starts}: "
+                  f"{' '.join(self.spec.argv)}\n".encode())
+        log.flush()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.spec.argv, cwd=str(self.spec.cwd), env=self.env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True)  # own process group: Ctrl-C reaches only us; we stop in order
+        except OSError as e:
+            log.close()
+            raise StartupError(f"cannot start {self.name} ({' '.join(self.spec.argv)}): {e}") from e
+        self.started_at = time.monotonic()
+        self._pump = asyncio.create_task(self._pump_output(self.proc, log), name=f"pump-{self.name}")
+
+    async def _pump_output(self, proc: asyncio.subprocess.Process, log: Any) -> None:
+        """Copy the child's output to our stdout (prefixed) and to its log file, line by line."""
+        assert proc.stdout is not None
+        pending = b""
+        try:
+            while True:
+                chunk = await proc.stdout.read(65536)
+                if not chunk:
+                    break
+                log.write(chunk)
+                log.flush()
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                if lines:
+                    say("\n".join(x.rstrip(b"\r").decode("utf-8", "replace") for x in lines), self.name)
+            if pending:
+                say(pending.rstrip(b"\r").decode("utf-8", "replace"), self.name)
+        finally:
+            log.close()
+
+    async def wait_exit(self) -> int:
+        assert self.proc is not None
+        code = await self.proc.wait()
+        if self._pump is not None:
+            # all output written before we report the exit; shielded so that cancelling a waiter
+            # never cancels the pump itself
+            await asyncio.shield(self._pump)
+        return code
+
+    async def wait_ready(self) -> None:
+        """Return when ready; StartupError if the process exits or is not ready within ready_timeout."""
+        spec = self.spec
+        exit_task = asyncio.ensure_future(self.wait_exit())
+        ready_task = asyncio.ensure_future(self._poll_ready())
+        try:
+            done, _ = await asyncio.wait({exit_task, ready_task}, timeout=spec.ready_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready_task.cancel()
+            exit_task.cancel()
+        if exit_task in done:
+            raise StartupError(
+                f"{self.name} exited ({_describe_exit(exit_task.result())}) before it was ready. "
+                f"End of {self.log_path}:\n{self.log_tail()}")
+        if ready_task not in done:
+            raise StartupError(f"{self.name} was not ready within {spec.ready_timeout:.0f} s. "
+                               f"End of {self.log_path}:\n{self.log_tail()}")
+
+    async def _poll_ready(self) -> None:
+        if self.spec.ready is None:
+            await asyncio.sleep(self.spec.alive_for)
+            return
+        while True:
+            try:
+                if await self.spec.ready():
+                    return
+            except Exception:  # noqa: BLE001 - not answering yet
+                pass
+            await asyncio.sleep(0.25)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return tail(self.log_path, lines, self._log_offset)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGTERM the process group; SIGKILL it if still alive after `timeout` seconds."""
+        if self.proc is None:
+            return
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
+            except asyncio.TimeoutError:
+                say(f"{self.name} did not stop within {timeout:.0f} s: SIGKILL")
+                self.signal(signal.SIGKILL)
+                await self.proc.wait()
+        if self._pump is not None:
+            try:
+                await asyncio.wait_for(self._pump, 5.0)  # a grandchild may still hold the pipe open
+            except asyncio.TimeoutError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The supervisor
+# ---------------------------------------------------------------------------------------------
+
+class Supervisor:
+    def __init__(self, settings: Settings, specs: Sequence[ProcessSpec] | None = None) -> None:
+        data_dir = Path(settings.data_dir).expanduser().resolve()
+        # Children run in the project root: give them the same data folder as an absolute path.
+        self.settings = settings.model_copy(update={"data_dir": data_dir})
+        self.log_dir = data_dir / "logs"
+        self.specs = list(specs) if specs is not None else process_specs(self.settings)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAGLINE_DATA_DIR": str(data_dir)}
+        self.managed: list[Managed] = []
+        self.devserver: DevServer | None = None
+        self.stop_requested = asyncio.Event()
+        self.forced = False
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # -- signals -----------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if not self.stop_requested.is_set():
+            say(f"{signal.Signals(sig).name} received: stopping (again to kill at once)")
+            self.stop_requested.set()
+        elif not self.forced:
+            say(f"{signal.Signals(sig).name} received again: killing everything now")
+            self.forced = True
+            for m in self.managed:
+                m.signal(signal.SIGKILL)
+            if self.devserver is not None and self.devserver.running():
+                try:
+                    os.killpg(self.devserver.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    async def _unless_stopped(self, aw: Awaitable[Any]) -> Any:
+        """Await `aw`, but give up (cancelling it) and raise Stopping if shutdown is requested."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - cancelled, or failed while being cancelled
+            pass
+        raise Stopping
+
+    # -- main --------------------------------------------------------------------------------
+    async def run(self) -> int:
+        self.install_signal_handlers()
+        try:
+            try:
+                await self._startup()
+            except Stopping:
+                return 0
+            except (StartupError, DevServerError) as e:
+                say(f"ERROR: {e}")
+                return 1
+            self._banner()
+            self._tasks = [asyncio.create_task(self._supervise(m), name=f"supervise-{m.name}")
+                           for m in self.managed]
+            if self.devserver is not None:
+                self._tasks.append(asyncio.create_task(self._supervise_temporal(), name="supervise-temporal"))
+            await self.stop_requested.wait()
+            return 0
+        finally:
+            await self.shutdown()
+
+    async def _startup(self) -> None:
+        s = self.settings
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StartupError(f"cannot create the data folder {self.log_dir} ({e}); check RAGLINE_DATA_DIR") from e
+
+        for spec in self.specs:  # fail fast, before starting anything
+            problem = spec.preflight() if spec.preflight else None
+            if problem:
+                raise StartupError(f"{spec.name}: {problem}")
+
+        if await temporal_reachable(s.temporal_address, timeout=2.0):
+            say(f"Temporal: using the server already answering at {s.temporal_address}")
+            await self._unless_stopped(self._register_search_attributes())
+        else:
+            say(f"Temporal: starting the dev server at {s.temporal_address} "
+                f"(database {s.data_dir / 'temporal.db'}, log {self.log_dir / 'temporal.log'})")
+            self.devserver = DevServer(s)
+            await self._unless_stopped(self.devserver.start())
+            say(f"Temporal: ready (pid {self.devserver.pid})")
+
+        for spec in self.specs:
+            if self.stop_requested.is_set():
+                raise Stopping
+            m = Managed(spec, self.log_dir, self.env)
+            self.managed.append(m)
+            say(f"starting {spec.name}: {' '.join(spec.argv)}")
+            await m.start()
+            await self._unless_stopped(m.wait_ready())
+            say(f"{spec.name} is ready (pid {m.proc.pid})")  # type: ignore[union-attr]
+
+    async def _register_search_attributes(self) -> None:
+        from temporalio.client import Client
+
+        from temporal.search_attributes import ensure_registered
+
+        s = self.settings
+        try:
+            client = await asyncio.wait_for(
+                Client.connect(s.temporal_address, namespace=s.temporal_namespace), 10)
+            await asyncio.wait_for(ensure_registered(client, s.temporal_namespace), 10)
+        except Exception as e:  # noqa: BLE001
+            raise StartupError(
+                f"could not register Ragline's search attributes on the Temporal server at "
+                f"{s.temporal_address}, namespace {s.temporal_namespace!r} "
+                f"(does the namespace exist? RAGLINE_TEMPORAL_NAMESPACE): {e!r}") from e
+        say(f"Temporal: search attributes registered in namespace {s.temporal_namespace!r}")
+
+    def _banner(self) -> None:
+        s = self.settings
+        if self.devserver is not None:
+            ui = self.devserver.ui_url
+        else:
+            ui = f"not managed by us (using the existing server at {s.temporal_address}; see its own UI)"
+        say("\n".join([
+            "-" * 64,
+            "Ragline is running.",
+            f"  API docs:        {api_base_url(s)}/docs",
+            f"  Temporal Web UI: {ui}",
+            f"  Data folder:     {s.data_dir}   (logs in {self.log_dir})",
+            "  Stop:            Ctrl-C",
+            "-" * 64,
+        ]))
+
+    # -- supervision -------------------------------------------------------------------------
+    async def _supervise(self, m: Managed) -> None:
+        backoff = BACKOFF_FIRST
+        while True:
+            try:
+                code = await self._unless_stopped(m.wait_exit())
+            except Stopping:
+                return
+            ran = time.monotonic() - m.started_at
+            if ran >= STABLE_AFTER:
+                backoff = BACKOFF_FIRST
+            say(f"{m.name} exited unexpectedly ({_describe_exit(code)}) after {ran:.1f} s; "
+                f"restarting in {backoff:.0f} s (log: {m.log_path})")
+            try:
+                await self._unless_stopped(asyncio.sleep(backoff))
+            except Stopping:
+                return
+            backoff = min(backoff * 2, BACKOFF_MAX)
+            try:
+                await m.start()
+            except StartupError as e:
+                say(f"ERROR: {e}")
+                m.started_at = time.monotonic()
+                continue  # proc is the old, exited one: wait_exit returns at once -> next backoff
+            say(f"{m.name} restarted (pid {m.proc.pid})")  # type: ignore[union-attr]
+            self._tasks.append(asyncio.create_task(self._report_ready(m)))
+
+    async def _report_ready(self, m: Managed) -> None:
+        try:
+            await m.wait_ready()
+        except StartupError as e:
+            if not self.stop_requested.is_set():
+                say(f"{m.name} after restart: {str(e).splitlines()[0]}")
+            return
+        say(f"{m.name} is ready again")
+
+    async def _supervise_temporal(self) -> None:
+        server = self.devserver
+        assert server is not None
+        backoff = BACKOFF_FIRST
+        while True:
+            started = time.monotonic()
+            try:
+                code = await self._unless_stopped(server.wait())
+            except Stopping:
+                return
+            if time.monotonic() - started >= STABLE_AFTER:
+                backoff = BACKOFF_FIRST
+            say(f"Temporal dev server exited unexpectedly ({_describe_exit(code)}); restarting in "
+                f"{backoff:.0f} s. End of {server.log_path}:\n{server.log_tail(10)}")
+            while True:
+                try:
+                    await self._unless_stopped(asyncio.sleep(backoff))
+                except Stopping:
+                    return
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                try:
+                    await self._unless_stopped(server.start())
+                except Stopping:
+                    return
+                except DevServerError as e:
+                    say(f"Temporal restart failed: {e}\nretrying in {backoff:.0f} s")
+                    continue
+                say(f"Temporal dev server restarted (pid {server.pid})")
+                break
+
+    async def shutdown(self) -> None:
+        """Stop in reverse start order, Temporal last. Safe to call whatever state we are in."""
+        self.stop_requested.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for m in reversed(self.managed):
+            if m.alive():
+                say(f"stopping {m.name} (pid {m.proc.pid})")  # type: ignore[union-attr]
+            await m.stop(0.5 if self.forced else STOP_TIMEOUT)
+        if self.devserver is not None and self.devserver.running():
+            say(f"stopping Temporal dev server (pid {self.devserver.pid})")
+            if self.forced:
+                self.devserver.stop_timeout = 0.5
+            await self.devserver.stop()
+        say("stopped")
+
+
+async def amain(settings: Settings | None = None, specs: Sequence[ProcessSpec] | None = None) -> int:
+    return await Supervisor(settings or get_settings(), specs).run()
+
+
+def main() -> None:
+    try:
+        code = asyncio.run(amain())
+    except KeyboardInterrupt:  # a signal before the handlers were installed
+        code = 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter teardown: the Temporal SDK's native threads can crash it at exit
+    # (temporalio/sdk-python#300), which would turn a clean stop into exit code 139/134.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

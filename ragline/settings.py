@@ -1,0 +1,73 @@
+"""The one settings module. Every knob is an environment variable prefixed RAGLINE_."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RAGLINE_", extra="ignore")
+
+    data_dir: Path = Path("./data")
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+
+    temporal_address: str = "127.0.0.1:7233"
+    temporal_ui_port: int = 8233
+    temporal_namespace: str = "default"
+    task_queue: str = "ragline"
+    # Seconds an API call to Temporal may take before the API answers 503.
+    temporal_rpc_timeout: float = 10.0
+    # Seconds a search may take (it runs in the worker) before the API answers 503.
+    search_timeout: float = 30.0
+
+    qdrant_url: str | None = None
+    qdrant_api_key: str | None = None
+
+    embeddings_base_url: str | None = None
+    embeddings_model: str = "multilingual-e5-small"
+    embeddings_api_key: str | None = None
+    embeddings_dim: int = 384
+
+    max_upload_mb: float = 50
+    max_pages: int = 500
+    # Documents with fewer non-whitespace characters than this fail as "no extractable text".
+    min_text_chars: int = 16
+    chunk_size: int = 800
+    chunk_overlap: int = 120
+    embed_batch_size: int = 32
+    embed_parallelism: int = 4
+
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    policies: Path | None = Field(default=None, description="Alternative retry/timeout policy file")
+
+    @property
+    def temporal_host(self) -> str:
+        return self.temporal_address.rsplit(":", 1)[0]
+
+    @property
+    def temporal_port(self) -> int:
+        return int(self.temporal_address.rsplit(":", 1)[1])
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+    @property
+    def qdrant_path(self) -> Path:
+        return self.data_dir / "qdrant"
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1024 * 1024)
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,58 @@
+"""The data converter shared by the API and the worker.
+
+pydantic models travel as JSON. Any payload over `LARGE_PAYLOAD_BYTES` is swapped for a reference
+into the blob store by the SDK's own claim-check mechanism (`ExternalStorage`), so an unexpectedly
+large result can never push a workflow history towards Temporal's 2 MB payload limit. Documents and
+chunk text do not rely on this safety net: activities pass explicit blob references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+
+from temporalio.api.common.v1 import Payload
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import (
+    DataConverter,
+    ExternalStorage,
+    StorageDriver,
+    StorageDriverClaim,
+    StorageDriverRetrieveContext,
+    StorageDriverStoreContext,
+)
+
+from ragline.blobstore import BlobStore
+
+LARGE_PAYLOAD_BYTES = 64 * 1024
+
+
+class BlobStoreDriver(StorageDriver):
+    """Keeps oversized payloads as content-addressed blobs in the data folder."""
+
+    def __init__(self, store: BlobStore) -> None:
+        self.store = store
+
+    def name(self) -> str:
+        return "ragline-blobs"
+
+    async def store(self, context: StorageDriverStoreContext, payloads: Sequence[Payload]) -> list[StorageDriverClaim]:
+        refs = await asyncio.to_thread(lambda: [self.store.put(p.SerializeToString()) for p in payloads])
+        return [StorageDriverClaim(claim_data={"ref": ref}) for ref in refs]
+
+    async def retrieve(self, context: StorageDriverRetrieveContext, claims: Sequence[StorageDriverClaim]) -> list[Payload]:
+        blobs = await asyncio.to_thread(lambda: [self.store.get(c.claim_data["ref"]) for c in claims])
+        payloads = []
+        for blob in blobs:
+            payload = Payload()
+            payload.ParseFromString(blob)
+            payloads.append(payload)
+        return payloads
+
+
+def build_data_converter(store: BlobStore) -> DataConverter:
+    return dataclasses.replace(
+        pydantic_data_converter,
+        external_storage=ExternalStorage(drivers=[BlobStoreDriver(store)], payload_size_threshold=LARGE_PAYLOAD_BYTES),
+    )

@@ -1,0 +1,157 @@
+"""Declarative timeouts and retry policies, read from `policies.toml` (or RAGLINE_POLICIES).
+
+The worker calls `load()` once at start: a bad file stops it with a message naming the key. Workflow
+code then calls `options("activity_name")` and passes the result to `execute_activity`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from temporalio.common import RetryPolicy
+
+DEFAULT_FILE = Path(__file__).with_name("policies.toml")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class PolicyError(ValueError):
+    pass
+
+
+def parse_duration(value: Any) -> timedelta:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ValueError(f"not a duration: {value!r} (use e.g. \"30s\", \"5m\")")
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds < 0:
+        raise ValueError(f"negative duration: {value!r}")
+    return timedelta(seconds=seconds)
+
+
+class _Partial(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    start_to_close: timedelta | None = None
+    heartbeat: timedelta | None = None
+    initial_interval: timedelta | None = None
+    backoff: float | None = None
+    max_interval: timedelta | None = None
+    max_attempts: int | None = None
+    non_retryable: list[str] | None = None
+
+    @field_validator("start_to_close", "heartbeat", "initial_interval", "max_interval", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> timedelta | None:
+        return None if value is None else parse_duration(value)
+
+    @field_validator("backoff")
+    @classmethod
+    def _backoff(cls, value: float | None) -> float | None:
+        if value is not None and value < 1:
+            raise ValueError("backoff must be >= 1")
+        return value
+
+    @field_validator("max_attempts")
+    @classmethod
+    def _attempts(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError("max_attempts must be >= 0 (0 means unlimited)")
+        return value
+
+
+class ActivityPolicy(BaseModel):
+    start_to_close: timedelta
+    heartbeat: timedelta | None
+    retry: RetryPolicy
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    def as_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"start_to_close_timeout": self.start_to_close, "retry_policy": self.retry}
+        if self.heartbeat:
+            options["heartbeat_timeout"] = self.heartbeat
+        return options
+
+
+# Activities the project defines: a policy for any other name is a typo.
+KNOWN_ACTIVITIES = frozenset({
+    "extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks", "await_document",
+    "search_chunks",
+})
+
+_loaded: dict[str, ActivityPolicy] | None = None
+
+
+def parse(text: str, source: str = "policies") -> dict[str, ActivityPolicy]:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PolicyError(f"{source}: not valid TOML: {exc}") from None
+    unknown_sections = set(raw) - {"defaults", "activities"}
+    if unknown_sections:
+        raise PolicyError(f"{source}: unknown section(s): {', '.join(sorted(unknown_sections))}")
+    try:
+        defaults = _Partial(**raw.get("defaults", {}))
+    except ValidationError as exc:
+        raise PolicyError(f"{source}: [defaults]: {_explain(exc)}") from None
+    if defaults.start_to_close is None:
+        raise PolicyError(f"{source}: [defaults].start_to_close is required")
+    activities = raw.get("activities", {})
+    unknown = set(activities) - KNOWN_ACTIVITIES
+    if unknown:
+        raise PolicyError(f"{source}: unknown activity: {', '.join(sorted(unknown))} "
+                          f"(known: {', '.join(sorted(KNOWN_ACTIVITIES))})")
+    policies: dict[str, ActivityPolicy] = {}
+    for name in sorted(KNOWN_ACTIVITIES):
+        try:
+            own = _Partial(**activities.get(name, {}))
+        except ValidationError as exc:
+            raise PolicyError(f"{source}: [activities.{name}]: {_explain(exc)}") from None
+        merged = defaults.model_copy(update=own.model_dump(exclude_none=True))
+        policies[name] = ActivityPolicy(
+            start_to_close=merged.start_to_close,
+            heartbeat=merged.heartbeat,
+            retry=RetryPolicy(
+                initial_interval=merged.initial_interval or timedelta(seconds=1),
+                backoff_coefficient=merged.backoff or 2.0,
+                maximum_interval=merged.max_interval,
+                maximum_attempts=merged.max_attempts or 0,
+                non_retryable_error_types=list(merged.non_retryable or []),
+            ),
+        )
+    return policies
+
+
+def _explain(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
+
+
+def load(path: Path | None = None) -> dict[str, ActivityPolicy]:
+    """Read and validate the policy file; called once by the worker before it polls."""
+    global _loaded
+    path = Path(path) if path else DEFAULT_FILE
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PolicyError(f"cannot read policy file {path}: {exc}") from None
+    _loaded = parse(text, str(path))
+    return _loaded
+
+
+def policy(activity_name: str) -> ActivityPolicy:
+    if _loaded is None:
+        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
+    return _loaded[activity_name]
+
+
+def options(activity_name: str) -> dict[str, Any]:
+    """Keyword arguments for `workflow.execute_activity` / `execute_local_activity`."""
+    return policy(activity_name).as_options()

@@ -1,0 +1,117 @@
+"""One real stack per test session: a Temporal dev server on free ports, the worker (in-process,
+real embedded Qdrant and real embedding model) and the API served by uvicorn on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+
+from api.app import create_app
+from ragline.settings import Settings
+from ragline.vectorstore import VectorIndex, open_index
+from temporal import search_attributes as sa
+from temporal.client import connect
+from temporal.devserver import temporal_binary
+from worker import build_worker
+
+SHARED_PDFS = Path(__file__).resolve().parent.parent.parent / "shared" / "pdfs"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shared_pdf(name: str) -> Path:
+    path = SHARED_PDFS / name
+    if not path.exists():
+        pytest.skip(f"{path} is not here (../shared/pdfs sits beside the project folder)")
+    return path
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    client: Client
+    http: httpx.AsyncClient
+    index: VectorIndex
+    base_url: str
+
+    async def wait_job(self, job_id: str, timeout: float = 120) -> dict:
+        """Poll the API until the job reaches a terminal status; returns the job view."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            r = await self.http.get(f"/v1/jobs/{job_id}")
+            assert r.status_code == 200, r.text
+            job = r.json()
+            if job["status"] in ("completed", "failed", "cancelled", "dead_lettered", "waiting_review"):
+                return job
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s: {job}")
+            await asyncio.sleep(0.2)
+
+    async def upload(self, *files: tuple[str, bytes], collection: str = "default", password: str | None = None,
+                     expect: int = 202) -> dict:
+        data = {"collection": collection}
+        if password is not None:
+            data["password"] = password
+        r = await self.http.post("/v1/documents", files=[("files", (n, b)) for n, b in files], data=data)
+        assert r.status_code == expect, r.text
+        return r.json()
+
+    async def search(self, query: str, collection: str = "default", top_k: int = 5) -> list[dict]:
+        r = await self.http.post("/v1/search", json={"query": query, "collection": collection, "top_k": top_k})
+        assert r.status_code == 200, r.text
+        return r.json()["hits"]
+
+
+@pytest_asyncio.fixture(scope="session")
+async def temporal_env():
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(),
+        search_attributes=list(sa.ALL),
+        dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off"],
+    )
+    yield env
+    await env.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def stack(temporal_env, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("ragline-data")
+    address = temporal_env.client.service_client.config.target_host
+    api_port = free_port()
+    settings = Settings(data_dir=data_dir, temporal_address=address, api_port=api_port,
+                        task_queue="ragline-test", embed_batch_size=16)
+    client = await connect(settings)
+    index = open_index(settings)
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+    worker = build_worker(client, settings, index, executor)
+    worker_task = asyncio.create_task(worker.run())
+
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=api_port,
+                                           log_level="warning", lifespan="on"))
+    server_task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    base_url = f"http://127.0.0.1:{api_port}"
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url)
+    server.should_exit = True
+    await server_task
+    await worker.shutdown()
+    await worker_task
+    executor.shutdown(wait=False, cancel_futures=True)
+    index.close()

@@ -1,0 +1,89 @@
+"""The Ragline worker: runs every workflow and activity. Start it with `python worker.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import sys
+
+import structlog
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.ingest import IngestActivities
+from activities.jobs import JobActivities
+from activities.search import SearchActivities
+from ragline import logs
+from ragline.blobstore import BlobStore
+from ragline.embeddings import build_embedder
+from ragline.errors import StoreUnavailableError
+from ragline.settings import Settings, get_settings
+from ragline.vectorstore import VectorIndex, open_index
+from temporal import policies
+from temporal.client import connect
+from temporal.search_attributes import ensure_registered
+from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+from workflows.search import SearchWorkflow
+
+log = structlog.get_logger("ragline.worker")
+
+WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow]
+
+
+def build_worker(client: Client, settings: Settings, index: VectorIndex,
+                 executor: concurrent.futures.ThreadPoolExecutor) -> Worker:
+    """One place that wires workflows and activities; used by `main()` and by the tests."""
+    policies.load(settings.policies)
+    blobs = BlobStore(settings.blob_dir)
+    embedder = build_embedder(settings)
+    ingest = IngestActivities(settings, blobs, embedder, index)
+    search = SearchActivities(embedder, index)
+    jobs = JobActivities(client)
+    return Worker(
+        client,
+        task_queue=settings.task_queue,
+        workflows=WORKFLOWS,
+        activities=[*ingest.all(), *search.all(), *jobs.all()],
+        activity_executor=executor,
+        max_concurrent_activities=executor._max_workers,
+    )
+
+
+async def main() -> int:
+    settings = get_settings()
+    logs.configure(settings.log_level, settings.log_json)
+    try:
+        policies.load(settings.policies)
+    except policies.PolicyError as exc:
+        log.error("invalid policy file", error=str(exc))
+        return 2
+    try:
+        index = open_index(settings)
+    except StoreUnavailableError as exc:
+        log.error("cannot open the vector store", error=exc.message)
+        return 3
+    client = await connect(settings, identity=f"ragline-worker@{os.getpid()}")
+    await ensure_registered(client, settings.temporal_namespace)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as executor:
+        worker = build_worker(client, settings, index, executor)
+        log.info("worker polling", task_queue=settings.task_queue, temporal=settings.temporal_address,
+                 vector_store=settings.qdrant_url or str(settings.qdrant_path))
+        async with worker:
+            await stop.wait()
+            log.info("worker stopping")
+    index.close()
+    return 0
+
+
+if __name__ == "__main__":
+    code = asyncio.run(main())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter teardown: the SDK can crash at exit (temporalio/sdk-python#300).
+    os._exit(code)

@@ -1,0 +1,67 @@
+"""Workflow inputs, results and progress views."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel
+
+StepStatus = Literal["pending", "running", "completed", "failed", "skipped"]
+
+
+class StepState(BaseModel):
+    name: str
+    status: StepStatus = "pending"
+    attempts: int = 0
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+    detail: str | None = None
+
+
+class JobProgress(BaseModel):
+    status: str
+    steps: list[StepState]
+
+
+class DocumentInput(BaseModel):
+    document_id: str
+    collection: str
+    filename: str
+    blob_ref: str
+    sha256: str
+    size: int
+    kind: Literal["pdf", "text"]
+    password: str | None = None
+
+
+class DocumentOutcome(BaseModel):
+    document_id: str
+    filename: str = ""
+    status: Literal["indexed", "failed"]
+    job_id: str
+    pages: int = 0
+    chunks: int = 0
+    error: str | None = None
+
+    @classmethod
+    def failed_from(cls, workflow_id: str, error: str, filename: str = "") -> "DocumentOutcome":
+        return cls(document_id=workflow_id.removeprefix("doc-"), filename=filename, status="failed",
+                   job_id=workflow_id, error=error)
+
+
+class IngestInput(BaseModel):
+    collection: str
+    documents: list[DocumentInput]
+
+
+class IngestResult(BaseModel):
+    collection: str
+    indexed: int
+    failed: int
+    documents: list[DocumentOutcome]
+
+
+def document_workflow_id(document_id: str) -> str:
+    return f"doc-{document_id}"
