@@ -20,8 +20,8 @@ class JobActivities:
     @translate_errors
     async def await_document(self, req: AwaitDocumentInput) -> DocumentOutcome:
         """Outcome of a document ingestion another job started (same bytes, same collection)."""
-        handle = self.client.get_workflow_handle(req.workflow_id)
-        result_task = asyncio.ensure_future(handle.result(result_type=DocumentOutcome))
+        handle = self.client.get_workflow_handle(req.workflow_id, result_type=DocumentOutcome)
+        result_task = asyncio.ensure_future(handle.result())
         try:
             while True:
                 done, _ = await asyncio.wait({result_task}, timeout=10)

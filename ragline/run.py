@@ -488,7 +488,7 @@ class Supervisor:
             if time.monotonic() - started >= STABLE_AFTER:
                 backoff = BACKOFF_FIRST
             say(f"Temporal dev server exited unexpectedly ({_describe_exit(code)}); restarting in "
-                f"{backoff:.0f} s. End of {server.log_path}:\n{server.log_tail(10)}")
+                f"{backoff:.0f} s. End of {server.log_path}:\n{server.log_tail(6)}")
             while True:
                 try:
                     await self._unless_stopped(asyncio.sleep(backoff))

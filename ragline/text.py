@@ -115,12 +115,14 @@ def extract_pages(
     raise InputError(f"unsupported file type: {kind or 'not a PDF or UTF-8 text'}")
 
 
-def _corrupt(exc: BaseException) -> InputError:
+def _reason(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     reason = lines[0].strip() if lines else type(exc).__name__
-    if len(reason) > 100:
-        reason = reason[:99] + "…"
-    return InputError(f"corrupt PDF: {reason}", details={"error": type(exc).__name__})
+    return reason if len(reason) <= 100 else reason[:99] + "…"
+
+
+def _corrupt(exc: BaseException) -> InputError:
+    return InputError(f"corrupt PDF: {_reason(exc)}", details={"error": type(exc).__name__})
 
 
 def _open_pdf(data: bytes, password: str | None) -> PdfReader:
@@ -188,7 +190,7 @@ def _extract_pdf(
         except DependencyError:
             raise
         except Exception as exc:
-            pages.append(Page(number, "", error=_corrupt(exc).message.removeprefix("corrupt PDF: ")))
+            pages.append(Page(number, "", error=_reason(exc)))
         else:
             pages.append(Page(number, _SURROGATES.sub("", text or "")))
         if on_page:
@@ -263,7 +265,7 @@ def check_has_text(pages: list[Page], min_text_chars: int) -> None:
 # Chunking
 
 _CJK_TERMINATORS = "。！？；"
-_LATIN_TERMINATORS = ".!?…"
+_LATIN_TERMINATORS = ".!?"
 _CLOSERS = "\"'”’»」』）)\\]】》〉"
 _SENTENCE_END = re.compile(rf"[{_CJK_TERMINATORS}{_LATIN_TERMINATORS};]+[{_CLOSERS}]*")
 _CJK_CHAR = re.compile(rf"[{_CJK}]")

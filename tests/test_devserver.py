@@ -3,23 +3,18 @@ durability of the SQLite file across a restart."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # flat layout: make the top-level packages importable under plain `pytest`
-    sys.path.insert(0, str(ROOT))
+import pytest
+from temporalio.api.enums.v1 import IndexedValueType
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.client import Client, WorkflowExecutionStatus
 
-from temporalio.api.enums.v1 import IndexedValueType  # noqa: E402
-from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest  # noqa: E402
-from temporalio.client import Client, WorkflowExecutionStatus  # noqa: E402
-
-from ragline.settings import Settings  # noqa: E402
-from temporal import search_attributes  # noqa: E402
-from temporal.devserver import DevServer, dev_server_command, port_in_use, temporal_reachable  # noqa: E402
+from ragline.settings import Settings
+from temporal import search_attributes
+from temporal.devserver import DevServer, dev_server_command, port_in_use, temporal_reachable
 
 
 def _free_port() -> int:
@@ -51,43 +46,40 @@ def test_command_flags(tmp_path: Path) -> None:
     assert "--namespace" not in dev_server_command(Settings(data_dir=tmp_path))
 
 
-def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
+@pytest.mark.asyncio
+async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
     started = time.monotonic()
     port = _free_grpc_port()
     settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{port}",
                         temporal_ui_port=_free_port())
+    server = DevServer(settings)
+    assert not await temporal_reachable(server.address)
 
-    async def scenario() -> None:
-        server = DevServer(settings)
-        assert not await temporal_reachable(server.address)
+    # First run: up, search attributes registered, start a workflow nobody will run.
+    await server.start()
+    try:
+        assert server.running()
+        assert await temporal_reachable(server.address)
+        client = await Client.connect(server.address, namespace=settings.temporal_namespace)
+        resp = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=settings.temporal_namespace))
+        for key in search_attributes.ALL:
+            assert key.name in resp.custom_attributes, key.name
+            assert resp.custom_attributes[key.name] == key.indexed_value_type
+        assert resp.custom_attributes["RaglineChunks"] == IndexedValueType.INDEXED_VALUE_TYPE_INT
+        handle = await client.start_workflow("Nothing", id="persist-check", task_queue="nobody-polls")
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    finally:
+        await server.stop()
+    assert not server.running()
+    assert not await temporal_reachable(server.address)
+    assert server.db_path.exists() and server.log_path.exists()
 
-        # First run: up, search attributes registered, start a workflow nobody will run.
-        await server.start()
-        try:
-            assert server.running()
-            assert await temporal_reachable(server.address)
-            client = await Client.connect(server.address, namespace=settings.temporal_namespace)
-            resp = await client.operator_service.list_search_attributes(
-                ListSearchAttributesRequest(namespace=settings.temporal_namespace))
-            for key in search_attributes.ALL:
-                assert key.name in resp.custom_attributes, key.name
-                assert resp.custom_attributes[key.name] == key.indexed_value_type
-            assert resp.custom_attributes["RaglineChunks"] == IndexedValueType.INDEXED_VALUE_TYPE_INT
-            handle = await client.start_workflow("Nothing", id="persist-check", task_queue="nobody-polls")
-            assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-        finally:
-            await server.stop()
-        assert not server.running()
-        assert not await temporal_reachable(server.address)
-        assert server.db_path.exists() and server.log_path.exists()
-
-        # Second run on the same database file: the workflow is still there.
-        async with DevServer(settings) as again:
-            client = await Client.connect(again.address, namespace=settings.temporal_namespace)
-            desc = await client.get_workflow_handle("persist-check").describe()
-            assert desc.status == WorkflowExecutionStatus.RUNNING
-            assert desc.workflow_type == "Nothing"
-        assert not await temporal_reachable(settings.temporal_address)
-
-    asyncio.run(scenario())
+    # Second run on the same database file: the workflow is still there.
+    async with DevServer(settings) as again:
+        client = await Client.connect(again.address, namespace=settings.temporal_namespace)
+        desc = await client.get_workflow_handle("persist-check").describe()
+        assert desc.status == WorkflowExecutionStatus.RUNNING
+        assert desc.workflow_type == "Nothing"
+    assert not await temporal_reachable(settings.temporal_address)
     assert time.monotonic() - started < 30

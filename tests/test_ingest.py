@@ -2,24 +2,282 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+
+from temporalio.client import WorkflowExecutionStatus
 
 from tests.conftest import shared_pdf
+from api.routes.documents import display_name
+from tests.pdfgen import pdf_bytes
+
+
+def test_display_names_strip_paths_and_control_characters():
+    assert display_name("C:\\Users\\me\\report.pdf") == "report.pdf"
+    assert display_name("evil\x00na\x1bme.pdf") == "evilname.pdf"
+    assert display_name("../..") == ".."
+    assert display_name("") == "unnamed"
+    assert len(display_name("x" * 1000)) == 255
+
+
+def _outcomes(job: dict) -> dict[str, dict]:
+    documents = job["result"]["documents"] if job["result"] else job["error"]["details"]["documents"]
+    return {d["filename"]: d for d in documents}
 
 
 async def test_one_page_pdf_is_indexed_and_searchable(stack):
-    body = await stack.upload(("crazyones.pdf", shared_pdf("crazyones.pdf").read_bytes()), collection="t1")
+    body = await stack.upload(("crazyones.pdf", shared_pdf("crazyones.pdf").read_bytes()), collection="one")
     assert set(body) >= {"job_id", "status_url", "events_url", "documents"}
+    assert body["status_url"].endswith(f"/v1/jobs/{body['job_id']}")
     [doc] = body["documents"]
     assert doc["filename"] == "crazyones.pdf" and len(doc["sha256"]) == 64
 
     job = await stack.wait_job(body["job_id"])
     assert job["status"] == "completed", job
     assert job["kind"] == "ingest"
-    [outcome] = job["result"]["documents"]
-    assert outcome["status"] == "indexed" and outcome["chunks"] >= 1
+    outcome = _outcomes(job)["crazyones.pdf"]
+    assert outcome["status"] == "indexed" and outcome["chunks"] >= 1 and outcome["pages"] == 1
 
-    hits = await stack.search("here's to the crazy ones, the misfits, the rebels", collection="t1")
+    hits = await stack.search("here's to the crazy ones, the misfits, the rebels", collection="one")
     assert hits and hits[0]["document_id"] == doc["document_id"]
     assert "crazy" in hits[0]["text"].lower()
     assert hits[0]["filename"] == "crazyones.pdf" and hits[0]["page"] == 1
+    assert stack.index.count("one", doc["document_id"]) == outcome["chunks"]
+
+
+async def test_multi_page_pdf_keeps_page_numbers(stack):
+    body = await stack.upload(("geobase.pdf", shared_pdf("GeoBase_NHNC1_Data_Model_UML_EN.pdf").read_bytes()),
+                              collection="multi")
+    job = await stack.wait_job(body["job_id"])
+    assert job["status"] == "completed", job
+    outcome = _outcomes(job)["geobase.pdf"]
+    assert outcome["pages"] == 19 and outcome["chunks"] > 10
+
+    hits = await stack.search("UML data model", collection="multi", top_k=10)
+    assert len(hits) == 10
+    pages = {h["page"] for h in hits}
+    assert pages - {1}, f"every hit claims page 1: {pages}"
+    assert all(1 <= p <= 19 for p in pages)
+
+    # The document's own job shows each step of the DAG with its attempts.
+    doc_job = (await stack.http.get(f"/v1/jobs/{outcome['job_id']}")).json()
+    assert doc_job["kind"] == "ingest_document" and doc_job["status"] == "completed"
+    steps = {s["name"]: s for s in doc_job["steps"]}
+    assert list(steps) == ["extract_text", "chunk_text", "embed_chunks", "index_chunks"]
+    for step in steps.values():
+        assert step["status"] == "completed" and step["attempts"] == 1
+        assert step["started_at"] <= step["finished_at"]
+    assert steps["embed_chunks"]["detail"].endswith("batches")
+
+
+async def test_batch_with_one_bad_file_indexes_the_others(stack):
+    body = await stack.upload(
+        ("example.pdf", shared_pdf("example.pdf").read_bytes()),
+        ("locked.pdf", shared_pdf("encrypted-file.pdf").read_bytes()),
+        ("notes.md", "# Notes\n\nThe zebra migration crosses the Mara river every July.\n".encode()),
+        collection="batch")
+    assert len(body["documents"]) == 3
+    job = await stack.wait_job(body["job_id"])
+    assert job["status"] == "completed", job
+    outcomes = _outcomes(job)
+    assert outcomes["example.pdf"]["status"] == "indexed"
+    assert outcomes["notes.md"]["status"] == "indexed"
+    assert outcomes["locked.pdf"]["status"] == "failed"
+    assert outcomes["locked.pdf"]["error"] == "encrypted: password required"
+    assert job["result"]["indexed"] == 2 and job["result"]["failed"] == 1
+    steps = {s["name"]: s for s in job["steps"]}
+    assert steps["document:locked.pdf"]["status"] == "failed"
+    assert steps["document:notes.md"]["status"] == "completed"
+
+    hits = await stack.search("when does the zebra migration cross the river?", collection="batch")
+    assert hits[0]["filename"] == "notes.md"
+
+
+async def test_same_bytes_same_collection_is_not_ingested_twice(stack):
+    data = shared_pdf("pdflatex-outline.pdf").read_bytes()
+    first = await stack.upload(("outline.pdf", data), collection="idem")
+    await stack.wait_job(first["job_id"])
+    again = await stack.upload(("renamed.pdf", data), collection="idem")
+    assert again["job_id"] == first["job_id"] and again["duplicate"] is True
+    assert again["documents"][0]["document_id"] == first["documents"][0]["document_id"]
+    # Concurrent duplicates while nothing exists yet still make one job.
+    fresh = shared_pdf("toy.pdf").read_bytes()
+    bodies = await asyncio.gather(*(stack.upload(("toy.pdf", fresh), collection="idem") for _ in range(5)))
+    assert len({b["job_id"] for b in bodies}) == 1
+    await stack.wait_job(bodies[0]["job_id"])
+
+    for job_id in (first["job_id"], first["documents"][0] and f"doc-{first['documents'][0]['document_id']}",
+                   bodies[0]["job_id"]):
+        runs = [w async for w in stack.client.list_workflows(f"WorkflowId = '{job_id}'")]
+        assert len(runs) == 1, f"{job_id} ran {len(runs)} times"
+    # Another collection is another document.
+    other = await stack.upload(("outline.pdf", data), collection="idem2")
+    assert other["documents"][0]["document_id"] != first["documents"][0]["document_id"]
+    await stack.wait_job(other["job_id"])
+
+
+async def test_a_document_shared_by_two_jobs_is_ingested_once(stack):
+    a, b = shared_pdf("commented.pdf").read_bytes(), shared_pdf("attachment.pdf").read_bytes()
+    first = await stack.upload(("a.pdf", a), collection="shared")
+    second = await stack.upload(("a.pdf", a), ("b.pdf", b), collection="shared")
+    assert first["job_id"] != second["job_id"]
+    job = await stack.wait_job(second["job_id"])
+    assert job["status"] == "completed"
+    assert {o["status"] for o in _outcomes(job).values()} == {"indexed"}
+    doc_id = first["documents"][0]["document_id"]
+    runs = [w async for w in stack.client.list_workflows(f"WorkflowId = 'doc-{doc_id}'")]
+    assert len(runs) == 1
+
+
+async def test_encrypted_pdf_needs_the_right_password(stack):
+    data = shared_pdf("crazyones-encrypted-256.pdf").read_bytes()
+    no_pw = await stack.wait_job((await stack.upload(("enc.pdf", data), collection="enc"))["job_id"])
+    assert no_pw["status"] == "failed"
+    assert "encrypted: password required" in no_pw["error"]["message"]
+
+    wrong = await stack.wait_job((await stack.upload(("enc.pdf", data), collection="enc",
+                                                     password="nope"))["job_id"])
+    assert wrong["status"] == "failed" and "encrypted: wrong password" in wrong["error"]["message"]
+
+    right = await stack.upload(("enc.pdf", data), collection="enc", password="password")
+    job = await stack.wait_job(right["job_id"])
+    assert job["status"] == "completed", job
+    assert _outcomes(job)["enc.pdf"]["chunks"] >= 1
+
+
+async def test_unprocessable_documents_fail_with_a_reason_and_no_retries(stack):
+    truncated = shared_pdf("GeoBase_NHNC1_Data_Model_UML_EN.pdf").read_bytes()[:20_000]
+    too_long = pdf_bytes([f"Page {i}." for i in range(1, stack.settings.max_pages + 2)])
+    cases = {
+        "scan.pdf": (shared_pdf("git.pdf").read_bytes(), "no extractable text"),
+        "truncated.pdf": (truncated, "corrupt PDF"),
+        "long.pdf": (too_long, f"too many pages: {stack.settings.max_pages + 1} > {stack.settings.max_pages}"),
+    }
+    for name, (data, reason) in cases.items():
+        body = await stack.upload((name, data), collection="bad")
+        job = await stack.wait_job(body["job_id"])
+        assert job["status"] == "failed", (name, job)
+        assert reason in job["error"]["message"], (name, job["error"])
+        doc_job = (await stack.http.get(f"/v1/jobs/doc-{body['documents'][0]['document_id']}")).json()
+        extract = next(s for s in doc_job["steps"] if s["name"] == "extract_text")
+        assert extract["status"] == "failed" and reason in extract["error"]
+        assert extract["attempts"] <= 1, "bad input must not burn retries"
+        later = [s["status"] for s in doc_job["steps"] if s["name"] != "extract_text"]
+        assert set(later) == {"skipped"}
+
+
+async def test_bad_uploads_are_refused_up_front(stack):
+    async def post(files, **data):
+        return await stack.http.post("/v1/documents", files=files, data=data)
+
+    empty = await post([("files", ("empty.pdf", b""))])
+    assert empty.status_code == 400 and empty.json()["error"]["code"] == "empty_file"
+
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+    fake = await post([("files", ("photo.pdf", png))])
+    assert fake.status_code == 415 and fake.json()["error"]["code"] == "unsupported_file_type"
+
+    bad_collection = await post([("files", ("a.txt", b"hello world"))], collection="../etc")
+    assert bad_collection.status_code == 422 and bad_collection.json()["error"]["code"] == "invalid_collection"
+    long_collection = await post([("files", ("a.txt", b"hello world"))], collection="x" * 65)
+    assert long_collection.status_code == 422
+
+    missing = await stack.http.post("/v1/documents", data={"collection": "x"})
+    assert missing.status_code == 422 and "files" in missing.json()["error"]["message"]
+
+    # A valid file next to a bad one: the whole request is refused and nothing starts.
+    mixed = await post([("files", ("ok.txt", b"fine text here")), ("files", ("empty.txt", b""))])
+    assert mixed.status_code == 400
+    jobs = (await stack.http.get("/v1/jobs", params={"kind": "ingest", "limit": 1000})).json()["jobs"]
+    assert all(j["collection"] != "default" or j["status"] for j in jobs)
+
+
+async def test_upload_limit_and_filenames_are_not_paths(stack, tmp_path):
+    limit = int(stack.settings.max_upload_mb * 1024 * 1024)
+    too_big = b"%PDF-1.4\n" + b"0" * limit
+    r = await stack.http.post("/v1/documents", files=[("files", ("big.pdf", too_big))])
+    assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
+
+    body = await stack.upload(("../../../../etc/passwd.txt", b"Filenames are labels, never paths."),
+                              collection="names")
+    assert body["documents"][0]["filename"] == "passwd.txt"
+    assert not (stack.settings.data_dir / "etc").exists()
+    job = await stack.wait_job(body["job_id"])
+    assert job["status"] == "completed"
+
+
+async def test_long_document_history_keeps_payloads_small(stack):
+    pages = [f"Page {i}. Chapter {i // 20} describes harbour number {i} and its lighthouse keeper, "
+             f"who logs ships in a red notebook every evening." for i in range(1, 501)]
+    body = await stack.upload(("book.pdf", pdf_bytes(pages)), collection="long")
+    job = await stack.wait_job(body["job_id"], timeout=300)
+    assert job["status"] == "completed", job
+    outcome = _outcomes(job)["book.pdf"]
+    assert outcome["pages"] == 500
+
+    for workflow_id in (body["job_id"], outcome["job_id"]):
+        history = await stack.client.get_workflow_handle(workflow_id).fetch_history()
+        biggest = max(event.ByteSize() for event in history.events)
+        assert biggest < 256 * 1024, f"{workflow_id}: an event of {biggest} bytes"
+
+    hits = await stack.search("harbour number 321 lighthouse keeper", collection="long", top_k=3)
+    assert any("321" in h["text"] for h in hits)
+    assert all(h["page"] >= 1 for h in hits)
+
+
+async def test_jobs_and_documents_are_listed_from_temporal_visibility(stack):
+    body = await stack.upload(("hello.pdf", shared_pdf("hello-world.pdf").read_bytes()), collection="listing")
+    await stack.wait_job(body["job_id"])
+    failed = await stack.upload(("scan.pdf", shared_pdf("git.pdf").read_bytes()), collection="listing")
+    await stack.wait_job(failed["job_id"])
+
+    async def listed(**params) -> list[dict]:
+        for _ in range(50):  # visibility is eventually consistent (milliseconds on the dev server)
+            r = await stack.http.get("/v1/jobs", params=params)
+            assert r.status_code == 200
+            jobs = r.json()["jobs"]
+            if any(j["job_id"] in (body["job_id"], failed["job_id"]) for j in jobs):
+                return jobs
+            await asyncio.sleep(0.1)
+        return jobs
+
+    completed = await listed(status="completed", kind="ingest", limit=500)
+    assert body["job_id"] in {j["job_id"] for j in completed}
+    assert {j["status"] for j in completed} == {"completed"}
+    failed_jobs = await listed(status="failed", limit=500)
+    assert failed["job_id"] in {j["job_id"] for j in failed_jobs}
+    assert body["job_id"] not in {j["job_id"] for j in failed_jobs}
+    assert len((await stack.http.get("/v1/jobs", params={"limit": 1})).json()["jobs"]) == 1
+    assert (await stack.http.get("/v1/jobs", params={"status": "bogus"})).status_code == 422
+
+    documents = (await stack.http.get("/v1/documents", params={"collection": "listing"})).json()["documents"]
+    by_name = {d["filename"]: d for d in documents}
+    assert by_name["hello.pdf"]["status"] == "indexed" and by_name["hello.pdf"]["chunks"] >= 1
+    assert by_name["scan.pdf"]["status"] == "failed"
+    assert all(d["collection"] == "listing" for d in documents)
+
+
+async def test_job_contract_and_unknown_ids(stack):
+    body = await stack.upload(("toy.txt", b"A tiny text file about teapots and their spouts."), collection="contract")
+    job = await stack.wait_job(body["job_id"])
+    assert set(job) >= {"job_id", "kind", "status", "created_at", "updated_at", "steps", "result", "error"}
+    for step in job["steps"]:
+        assert set(step) >= {"name", "status", "attempts", "started_at", "finished_at", "error"}
+    assert job["created_at"] <= job["updated_at"]
+
+    missing = await stack.http.get("/v1/jobs/no-such-job")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "job_not_found"
+    assert (await stack.http.get("/v1/jobs/no-such-job/events")).status_code == 404
+    assert (await stack.http.get("/docs")).status_code == 200
+    paths = (await stack.http.get("/openapi.json")).json()["paths"]
+    assert {"/v1/documents", "/v1/jobs", "/v1/jobs/{job_id}", "/v1/search", "/healthz"} <= set(paths)
+
+    health = await stack.http.get("/healthz")
+    assert health.status_code == 200
+    assert health.json()["components"]["temporal"]["status"] == "up"
+    assert health.json()["components"]["worker"]["status"] == "up"
+
+
+async def test_search_an_empty_or_unknown_collection(stack):
+    assert await stack.search("anything", collection="never-used") == []
+    r = await stack.http.post("/v1/search", json={"query": "", "collection": "default"})
+    assert r.status_code == 422

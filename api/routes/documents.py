@@ -123,7 +123,7 @@ async def upload_documents(
 
 async def _already_done_or_running(client: Client, job_id: str, settings: Settings) -> bool:
     """True when the same upload is running or has already indexed every document."""
-    handle = client.get_workflow_handle(job_id)
+    handle = client.get_workflow_handle(job_id, result_type=IngestResult)
     try:
         desc = await handle.describe(rpc_timeout=rpc_timeout(settings))
     except RPCError as exc:
@@ -133,7 +133,7 @@ async def _already_done_or_running(client: Client, job_id: str, settings: Settin
     if desc.status == WorkflowExecutionStatus.RUNNING:
         return True
     if desc.status == WorkflowExecutionStatus.COMPLETED:
-        result = await handle.result(result_type=IngestResult, rpc_timeout=rpc_timeout(settings))
+        result = await handle.result(rpc_timeout=rpc_timeout(settings))
         return result.failed == 0
     return False
 
