@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from temporalio.service import RPCError, RPCStatusCode
+
+
+log = structlog.get_logger("ragline.api")
 
 
 class ApiError(Exception):
@@ -42,6 +47,16 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(RuntimeError)
+    async def _unexpected(_: Request, exc: RuntimeError) -> JSONResponse:
+        # A lazy Temporal client that cannot connect raises a plain RuntimeError.
+        if "Failed client connect" in str(exc):
+            err = temporal_unavailable(exc)
+            return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503)
+        log.exception("unhandled error")
+        return JSONResponse(_body("internal_error", "an unexpected error occurred; see the API log"),
+                            status_code=500)
 
     @app.exception_handler(RPCError)
     async def _rpc(_: Request, exc: RPCError) -> JSONResponse:

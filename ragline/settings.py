@@ -39,7 +39,8 @@ class Settings(BaseSettings):
     min_text_chars: int = 16
     chunk_size: int = 800
     chunk_overlap: int = 120
-    embed_batch_size: int = 32
+    # Small batches keep a search waiting behind an embedding batch short (the model runs one at a time).
+    embed_batch_size: int = 16
     embed_parallelism: int = 4
 
     log_level: str = "INFO"
