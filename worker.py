@@ -12,6 +12,7 @@ import structlog
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.chat import ChatActivities
 from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
 from activities.search import SearchActivities
@@ -19,17 +20,19 @@ from ragline import logs
 from ragline.blobstore import BlobStore
 from ragline.embeddings import build_embedder
 from ragline.errors import StoreUnavailableError
+from ragline.llm import ChatModel
 from ragline.settings import Settings, get_settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import policies
 from temporal.client import connect
 from temporal.search_attributes import ensure_registered
+from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
 from workflows.search import SearchWorkflow
 
 log = structlog.get_logger("ragline.worker")
 
-WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow]
+WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow]
 
 
 def build_worker(client: Client, settings: Settings, index: VectorIndex,
@@ -41,11 +44,12 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
     ingest = IngestActivities(settings, blobs, embedder, index)
     search = SearchActivities(embedder, index)
     jobs = JobActivities(client)
+    chat = ChatActivities(blobs, embedder, index, ChatModel(settings))
     return Worker(
         client,
         task_queue=settings.task_queue,
         workflows=WORKFLOWS,
-        activities=[*ingest.all(), *search.all(), *jobs.all()],
+        activities=[*ingest.all(), *search.all(), *jobs.all(), *chat.all()],
         activity_executor=executor,
         max_concurrent_activities=executor._max_workers,
     )

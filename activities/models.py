@@ -94,3 +94,12 @@ class SearchHit(BaseModel):
 
 class SearchOutput(BaseModel):
     hits: list[SearchHit]
+
+
+class AwaitTurnInput(BaseModel):
+    workflow_id: str
+
+
+class AwaitTurnOutput(BaseModel):
+    # None when the turn failed.
+    answer: str | None = None

@@ -81,7 +81,7 @@ async def describe_job(client: Client, job_id: str, rpc_timeout) -> dict[str, An
         if exc.status == RPCStatusCode.NOT_FOUND:
             raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
         raise
-    if desc.typed_search_attributes.get(sa.JOB_KIND) is None:
+    if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:
         raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
     view = summary(desc)
     view.pop("collection")

@@ -3,8 +3,9 @@
 A small supervisor:
   * uses the Temporal server already answering at RAGLINE_TEMPORAL_ADDRESS, or starts the dev server
     (SQLite file in the data folder, so a second run finds its workflows again);
-  * starts the processes of `process_specs()` in order (today: worker, then API), each in its own
-    process group, waiting for each to be ready before starting the next;
+  * starts the processes of `process_specs()` in order (today: the local llama.cpp server unless
+    RAGLINE_LLM_BASE_URL is set, then worker, then API), each in its own process group, waiting for
+    each to be ready before starting the next;
   * prefixes their output with their name on stdout and keeps it in <data_dir>/logs/<name>.log;
   * restarts a process (or the dev server it started) that exits unexpectedly, with backoff 1, 2, 4 ... 30 s;
   * on Ctrl-C / SIGTERM / SIGHUP stops the processes in reverse order, then Temporal, and exits 0.
@@ -17,6 +18,7 @@ before the worker; see the example in its docstring.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import sys
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ragline.localmodel import LocalModelError, ensure_model, get_model, llama_server_argv, model_file
 from ragline.settings import Settings, get_settings
 from temporal.devserver import DevServer, DevServerError, port_in_use, tail, temporal_reachable
 
@@ -54,8 +57,9 @@ class ProcessSpec:
                    None: the process counts as ready once it has stayed alive for `alive_for` seconds.
     alive_for:     see `ready`.
     ready_timeout: seconds to wait for readiness at startup before giving up.
-    preflight:     run once before anything is started; returns an error message to fail fast
-                   (e.g. "port in use"), or None.
+    preflight:     run once (in a thread) before anything is started; returns an error message to
+                   fail fast (e.g. "port in use"), or None. It may also prepare what the process needs
+                   (the llm's preflight assembles and verifies its model file).
     """
     name: str
     argv: Sequence[str]
@@ -99,34 +103,95 @@ def api_base_url(settings: Settings) -> str:
     return f"http://{_connect_host(settings.api_host)}:{settings.api_port}"
 
 
+def llm_preflight(settings: Settings) -> Preflight:
+    """The local llama.cpp server's preflight: port free, llama-cpp-python installed, model file
+    assembled from its chunk packages and verified (ragline.localmodel.ensure_model)."""
+    port_check = port_free("127.0.0.1", settings.llm_port, "RAGLINE_LLM_PORT")
+
+    def check() -> str | None:
+        if problem := port_check():
+            return problem
+        try:
+            model = get_model(settings.local_model)
+        except LocalModelError as e:
+            return str(e)
+        if importlib.util.find_spec("llama_cpp") is None:
+            return (f"llama-cpp-python is not installed in {sys.prefix}: run `make run` (it installs the "
+                    f"extra '{model.extra}'), or set RAGLINE_LLM_BASE_URL to an OpenAI-compatible server.")
+        try:
+            ensure_model(settings, log=lambda msg: say(msg, "llm"))
+        except LocalModelError as e:
+            return str(e)
+        return None
+    return check
+
+
+def llm_spec(settings: Settings) -> ProcessSpec:
+    """The local llama.cpp server (OpenAI-compatible, model alias "local") on 127.0.0.1:llm_port.
+    Building the spec is cheap: the model file is assembled by its preflight."""
+    port = settings.llm_port
+    try:
+        path = model_file(settings)
+    except LocalModelError:
+        path = Path("unknown-model.gguf")  # the preflight reports the unknown RAGLINE_LOCAL_MODEL
+    return ProcessSpec(
+        name="llm",
+        argv=llama_server_argv(settings, path),
+        ready=http_ready(f"http://127.0.0.1:{port}/v1/models", require_ok=True),
+        ready_timeout=300,  # model loading
+        preflight=llm_preflight(settings),
+    )
+
+
 def process_specs(settings: Settings) -> list[ProcessSpec]:
     """The managed processes, in start order (they are stopped in reverse order; Temporal is
     handled separately: started before all of them, stopped after all of them).
 
-    To add e.g. a llama.cpp server that the worker needs, insert before the worker:
+    Unless RAGLINE_LLM_BASE_URL is set, the local llama.cpp server (`llm_spec`) comes first and the
+    worker and API get RAGLINE_LLM_BASE_URL pointing at it. A process that another one needs goes
+    before it, e.g.
 
         ProcessSpec(
             name="llm",
-            argv=["llama-server", "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port)],
-            ready=http_ready(f"http://127.0.0.1:{port}/health", require_ok=True),
+            argv=llama_server_argv(settings, model_file(settings)),
+            ready=http_ready(f"http://127.0.0.1:{port}/v1/models", require_ok=True),
             ready_timeout=300,   # model loading
-            preflight=port_free("127.0.0.1", port, "RAGLINE_LLM_PORT"),
+            preflight=llm_preflight(settings),   # port free, model assembled and verified
         ),
     """
     host, port = settings.api_host, settings.api_port
-    return [
+    specs: list[ProcessSpec] = []
+    llm_env: dict[str, str] = {}
+    if not settings.llm_base_url:
+        # No hosted model configured: serve the local one and point the worker and API at it.
+        specs.append(llm_spec(settings))
+        llm_env = {"RAGLINE_LLM_BASE_URL": settings.effective_llm_base_url}
+    return specs + [
         ProcessSpec(
             name="worker",
             argv=[sys.executable, "worker.py"],
             alive_for=2.0,
+            env=llm_env,
         ),
         ProcessSpec(
             name="api",
             argv=[sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port)],
             ready=http_ready(f"{api_base_url(settings)}/healthz"),
             preflight=port_free(host, port, "RAGLINE_API_PORT"),
+            env=llm_env,
         ),
     ]
+
+
+def chat_model_description(settings: Settings) -> str:
+    if settings.llm_base_url:
+        return f"{settings.llm_model} at {settings.llm_base_url}"
+    try:
+        title = get_model(settings.local_model).title
+    except LocalModelError:
+        title = "?"
+    return (f"{settings.local_model} ({title}), local llama.cpp server at "
+            f"{settings.effective_llm_base_url}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,7 +447,8 @@ class Supervisor:
             raise StartupError(f"cannot create the data folder {self.log_dir} ({e}); check RAGLINE_DATA_DIR") from e
 
         for spec in self.specs:  # fail fast, before starting anything
-            problem = spec.preflight() if spec.preflight else None
+            # in a thread: the llm's preflight may take seconds (assembling and hashing its model)
+            problem = await self._unless_stopped(asyncio.to_thread(spec.preflight)) if spec.preflight else None
             if problem:
                 raise StartupError(f"{spec.name}: {problem}")
 
@@ -434,6 +500,7 @@ class Supervisor:
             "Ragline is running.",
             f"  API docs:        {api_base_url(s)}/docs",
             f"  Temporal Web UI: {ui}",
+            f"  Chat model:      {chat_model_description(s)}",
             f"  Data folder:     {s.data_dir}   (logs in {self.log_dir})",
             "  Stop:            Ctrl-C",
             "-" * 64,

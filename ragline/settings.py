@@ -33,6 +33,18 @@ class Settings(BaseSettings):
     embeddings_api_key: str | None = None
     embeddings_dim: int = 384
 
+    # Chat model: any OpenAI-compatible endpoint. Unset: `make run` starts a local llama.cpp server
+    # (model `local_model`, assembled by ragline.localmodel) on 127.0.0.1:llm_port.
+    llm_base_url: str | None = None
+    llm_api_key: str | None = None
+    llm_model: str = "local"
+    llm_timeout: float = 120.0
+    llm_max_tokens: int = 512
+    # Key in ragline.localmodel.MODELS: "qwen2.5-coder-0.5b" (default) or "qwen2.5-coder-1.5b".
+    local_model: str = "qwen2.5-coder-0.5b"
+    # Port of the local llama.cpp server; used only when llm_base_url is unset.
+    llm_port: int = 8081
+
     max_upload_mb: float = 50
     max_pages: int = 500
     # Documents with fewer non-whitespace characters than this fail as "no extractable text".
@@ -67,6 +79,11 @@ class Settings(BaseSettings):
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def effective_llm_base_url(self) -> str:
+        """The chat endpoint: RAGLINE_LLM_BASE_URL, else the local llama.cpp server `make run` starts."""
+        return self.llm_base_url or f"http://127.0.0.1:{self.llm_port}/v1"
 
 
 @lru_cache

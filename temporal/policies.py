@@ -84,7 +84,7 @@ class ActivityPolicy(BaseModel):
 # Activities the project defines: a policy for any other name is a typo.
 KNOWN_ACTIVITIES = frozenset({
     "extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks", "await_document",
-    "search_chunks",
+    "search_chunks", "await_turn", "retrieve_context", "summarize_context", "extract_entities", "generate_answer",
 })
 
 _loaded: dict[str, ActivityPolicy] | None = None

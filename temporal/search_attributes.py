@@ -12,8 +12,9 @@ FILENAME = SearchAttributeKey.for_keyword("RaglineFilename")
 DOCUMENT_ID = SearchAttributeKey.for_keyword("RaglineDocumentId")
 CHUNKS = SearchAttributeKey.for_int("RaglineChunks")
 PAGES = SearchAttributeKey.for_int("RaglinePages")
+SESSION = SearchAttributeKey.for_keyword("RaglineSession")
 
-ALL = (JOB_KIND, JOB_STATUS, COLLECTION, FILENAME, DOCUMENT_ID, CHUNKS, PAGES)
+ALL = (JOB_KIND, JOB_STATUS, COLLECTION, FILENAME, DOCUMENT_ID, CHUNKS, PAGES, SESSION)
 
 
 def cli_flags() -> list[str]:

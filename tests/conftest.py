@@ -22,6 +22,7 @@ from ragline.vectorstore import VectorIndex, open_index
 from temporal import search_attributes as sa
 from temporal.client import connect
 from temporal.devserver import temporal_binary
+from tests.scripted_llm import ScriptedLLM
 from worker import build_worker
 
 SHARED_PDFS = Path(__file__).resolve().parent.parent.parent / "shared" / "pdfs"
@@ -48,6 +49,7 @@ class Stack:
     http: httpx.AsyncClient
     index: VectorIndex
     base_url: str
+    llm: ScriptedLLM
 
     async def wait_job(self, job_id: str, timeout: float = 120) -> dict:
         """Poll the API until the job reaches a terminal status; returns the job view."""
@@ -71,6 +73,16 @@ class Stack:
         assert r.status_code == expect, r.text
         return r.json()
 
+    async def chat(self, message: str, *, session_id: str | None = None, collection: str = "default",
+                   idempotency_key: str | None = None, top_k: int = 5) -> dict:
+        body = {"message": message, "collection": collection, "top_k": top_k}
+        if session_id:
+            body["session_id"] = session_id
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        r = await self.http.post("/v1/chats", json=body, headers=headers)
+        assert r.status_code == 202, r.text
+        return r.json()
+
     async def search(self, query: str, collection: str = "default", top_k: int = 5) -> list[dict]:
         r = await self.http.post("/v1/search", json={"query": query, "collection": collection, "top_k": top_k})
         assert r.status_code == 200, r.text
@@ -89,12 +101,21 @@ async def temporal_env():
 
 
 @pytest_asyncio.fixture(scope="session")
-async def stack(temporal_env, tmp_path_factory):
+async def scripted_llm():
+    llm = ScriptedLLM()
+    await llm.start()
+    yield llm
+    await llm.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def stack(temporal_env, scripted_llm, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("ragline-data")
     address = temporal_env.client.service_client.config.target_host
     api_port = free_port()
     settings = Settings(data_dir=data_dir, temporal_address=address, api_port=api_port,
-                        task_queue="ragline-test", embed_batch_size=16)
+                        task_queue="ragline-test", embed_batch_size=16,
+                        llm_base_url=scripted_llm.base_url, llm_model="scripted", llm_timeout=10)
     client = await connect(settings)
     index = open_index(settings)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)
@@ -108,7 +129,7 @@ async def stack(temporal_env, tmp_path_factory):
         await asyncio.sleep(0.05)
     base_url = f"http://127.0.0.1:{api_port}"
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
-        yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url)
+        yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=scripted_llm)
     server.should_exit = True
     await server_task
     await worker.shutdown()

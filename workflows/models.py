@@ -65,3 +65,72 @@ class IngestResult(BaseModel):
 
 def document_workflow_id(document_id: str) -> str:
     return f"doc-{document_id}"
+
+
+# -- chat ----------------------------------------------------------------------------------------
+
+class TurnRequest(BaseModel):
+    message: str
+    collection: str = "default"
+    top_k: int = 5
+    idempotency_key: str | None = None
+
+
+class TurnAccepted(BaseModel):
+    job_id: str
+    turn: int
+    duplicate: bool = False
+
+
+class TurnInput(BaseModel):
+    session_id: str
+    turn: int
+    message: str
+    collection: str
+    top_k: int
+
+
+class TurnContext(BaseModel):
+    """Sent by the session when it is this turn's go: the recent turns to answer in context."""
+    history: list[dict] = []
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class TurnResult(BaseModel):
+    session_id: str
+    turn: int
+    question: str
+    answer: str
+    citations: list[dict]
+    summary: str
+    entities: list[dict]
+    model: str
+    usage: Usage
+    warnings: list[str] = []
+
+
+class PendingTurn(BaseModel):
+    turn: int
+    job_id: str
+    message: str
+
+
+class SessionState(BaseModel):
+    session_id: str
+    next_turn: int = 1
+    # Idempotency-Key -> accepted turn, oldest first (bounded).
+    keys: dict[str, TurnAccepted] = {}
+    pending: list[PendingTurn] = []
+    history: list[dict] = []
+
+
+def session_workflow_id(session_id: str) -> str:
+    return f"session-{session_id}"
+
+
+def turn_job_id(session_id: str, turn: int) -> str:
+    return f"chat-{session_id}-{turn}"

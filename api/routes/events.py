@@ -21,6 +21,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.deps import get_client, get_settings, rpc_timeout
 from api.errors import ApiError
+from api.jobs import JOB_KINDS
 from ragline.settings import Settings
 from temporal import search_attributes as sa
 from workflows.steps import EVENTS_TOPIC
@@ -49,7 +50,7 @@ async def job_events(job_id: str, last_event_id: str | None = Header(None, alias
         if exc.status == RPCStatusCode.NOT_FOUND:
             raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
         raise
-    if desc.typed_search_attributes.get(sa.JOB_KIND) is None:
+    if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:
         raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
     start = _start_offset(last_event_id, from_offset)
     return EventSourceResponse(_relay(client, job_id, start, settings), ping=KEEPALIVE_SECONDS)

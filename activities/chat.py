@@ -1,0 +1,195 @@
+"""The chat chain's activities: retrieve -> (summarize || extract_entities) -> generate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from datetime import datetime, timedelta, timezone
+
+import structlog
+from temporalio import activity
+from temporalio.contrib.workflow_streams import WorkflowStreamClient
+
+from activities.chat_models import (
+    Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput, RetrieveInput, RetrieveOutput,
+    SummaryOutput,
+)
+from ragline import prompts
+from ragline.blobstore import BlobStore
+from ragline.embeddings import Embedder
+from ragline.llm import ChatModel, StreamedCompletion
+from ragline.vectorstore import VectorIndex
+from temporal.errors import translate_errors
+
+log = structlog.get_logger("ragline.chat")
+
+ENTITY_TYPES = {"PERSON", "ORG", "PLACE", "DATE", "PRODUCT", "OTHER"}
+_CITATION = re.compile(r"\[(\d{1,2})\]")
+_WORD = re.compile(r"[^\W_]{4,}|[\u4e00-\u9fff]{2}", re.UNICODE)
+# An uncited answer is attributed to the passages sharing at least this share of its content words.
+SUPPORT_THRESHOLD = 0.35
+DELTA_FLUSH = timedelta(milliseconds=150)
+HEARTBEAT_EVERY = 5.0
+
+
+class ChatActivities:
+    def __init__(self, blobs: BlobStore, embedder: Embedder, index: VectorIndex, model: ChatModel) -> None:
+        self.blobs = blobs
+        self.embedder = embedder
+        self.index = index
+        self.model = model
+
+    @activity.defn(name="retrieve_context")
+    @translate_errors
+    def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
+        hits = self.index.search(req.collection, self.embedder.query(req.question), req.top_k)
+        passages = [{"document_id": h.payload["document_id"], "filename": h.payload.get("filename", ""),
+                     "page": int(h.payload.get("page", 0)), "chunk": int(h.payload.get("chunk", 0)),
+                     "text": h.payload.get("text", ""), "score": float(h.score)} for h in hits]
+        return RetrieveOutput(
+            context_ref=self.blobs.put_json(passages), passages=len(passages), attempt=activity.info().attempt,
+            citations=[Citation(document_id=p["document_id"], filename=p["filename"], page=p["page"],
+                                chunk_id=f"{p['document_id']}:{p['chunk']}", score=round(p["score"], 4))
+                       for p in passages])
+
+    def _passages(self, context_ref: str) -> list[dict]:
+        return self.blobs.get_json(context_ref)
+
+    @activity.defn(name="summarize_context")
+    @translate_errors
+    async def summarize_context(self, req: ContextInput) -> SummaryOutput:
+        passages = await asyncio.to_thread(self._passages, req.context_ref)
+        if not passages:
+            return SummaryOutput(summary="", attempt=activity.info().attempt)
+        reply = await self.model.complete(prompts.messages(
+            "summarize", passages=prompts.format_passages(passages), question=req.question), step="summarize")
+        return SummaryOutput(summary=reply.text.strip(), prompt_tokens=reply.prompt_tokens,
+                             completion_tokens=reply.completion_tokens, attempt=activity.info().attempt)
+
+    @activity.defn(name="extract_entities")
+    @translate_errors
+    async def extract_entities(self, req: ContextInput) -> EntitiesOutput:
+        passages = await asyncio.to_thread(self._passages, req.context_ref)
+        if not passages:
+            return EntitiesOutput(entities=[], attempt=activity.info().attempt)
+        messages = prompts.messages("extract_entities", passages=prompts.format_passages(passages),
+                                    question=req.question)
+        reply = await self.model.complete(messages, step="extract_entities")
+        tokens = [reply.prompt_tokens, reply.completion_tokens]
+        entities = parse_entities(reply.text)
+        if entities is None:  # one corrective re-ask, then give up gracefully
+            messages += [{"role": "assistant", "content": reply.text},
+                         {"role": "user", "content": prompts.text("extract_entities", "repair")}]
+            reply = await self.model.complete(messages, step="extract_entities")
+            tokens = [tokens[0] + reply.prompt_tokens, tokens[1] + reply.completion_tokens]
+            entities = parse_entities(reply.text)
+        warnings = []
+        if entities is None:
+            warnings.append("entity extraction returned invalid JSON twice; continuing without entities")
+            log.warning("entities unparseable", reply=reply.text[:200])
+            entities = []
+        return EntitiesOutput(entities=entities, warnings=warnings, prompt_tokens=tokens[0],
+                              completion_tokens=tokens[1], attempt=activity.info().attempt)
+
+    @activity.defn(name="generate_answer")
+    @translate_errors
+    async def generate_answer(self, req: GenerateInput) -> GenerateOutput:
+        passages = await asyncio.to_thread(self._passages, req.context_ref)
+        attempt = activity.info().attempt
+        if not passages:
+            return GenerateOutput(answer=prompts.no_context_answer(req.question), cited=[], model="none",
+                                  attempt=attempt)
+        history = "\n".join(f"Q: {h.question}\nA: {h.answer}" for h in req.history) or "(none)"
+        entities = ", ".join(f"{e.text} ({e.type})" for e in req.entities) or "(none)"
+        messages = prompts.messages("answer", passages=prompts.format_passages(passages), summary=req.summary or "(none)",
+                                    entities=entities, history=history, question=req.question)
+        result = StreamedCompletion(model=self.model.model)
+        async with AnswerDeltas(attempt) as deltas:
+            async for piece in self.model.stream(messages, result, step="generate"):
+                deltas.publish(piece)
+        answer = result.text.strip()
+        return GenerateOutput(answer=answer, cited=cited_passages(answer, passages), model=result.model,
+                              prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                              attempt=attempt)
+
+    def all(self) -> list:
+        return [self.retrieve_context, self.summarize_context, self.extract_entities, self.generate_answer]
+
+
+class AnswerDeltas:
+    """Publishes pieces of the answer to the job's event stream (batched) and heartbeats meanwhile."""
+
+    def __init__(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.index = 0
+        self._stream = WorkflowStreamClient.from_within_activity(batch_interval=DELTA_FLUSH)
+        self._topic = self._stream.topic("events")
+        self._last_beat = 0.0
+
+    async def __aenter__(self) -> "AnswerDeltas":
+        await self._stream.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stream.__aexit__(*exc)
+
+    def publish(self, piece: str) -> None:
+        info = activity.info()
+        now = datetime.now(timezone.utc)
+        self.index += 1
+        self._topic.publish({
+            "specversion": "1.0", "id": f"{info.workflow_id}/answer/{self.attempt}/{self.index}",
+            "source": "ragline/generate_answer", "type": "ragline.answer.delta", "time": now.isoformat(),
+            "subject": info.workflow_id, "datacontenttype": "application/json",
+            "data": {"text": piece, "index": self.index, "attempt": self.attempt},
+        })
+        if now.timestamp() - self._last_beat > HEARTBEAT_EVERY:
+            self._last_beat = now.timestamp()
+            activity.heartbeat(self.index)
+
+
+def parse_entities(text: str) -> list[Entity] | None:
+    """Parse the model's JSON, repairing the usual damage (code fences, prose around it, trailing commas,
+    single quotes). None when nothing usable is left."""
+    cleaned = re.sub(r"^```(?:json)?|```$", "", text.strip(), flags=re.MULTILINE).strip()
+    start, end = cleaned.find("["), cleaned.rfind("]")
+    if start == -1 or end <= start:
+        return None
+    candidate = cleaned[start:end + 1]
+    for attempt in (candidate, re.sub(r",\s*([\]}])", r"\1", candidate),
+                    re.sub(r",\s*([\]}])", r"\1", candidate).replace("'", '"')):
+        try:
+            data = json.loads(attempt)
+            break
+        except json.JSONDecodeError:
+            continue
+    else:
+        return None
+    if not isinstance(data, list):
+        return None
+    entities, seen = [], set()
+    for item in data:
+        if isinstance(item, dict) and isinstance(item.get("text"), str) and item["text"].strip():
+            kind = str(item.get("type", "OTHER")).upper()
+            key = item["text"].strip().lower()
+            if key not in seen:
+                seen.add(key)
+                entities.append(Entity(text=item["text"].strip(), type=kind if kind in ENTITY_TYPES else "OTHER"))
+    return entities[:10]
+
+
+def cited_passages(answer: str, passages: list[dict]) -> list[int]:
+    """Passages the answer cites as [n]; for an answer without markers, those that share enough of its words."""
+    numbers = sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= len(passages)})
+    if numbers:
+        return numbers
+    words = {w.lower() for w in _WORD.findall(answer)}
+    if not words:
+        return []
+    supported = []
+    for i, passage in enumerate(passages, 1):
+        overlap = len(words & {w.lower() for w in _WORD.findall(passage["text"])}) / len(words)
+        if overlap >= SUPPORT_THRESHOLD:
+            supported.append(i)
+    return supported

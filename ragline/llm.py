@@ -1,0 +1,90 @@
+"""The chat model client: the official `openai` client against any OpenAI-compatible endpoint.
+
+The client's own retries are off and every call has an explicit timeout: Temporal owns retries,
+and `ragline.provider_errors` maps failures onto the project's error taxonomy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import openai
+from openai import AsyncOpenAI
+
+from ragline.errors import TransientError
+from ragline.provider_errors import translate_provider_errors
+from ragline.settings import Settings
+
+
+@dataclass
+class Completion:
+    text: str
+    model: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class StreamedCompletion:
+    """Filled while `stream()` is iterated."""
+
+    model: str
+    parts: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class ChatModel:
+    def __init__(self, settings: Settings) -> None:
+        self.model = settings.llm_model
+        self.max_tokens = settings.llm_max_tokens
+        self._client = AsyncOpenAI(base_url=settings.effective_llm_base_url, api_key=settings.llm_api_key or "unused",
+                                   max_retries=0, timeout=settings.llm_timeout)
+
+    async def complete(self, messages: list[dict], *, step: str, temperature: float = 0.0,
+                       max_tokens: int | None = None) -> Completion:
+        with translate_provider_errors(step):
+            try:
+                response = await self._client.chat.completions.create(
+                    model=self.model, messages=messages, temperature=temperature,
+                    max_tokens=max_tokens or self.max_tokens, extra_headers={"X-Ragline-Step": step})
+            except (ValueError, openai.APIResponseValidationError) as exc:
+                raise TransientError(f"{step}: malformed response from the model server ({exc})") from exc
+        if not response.choices:
+            raise TransientError(f"{step}: the model returned no choices")
+        usage = response.usage
+        return Completion(text=response.choices[0].message.content or "", model=response.model or self.model,
+                          prompt_tokens=usage.prompt_tokens if usage else 0,
+                          completion_tokens=usage.completion_tokens if usage else 0)
+
+    async def stream(self, messages: list[dict], result: StreamedCompletion, *, step: str,
+                     temperature: float = 0.0) -> AsyncIterator[str]:
+        """Yields pieces of the reply as they arrive; totals land in `result`."""
+        with translate_provider_errors(step):
+            try:
+                response = await self._client.chat.completions.create(
+                    model=self.model, messages=messages, temperature=temperature, max_tokens=self.max_tokens,
+                    stream=True, stream_options={"include_usage": True}, extra_headers={"X-Ragline-Step": step})
+                async for chunk in response:
+                    if chunk.model:
+                        result.model = chunk.model
+                    if chunk.usage:
+                        result.prompt_tokens = chunk.usage.prompt_tokens
+                        result.completion_tokens = chunk.usage.completion_tokens
+                    for choice in chunk.choices:
+                        piece = choice.delta.content if choice.delta else None
+                        if piece:
+                            result.parts.append(piece)
+                            yield piece
+            except (ValueError, openai.APIResponseValidationError) as exc:
+                raise TransientError(f"{step}: malformed stream from the model server ({exc})") from exc
+        if not result.completion_tokens:
+            result.completion_tokens = max(1, len(result.text) // 4)
+
+    async def close(self) -> None:
+        await self._client.close()

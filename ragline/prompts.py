@@ -1,0 +1,39 @@
+"""Loads the prompt templates of `prompts.toml` and renders them."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+
+PROMPTS_FILE = Path(__file__).with_name("prompts.toml")
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+
+
+@lru_cache
+def templates() -> dict:
+    return tomllib.loads(PROMPTS_FILE.read_text(encoding="utf-8"))
+
+
+def language_of(text: str) -> str:
+    """"zh" when the text contains CJK characters, else "en": enough to pick a canned reply."""
+    return "zh" if _CJK.search(text) else "en"
+
+
+def messages(step: str, **fields: str) -> list[dict[str, str]]:
+    template = templates()[step]
+    return [{"role": "system", "content": template["system"].format(**fields)},
+            {"role": "user", "content": template["user"].format(**fields)}]
+
+
+def text(step: str, key: str) -> str:
+    return templates()[step][key]
+
+
+def no_context_answer(question: str) -> str:
+    return templates()["no_context"][language_of(question)]
+
+
+def format_passages(passages: list[dict]) -> str:
+    return "\n\n".join(f"[{i}] ({p['filename']}, page {p['page']}) {p['text']}" for i, p in enumerate(passages, 1))
