@@ -38,7 +38,7 @@ WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSession
 def build_worker(client: Client, settings: Settings, index: VectorIndex,
                  executor: concurrent.futures.ThreadPoolExecutor) -> Worker:
     """One place that wires workflows and activities; used by `main()` and by the tests."""
-    policies.load(settings.policies)
+    policies.load(settings.policies, dead_letter_ttl=settings.dead_letter_ttl)
     blobs = BlobStore(settings.blob_dir)
     embedder = build_embedder(settings)
     ingest = IngestActivities(settings, blobs, embedder, index)
@@ -59,7 +59,7 @@ async def main() -> int:
     settings = get_settings()
     logs.configure(settings.log_level, settings.log_json)
     try:
-        policies.load(settings.policies)
+        policies.load(settings.policies, dead_letter_ttl=settings.dead_letter_ttl)
     except policies.PolicyError as exc:
         log.error("invalid policy file", error=str(exc))
         return 2

@@ -85,12 +85,19 @@ async def describe_job(client: Client, job_id: str, rpc_timeout) -> dict[str, An
         raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
     view = summary(desc)
     view.pop("collection")
-    steps = await _steps(handle, desc, rpc_timeout)
+    progress = await _progress(handle, rpc_timeout)
+    steps = _steps(progress, desc)
     result = error = None
     if desc.status == WorkflowExecutionStatus.COMPLETED:
         result = await handle.result(rpc_timeout=rpc_timeout)
     elif view["status"] == "failed":
         error = await _failure(handle, desc, rpc_timeout)
+    elif progress and progress.dead_letters:
+        letter = progress.dead_letters[0]
+        error = {"message": f"step {letter.step} failed {letter.attempts} times: {letter.error}",
+                 "type": "DeadLettered", "details": [d.model_dump(mode="json") for d in progress.dead_letters]}
+    if progress and progress.decisions:
+        view["operator_decisions"] = progress.decisions
     finished = [s["finished_at"] for s in steps if s.get("finished_at")]
     started = [s["started_at"] for s in steps if s.get("started_at")]
     view["updated_at"] = max([view["updated_at"], *_aware(finished), *_aware(started)])
@@ -107,13 +114,16 @@ def _aware(values: list) -> list[datetime]:
     return out
 
 
-async def _steps(handle, desc, rpc_timeout) -> list[dict[str, Any]]:
+async def _progress(handle, rpc_timeout) -> JobProgress | None:
     try:
-        progress = await asyncio.wait_for(handle.query("progress", result_type=JobProgress, rpc_timeout=rpc_timeout),
-                                          timeout=rpc_timeout.total_seconds())
-        steps = [s.model_dump(mode="json") for s in progress.steps]
+        return await asyncio.wait_for(handle.query("progress", result_type=JobProgress, rpc_timeout=rpc_timeout),
+                                      timeout=rpc_timeout.total_seconds())
     except Exception:  # no worker to answer the query: show what the server knows
-        steps = []
+        return None
+
+
+def _steps(progress: JobProgress | None, desc) -> list[dict[str, Any]]:
+    steps = [s.model_dump(mode="json") for s in progress.steps] if progress else []
     # Live retry information comes from the server's view of activities still pending.
     by_name = {s["name"]: s for s in steps}
     for pending in desc.raw_description.pending_activities:

@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     log_json: bool = False
 
     policies: Path | None = Field(default=None, description="Alternative retry/timeout policy file")
+    # Overrides [dead_letter].ttl of the policy file, e.g. "7d", "12h".
+    dead_letter_ttl: str | None = None
 
     @property
     def temporal_host(self) -> str:

@@ -88,6 +88,8 @@ KNOWN_ACTIVITIES = frozenset({
 })
 
 _loaded: dict[str, ActivityPolicy] | None = None
+_dead_letter_ttl: timedelta | None = None
+DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 
 
 def parse(text: str, source: str = "policies") -> dict[str, ActivityPolicy]:
@@ -95,7 +97,7 @@ def parse(text: str, source: str = "policies") -> dict[str, ActivityPolicy]:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{source}: not valid TOML: {exc}") from None
-    unknown_sections = set(raw) - {"defaults", "activities"}
+    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter"}
     if unknown_sections:
         raise PolicyError(f"{source}: unknown section(s): {', '.join(sorted(unknown_sections))}")
     try:
@@ -134,16 +136,43 @@ def _explain(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
 
 
-def load(path: Path | None = None) -> dict[str, ActivityPolicy]:
+def parse_dead_letter_ttl(text: str, source: str = "policies", override: str | None = None) -> timedelta:
+    """[dead_letter].ttl of the file, unless RAGLINE_DEAD_LETTER_TTL (`override`) says otherwise."""
+    section = tomllib.loads(text).get("dead_letter", {})
+    unknown = set(section) - {"ttl"}
+    if unknown:
+        raise PolicyError(f"{source}: [dead_letter]: unknown key: {', '.join(sorted(unknown))}")
+    value = override if override is not None else section.get("ttl")
+    if value is None:
+        return DEFAULT_DEAD_LETTER_TTL
+    try:
+        ttl = parse_duration(value)
+    except ValueError as exc:
+        where = "RAGLINE_DEAD_LETTER_TTL" if override is not None else f"{source}: [dead_letter].ttl"
+        raise PolicyError(f"{where}: {exc}") from None
+    if ttl <= timedelta(0):
+        raise PolicyError(f"{source}: [dead_letter].ttl must be positive")
+    return ttl
+
+
+def load(path: Path | None = None, *, dead_letter_ttl: str | None = None) -> dict[str, ActivityPolicy]:
     """Read and validate the policy file; called once by the worker before it polls."""
-    global _loaded
+    global _loaded, _dead_letter_ttl
     path = Path(path) if path else DEFAULT_FILE
     try:
         text = path.read_text()
     except OSError as exc:
         raise PolicyError(f"cannot read policy file {path}: {exc}") from None
     _loaded = parse(text, str(path))
+    _dead_letter_ttl = parse_dead_letter_ttl(text, str(path), dead_letter_ttl)
     return _loaded
+
+
+def dead_letter_ttl() -> timedelta:
+    """How long a dead-lettered job waits for an operator before it ends as failed."""
+    if _dead_letter_ttl is None:
+        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
+    return _dead_letter_ttl
 
 
 def policy(activity_name: str) -> ActivityPolicy:

@@ -115,7 +115,8 @@ async def stack(temporal_env, scripted_llm, tmp_path_factory):
     api_port = free_port()
     settings = Settings(data_dir=data_dir, temporal_address=address, api_port=api_port,
                         task_queue="ragline-test", embed_batch_size=16,
-                        llm_base_url=scripted_llm.base_url, llm_model="scripted", llm_timeout=10)
+                        llm_base_url=scripted_llm.base_url, llm_model="scripted", llm_timeout=3,
+                        policies=FIXTURES.parent / "fast_policies.toml")
     client = await connect(settings)
     index = open_index(settings)
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)

@@ -705,6 +705,9 @@ class ScriptedLLM:
             return "elapsed"
         if self._stopping.is_set():
             return "stopped"
+        if receive is None and seconds <= 1.0:
+            await asyncio.sleep(seconds)  # short pauses (stream chunks): cheap, and stop can wait that long
+            return "stopped" if self._stopping.is_set() else "elapsed"
         waiters = {asyncio.ensure_future(asyncio.sleep(seconds)): "elapsed",
                    asyncio.ensure_future(self._stopping.wait()): "stopped"}
         if receive is not None:
@@ -744,26 +747,23 @@ class ScriptedLLM:
         if fault == "malformed":
             rec.status = 200
             if stream:
-                return StreamingResponse(_malformed_stream(rec, request.scope.get("path", "")),
-                                         media_type="text/event-stream")
+                return StreamingResponse(_malformed_stream(rec), media_type="text/event-stream")
             return Response(b'{"id": "chatcmpl-malformed", "object": "chat.completion", "choices": [{"index": 0, '
                             b'"message": {"role": "assistant", "content": "trunc', status_code=200,
                             media_type="application/json")
         status = int(fault)
         rec.status = status
         headers = {"retry-after": self.retry_after} if status == 429 and self.retry_after is not None else {}
-        kind = {429: "rate_limit_exceeded", 503: "server_overloaded"}.get(status, "server_error"
-                                                                           if status >= 500 else "invalid_request_error")
+        fallback = "server_error" if status >= 500 else "invalid_request_error"
+        kind = {429: "rate_limit_exceeded", 503: "server_overloaded"}.get(status, fallback)
         message = {429: "Rate limit reached (scripted fault).", 503: "The server is overloaded (scripted fault)."}.get(
             status, f"Scripted fault {status}.")
         return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": kind}},
                             status_code=status, headers=headers)
 
     async def _chat(self, request: Request) -> Response:
-        try:
-            body = await request.json()
-            assert isinstance(body, dict)
-        except Exception:
+        body = await _json_body(request)
+        if body is None:
             return _error(400, "the body must be a JSON object")
         messages = body.get("messages") or []
         task = detect_task(messages)
@@ -860,10 +860,8 @@ class ScriptedLLM:
                 rec.client_disconnected = True
 
     async def _embeddings(self, request: Request) -> Response:
-        try:
-            body = await request.json()
-            assert isinstance(body, dict)
-        except Exception:
+        body = await _json_body(request)
+        if body is None:
             return _error(400, "the body must be a JSON object")
         rec = self._record("embeddings", EMBEDDINGS_TASK, False, request, body)
         try:
@@ -919,6 +917,14 @@ class ScriptedLLM:
 _CREATED = 1_700_000_000
 
 
+async def _json_body(request: Request) -> dict | None:
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
 async def _until_disconnect(receive) -> None:  # noqa: ANN001
     while True:
         message = await receive()
@@ -930,7 +936,7 @@ def _sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _malformed_stream(rec: CallRecord, path: str):
+async def _malformed_stream(rec: CallRecord):
     try:
         yield _sse({"id": "chatcmpl-malformed", "object": "chat.completion.chunk", "created": _CREATED,
                     "model": MODEL_ID, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Acc"},

@@ -32,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
         JobProgress, PendingTurn, SessionState, TurnAccepted, TurnContext, TurnInput, TurnRequest, TurnResult, Usage,
         turn_job_id,
     )
-    from workflows.steps import Steps, failure_reason, failure_type
+    from workflows.steps import OperatorHandlers, Steps, failure_reason, failure_type
 
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -41,7 +41,7 @@ TURNS_PER_RUN = 200         # continue-as-new after this many turns even if the 
 
 
 @workflow.defn
-class ChatTurnWorkflow:
+class ChatTurnWorkflow(OperatorHandlers):
     def __init__(self) -> None:
         self.stream = WorkflowStream()
         self.steps = Steps(self.stream, ["retrieve_context", "summarize_context", "extract_entities",
@@ -62,7 +62,7 @@ class ChatTurnWorkflow:
         await workflow.wait_condition(lambda: self.context is not None)
         try:
             result = await self._chain(turn)
-        except ActivityError as exc:
+        except (ActivityError, ApplicationError) as exc:
             self.steps.skip_pending()
             reason = failure_reason(exc)
             await self.steps.finish("ragline.job.failed", {"error": reason})
@@ -71,16 +71,16 @@ class ChatTurnWorkflow:
         return result
 
     async def _chain(self, turn: TurnInput) -> TurnResult:
-        retrieved = await self.steps.run("retrieve_context", workflow.execute_activity(
+        retrieved = await self.steps.run("retrieve_context", lambda: workflow.execute_activity(
             "retrieve_context", RetrieveInput(question=turn.message, collection=turn.collection, top_k=turn.top_k),
             result_type=RetrieveOutput, **policies.options("retrieve_context")))
         context = ContextInput(question=turn.message, context_ref=retrieved.context_ref)
         summary, entities = await asyncio.gather(
-            self.steps.run("summarize_context", workflow.execute_activity(
+            self.steps.run("summarize_context", lambda: workflow.execute_activity(
                 "summarize_context", context, result_type=SummaryOutput, **policies.options("summarize_context"))),
-            self.steps.run("extract_entities", workflow.execute_activity(
+            self.steps.run("extract_entities", lambda: workflow.execute_activity(
                 "extract_entities", context, result_type=EntitiesOutput, **policies.options("extract_entities"))))
-        answer = await self.steps.run("generate_answer", workflow.execute_activity(
+        answer = await self.steps.run("generate_answer", lambda: workflow.execute_activity(
             "generate_answer", GenerateInput(
                 question=turn.message, context_ref=retrieved.context_ref, summary=summary.summary,
                 entities=entities.entities,

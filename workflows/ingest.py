@@ -29,11 +29,11 @@ with workflow.unsafe.imports_passed_through():
     from workflows.models import (
         DocumentInput, DocumentOutcome, IngestInput, IngestResult, JobProgress, document_workflow_id,
     )
-    from workflows.steps import Steps, failure_reason, failure_type
+    from workflows.steps import OperatorHandlers, Steps, failure_reason, failure_type
 
 
 @workflow.defn
-class IngestDocumentWorkflow:
+class IngestDocumentWorkflow(OperatorHandlers):
     def __init__(self) -> None:
         self.stream = WorkflowStream()
         self.steps = Steps(self.stream, ["extract_text", "chunk_text", "embed_chunks", "index_chunks"])
@@ -46,19 +46,19 @@ class IngestDocumentWorkflow:
     async def run(self, doc: DocumentInput) -> DocumentOutcome:
         self.steps.emit("ragline.job.accepted", {"document_id": doc.document_id, "filename": doc.filename})
         try:
-            extracted = await self.steps.run("extract_text", workflow.execute_activity(
+            extracted = await self.steps.run("extract_text", lambda: workflow.execute_activity(
                 "extract_text", ExtractInput(document_id=doc.document_id, blob_ref=doc.blob_ref,
                                              filename=doc.filename, kind=doc.kind, password=doc.password),
                 result_type=ExtractOutput, **policies.options("extract_text")))
-            chunked = await self.steps.run("chunk_text", workflow.execute_activity(
+            chunked = await self.steps.run("chunk_text", lambda: workflow.execute_activity(
                 "chunk_text", ChunkInput(document_id=doc.document_id, pages_ref=extracted.pages_ref),
                 result_type=ChunkOutput, **policies.options("chunk_text")))
             await self._embed_and_index(doc, chunked)
-            await workflow.execute_activity(
+            await self.steps.call("prune_stale_chunks", lambda: workflow.execute_activity(
                 "prune_stale_chunks", PruneInput(document_id=doc.document_id, collection=doc.collection,
                                                  keep_chunks=chunked.chunks),
-                result_type=PruneOutput, **policies.options("prune_stale_chunks"))
-        except ActivityError as exc:
+                result_type=PruneOutput, **policies.options("prune_stale_chunks")))
+        except (ActivityError, ApplicationError) as exc:
             self.steps.skip_pending()
             reason = failure_reason(exc)
             await self.steps.finish("ragline.job.failed", {"error": reason})
@@ -84,24 +84,16 @@ class IngestDocumentWorkflow:
         async def one_batch(start: int, end: int) -> None:
             async with gate:
                 self.steps.start("embed_chunks", detail=f"{done['embed_chunks']}/{len(batches)} batches")
-                try:
-                    embedded = await workflow.execute_activity(
-                        "embed_chunks", EmbedInput(chunks_ref=chunked.chunks_ref, start=start, end=end),
-                        result_type=EmbedOutput, **policies.options("embed_chunks"))
-                except ActivityError as exc:
-                    self.steps.fail("embed_chunks", failure_reason(exc))
-                    raise
+                embedded = await self.steps.call("embed_chunks", lambda: workflow.execute_activity(
+                    "embed_chunks", EmbedInput(chunks_ref=chunked.chunks_ref, start=start, end=end),
+                    result_type=EmbedOutput, **policies.options("embed_chunks")))
                 advance("embed_chunks", embedded.attempt)
                 self.steps.start("index_chunks", detail=f"{done['index_chunks']}/{len(batches)} batches")
-                try:
-                    indexed = await workflow.execute_activity(
-                        "index_chunks", IndexInput(document_id=doc.document_id, collection=doc.collection,
-                                                   filename=doc.filename, chunks_ref=chunked.chunks_ref,
-                                                   vectors_ref=embedded.vectors_ref, start=start, end=end),
-                        result_type=IndexOutput, **policies.options("index_chunks"))
-                except ActivityError as exc:
-                    self.steps.fail("index_chunks", failure_reason(exc))
-                    raise
+                indexed = await self.steps.call("index_chunks", lambda: workflow.execute_activity(
+                    "index_chunks", IndexInput(document_id=doc.document_id, collection=doc.collection,
+                                               filename=doc.filename, chunks_ref=chunked.chunks_ref,
+                                               vectors_ref=embedded.vectors_ref, start=start, end=end),
+                    result_type=IndexOutput, **policies.options("index_chunks")))
                 advance("index_chunks", indexed.attempt)
 
         await asyncio.gather(*(one_batch(s, e) for s, e in batches))
@@ -110,7 +102,7 @@ class IngestDocumentWorkflow:
 
 
 @workflow.defn
-class IngestWorkflow:
+class IngestWorkflow(OperatorHandlers):
     def __init__(self) -> None:
         self.stream = WorkflowStream()
         self.steps = Steps(self.stream, [])
@@ -155,9 +147,9 @@ class IngestWorkflow:
                 ]))
         except WorkflowAlreadyStartedError:
             # Same bytes in the same collection: indexed already, or being indexed by another job.
-            outcome = await workflow.execute_activity(
+            outcome = await self.steps.call("await_document", lambda: workflow.execute_activity(
                 "await_document", AwaitDocumentInput(workflow_id=child_id), result_type=DocumentOutcome,
-                **policies.options("await_document"))
+                **policies.options("await_document")))
             outcome.filename = outcome.filename or doc.filename
         except ChildWorkflowError as exc:
             outcome = DocumentOutcome.failed_from(child_id, failure_reason(exc), doc.filename)

@@ -20,9 +20,31 @@ class StepState(BaseModel):
     detail: str | None = None
 
 
+class DeadLetter(BaseModel):
+    step: str
+    attempts: int
+    error: str
+    error_type: str | None = None
+    parked_at: datetime
+    expires_at: datetime
+
+
+class OperatorRequest(BaseModel):
+    """Payload of the `retry` and `discard` Updates. Every field is optional: `{}` is valid."""
+    operator: str | None = None
+    reason: str | None = None
+
+
+class OperatorAck(BaseModel):
+    action: str
+    steps: list[str]
+
+
 class JobProgress(BaseModel):
     status: str
     steps: list[StepState]
+    dead_letters: list[DeadLetter] = []
+    decisions: list[dict] = []
 
 
 class DocumentInput(BaseModel):

@@ -1,25 +1,36 @@
-"""Step bookkeeping and live events shared by every job workflow.
+"""Step bookkeeping, dead-lettering and live events shared by every job workflow.
 
 `Steps` keeps what `GET /v1/jobs/{id}` shows as `steps` (a query), keeps the RaglineStatus search
 attribute in step with it, and publishes every change as a CloudEvents 1.0 object on the job's
 durable stream (`temporalio.contrib.workflow_streams`), which the API relays as Server-Sent Events.
+
+A step whose activity exhausts its retry policy on a retryable error is not dropped: the job parks
+as `dead_lettered` until an operator sends the `retry` or `discard` Update (API, Web UI or CLI), or
+until the dead-letter TTL ends it as failed. Retry resumes at the parked step; completed steps stay
+done. Non-retryable failures (bad input) fail the job at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, TimeoutError
+from temporalio.exceptions import (
+    ActivityError, ApplicationError, ChildWorkflowError, RetryState, TimeoutError,
+)
 
 with workflow.unsafe.imports_passed_through():
+    from temporal import policies
     from temporal import search_attributes as sa
-    from workflows.models import JobProgress, StepState
+    from workflows.models import DeadLetter, JobProgress, OperatorAck, OperatorRequest, StepState
 
 T = TypeVar("T")
 EVENTS_TOPIC = "events"
+_EXHAUSTED = (RetryState.MAXIMUM_ATTEMPTS_REACHED, RetryState.TIMEOUT)
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -40,6 +51,14 @@ def failure_type(exc: BaseException) -> str | None:
     return exc.type if isinstance(exc, ApplicationError) else type(exc).__name__
 
 
+def exhausted_retries(exc: ActivityError) -> bool:
+    """True when a retryable error used up the retry policy (as opposed to a non-retryable one)."""
+    cause = exc.cause
+    if isinstance(cause, ApplicationError) and cause.non_retryable:
+        return False
+    return exc.retry_state in _EXHAUSTED
+
+
 class Steps:
     def __init__(self, stream: WorkflowStream, names: list[str]) -> None:
         self._stream = stream
@@ -47,6 +66,10 @@ class Steps:
         self._steps = {name: StepState(name=name) for name in names}
         self._published = 0
         self.status = "queued"
+        self.parked: dict[str, DeadLetter] = {}
+        self._releases = 0
+        self._discard: OperatorRequest | None = None
+        self.decisions: list[dict[str, Any]] = []
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, type_: str, data: dict[str, Any] | None = None) -> None:
@@ -86,7 +109,8 @@ class Steps:
         if step.status != "running":
             step.status, step.started_at, step.error = "running", workflow.now(), None
             self.emit("ragline.step.started", {"step": name, "detail": step.detail})
-        self.set_status("running")
+        if not self.parked:
+            self.set_status("running")
 
     def progress(self, name: str, *, attempts: int, detail: str) -> None:
         step = self._steps[name]
@@ -99,6 +123,7 @@ class Steps:
         step.status, step.finished_at = "completed", workflow.now()
         step.started_at = step.started_at or step.finished_at
         step.attempts = max(step.attempts, attempts)
+        step.error = None
         if detail is not None:
             step.detail = detail
         self.emit("ragline.step.completed", {"step": name, "attempts": step.attempts, "detail": step.detail})
@@ -113,16 +138,109 @@ class Steps:
             if step.status == "pending":
                 step.status = "skipped"
 
-    async def run(self, name: str, awaitable: Awaitable[T]) -> T:
-        """Await one activity as the step `name`, recording start, end, attempts and failure."""
+    async def call(self, name: str, activity: Callable[[], Awaitable[T]]) -> T:
+        """Run an activity (a factory, so it can run again), parking the job when it exhausts its retries."""
+        while True:
+            try:
+                return await activity()
+            except ActivityError as exc:
+                if not exhausted_retries(exc):
+                    self.fail(name, failure_reason(exc))
+                    raise
+                await self._park(name, exc)
+
+    async def run(self, name: str, activity: Callable[[], Awaitable[T]]) -> T:
+        """One activity as the step `name`: start, attempts, dead-lettering, completion."""
         self.start(name)
-        try:
-            result = await awaitable
-        except (ActivityError, ChildWorkflowError) as exc:
-            self.fail(name, failure_reason(exc))
-            raise
+        result = await self.call(name, activity)
         self.complete(name, attempts=getattr(result, "attempt", 1))
         return result
 
+    # -- dead letters ----------------------------------------------------------------------------
+    async def _park(self, name: str, exc: ActivityError) -> None:
+        ttl = policies.dead_letter_ttl()
+        reason = failure_reason(exc)
+        attempts = policies.policy(name).retry.maximum_attempts if name in policies.KNOWN_ACTIVITIES else 0
+        step = self._steps.get(name)
+        if step is not None:
+            step.error = reason
+            step.attempts = max(step.attempts, attempts)
+        letter = DeadLetter(step=name, attempts=attempts, error=reason, error_type=failure_type(exc),
+                            parked_at=workflow.now(), expires_at=workflow.now() + ttl)
+        self.parked[name] = letter
+        self.set_status("dead_lettered")
+        self.emit("ragline.job.dead_lettered", letter.model_dump(mode="json"))
+        release = self._releases
+        try:
+            await workflow.wait_condition(lambda: self._releases != release or self._discard is not None,
+                                          timeout=ttl)
+        except asyncio.TimeoutError:
+            self.parked.pop(name, None)
+            self.fail(name, reason)
+            raise ApplicationError(
+                f"dead-lettered {_human(ttl)} ago and nobody decided (RAGLINE_DEAD_LETTER_TTL); "
+                f"step {name} last failed with: {reason}", type="DeadLetterExpired", non_retryable=True) from None
+        self.parked.pop(name, None)
+        if self._discard is not None:
+            self.fail(name, reason)
+            who = self._discard.operator or "an operator"
+            why = f": {self._discard.reason}" if self._discard.reason else ""
+            raise ApplicationError(f"discarded by {who}{why} (step {name} last failed with: {reason})",
+                                   type="Discarded", non_retryable=True)
+        self.set_status("running")
+        self.emit("ragline.step.retrying", {"step": name, "by": "operator"})
+
+    def validate_operator(self) -> None:
+        if not self.parked:
+            raise ApplicationError(f"the job is {self.status}, not dead_lettered: nothing to retry or discard",
+                                   type="NotDeadLettered")
+
+    def operator_retry(self, req: OperatorRequest) -> OperatorAck:
+        steps = sorted(self.parked)
+        self._record("retry", req, steps)
+        self._releases += 1
+        return OperatorAck(action="retry", steps=steps)
+
+    def operator_discard(self, req: OperatorRequest) -> OperatorAck:
+        steps = sorted(self.parked)
+        self._record("discard", req, steps)
+        self._discard = req
+        return OperatorAck(action="discard", steps=steps)
+
+    def _record(self, action: str, req: OperatorRequest, steps: list[str]) -> None:
+        self.decisions.append({"action": action, "operator": req.operator, "reason": req.reason,
+                               "steps": steps, "at": workflow.now().isoformat()})
+
     def view(self) -> JobProgress:
-        return JobProgress(status=self.status, steps=[s.model_copy() for s in self._steps.values()])
+        return JobProgress(status=self.status, steps=[s.model_copy() for s in self._steps.values()],
+                           dead_letters=list(self.parked.values()), decisions=list(self.decisions))
+
+
+def _human(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+class OperatorHandlers:
+    """Updates every job workflow offers an operator (API, Temporal Web UI, `temporal` CLI)."""
+
+    steps: Steps
+
+    @workflow.update(name="retry")
+    def retry(self, req: OperatorRequest) -> OperatorAck:
+        return self.steps.operator_retry(req)
+
+    @retry.validator
+    def _validate_retry(self, req: OperatorRequest) -> None:
+        self.steps.validate_operator()
+
+    @workflow.update(name="discard")
+    def discard(self, req: OperatorRequest) -> OperatorAck:
+        return self.steps.operator_discard(req)
+
+    @discard.validator
+    def _validate_discard(self, req: OperatorRequest) -> None:
+        self.steps.validate_operator()
