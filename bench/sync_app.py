@@ -33,8 +33,12 @@ class ChatRequest(BaseModel):
     collection: str = "default"
 
 
+# No return annotation and no response_model on purpose: FastAPI (0.1xx) validates the return value of a
+# `def` endpoint that declares one in the same 40-thread pool, so a finished request would wait for a
+# thread behind every request still queued for one, and no response would leave before the last model
+# call ended (measured: p50 27 s instead of ~15 s for 200 requests with a 5 s model).
 @app.post("/v1/chats")
-def post_chat(req: ChatRequest) -> dict:
+def post_chat(req: ChatRequest):  # noqa: ANN201
     response = client.chat.completions.create(
         model=MODEL, max_tokens=512, temperature=0.0,
         messages=[{"role": "system", "content": SYSTEM_PROMPT},
@@ -44,5 +48,5 @@ def post_chat(req: ChatRequest) -> dict:
 
 
 @app.get("/healthz")
-def healthz() -> dict:
+def healthz():  # noqa: ANN201
     return {"status": "up"}

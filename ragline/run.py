@@ -131,12 +131,12 @@ def llm_spec(settings: Settings) -> ProcessSpec:
     Building the spec is cheap: the model file is assembled by its preflight."""
     port = settings.llm_port
     try:
-        path = model_file(settings)
-    except LocalModelError:
-        path = Path("unknown-model.gguf")  # the preflight reports the unknown RAGLINE_LOCAL_MODEL
+        argv = llama_server_argv(settings, model_file(settings))
+    except LocalModelError:  # unknown RAGLINE_LOCAL_MODEL: the preflight reports it, nothing starts
+        argv = [sys.executable, "-m", "llama_cpp.server"]
     return ProcessSpec(
         name="llm",
-        argv=llama_server_argv(settings, path),
+        argv=argv,
         ready=http_ready(f"http://127.0.0.1:{port}/v1/models", require_ok=True),
         ready_timeout=300,  # model loading
         preflight=llm_preflight(settings),

@@ -88,6 +88,9 @@ def test_table_is_consistent() -> None:
 
 def test_assembles_and_verifies(fake) -> None:
     settings, _, _ = fake
+    stale = Path(settings.data_dir).resolve() / "models" / ".fake.gguf.abc123.part"  # a killed run's
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"partial")
     logs: list[str] = []
     path = ensure_model(settings, log=logs.append)
     assert path == Path(settings.data_dir).resolve() / "models" / "fake.gguf"
@@ -109,6 +112,19 @@ def test_wrong_total_size_is_refused_before_copying(fake, monkeypatch) -> None:
     register(fake_model(parts, data=DATA + b"x"))
     monkeypatch.setattr(localmodel.tempfile, "mkstemp", lambda **kw: pytest.fail("copied anyway"))
     with pytest.raises(ModelVerificationError, match="add up to"):
+        ensure_model(settings)
+    assert files_in(Path(settings.data_dir) / "models") == []
+
+
+def test_write_error_is_reported_and_leaves_no_file(fake, monkeypatch) -> None:
+    settings, _, _ = fake
+    real_fsync = os.fsync
+
+    def disk_full(fd: int) -> None:
+        real_fsync(fd)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(localmodel.os, "fsync", disk_full)
+    with pytest.raises(localmodel.LocalModelError, match="No space left.*RAGLINE_DATA_DIR"):
         ensure_model(settings)
     assert files_in(Path(settings.data_dir) / "models") == []
 
@@ -181,7 +197,7 @@ def test_llama_server_argv() -> None:
     assert argv[:3] == [sys.executable, "-m", "llama_cpp.server"]
     pairs = dict(zip(argv[3::2], argv[4::2]))
     assert pairs == {"--model": "/m/model.gguf", "--n_ctx": "4096", "--n_threads": str(os.cpu_count() or 2),
-                     "--model_alias": "local", "--host": "127.0.0.1", "--port": "9123"}
+                     "--model_alias": "local", "--host": "127.0.0.1", "--port": "9123", "--verbose": "False"}
 
 
 def test_settings_effective_llm_base_url() -> None:
@@ -204,6 +220,14 @@ def test_process_specs_start_the_local_llm_first_unless_a_base_url_is_set(tmp_pa
     hosted = process_specs(Settings(data_dir=tmp_path, llm_base_url="https://x.example/v1"))
     assert [s.name for s in hosted] == ["worker", "api"]
     assert all("RAGLINE_LLM_BASE_URL" not in s.env for s in hosted)
+
+
+def test_unknown_local_model_is_a_preflight_error(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, local_model="gpt-17", llm_port=9126)
+    llm = process_specs(settings)[0]
+    assert llm.name == "llm"
+    problem = llm.preflight()
+    assert problem is not None and "RAGLINE_LOCAL_MODEL" in problem
 
 
 def test_llm_preflight_names_the_way_out(tmp_path: Path, monkeypatch) -> None:

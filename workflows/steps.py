@@ -96,7 +96,10 @@ class Steps:
     def set_status(self, status: str) -> None:
         if status != self.status:
             self.status = status
-            workflow.upsert_search_attributes([sa.JOB_STATUS.value_set(status)])
+            # Jobs started by Ragline carry its search attributes; one started by hand (or on a server
+            # without them, like the time-skipping test server) keeps its status in the query only.
+            if workflow.info().typed_search_attributes.get(sa.JOB_KIND) is not None:
+                workflow.upsert_search_attributes([sa.JOB_STATUS.value_set(status)])
 
     def add(self, name: str) -> None:
         self._steps.setdefault(name, StepState(name=name))
