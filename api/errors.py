@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
 
@@ -57,6 +58,13 @@ def install(app: FastAPI) -> None:
         log.exception("unhandled error")
         return JSONResponse(_body("internal_error", "an unexpected error occurred; see the API log"),
                             status_code=500)
+
+    @app.exception_handler(WorkflowUpdateRPCTimeoutOrCancelledError)
+    async def _update_timeout(_: Request, exc: WorkflowUpdateRPCTimeoutOrCancelledError) -> JSONResponse:
+        return JSONResponse(_body(
+            "temporal_unavailable",
+            "the workflow service did not confirm the request in time (Temporal down or no worker); send it "
+            "again, with the same Idempotency-Key to be sure it runs once"), status_code=503)
 
     @app.exception_handler(RPCError)
     async def _rpc(_: Request, exc: RPCError) -> JSONResponse:

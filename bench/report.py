@@ -133,11 +133,19 @@ def render(r: dict) -> str:
                      f"after such an error gets a second turn.")
     cpu = r.get("cpu_seconds") or {}
     if cpu.get("ragline"):
-        used = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu["ragline"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
-        notes.append(f"CPU seconds used during the Ragline burst ({secs(rl['wall'])} wall × {m['nproc']} CPUs = "
-                     f"{rl['wall'] * (m['nproc'] or 1):.0f} CPU-s available): {used}. During the floor burst: "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.get("floor", {}).items(),
-                                                                   key=lambda kv: -kv[1]) if v >= 0.05) + ".")
+        def used(phase: str) -> str:
+            return ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.get(phase, {}).items(), key=lambda kv: -kv[1])
+                             if v >= 0.05) or "none"
+
+        cores = m["nproc"] or 1
+        parts = [f"Ragline burst ({secs(rl['wall'])} × {cores} CPUs = {rl['wall'] * cores:.0f} CPU-s): "
+                 f"{used('ragline')}", f"floor burst ({secs(fl['wall'])}): {used('floor')}",
+                 f"sync burst ({secs(sy['wall'])}): {used('sync')}"]
+        busy_others = [ph for ph, b in (("ragline", rl), ("floor", fl), ("sync", sy))
+                       if cpu.get(ph, {}).get("other processes", 0) > 0.1 * b["wall"] * cores]
+        notes.append("CPU seconds used, by process: " + "; ".join(parts) + "."
+                     + (f" **The machine was not idle** during the {', '.join(busy_others)} burst(s): "
+                        f"`other processes` are not the bench's." if busy_others else ""))
     if e2e and delay > 0:
         calls = _chat_calls(rlu)
         conc = rlu.get("max_concurrency") or 0

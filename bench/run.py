@@ -348,6 +348,16 @@ def _proc_cpu(pid: int) -> float | None:
         return None
 
 
+def _machine_busy() -> float | None:
+    """CPU seconds all processes of the machine have been busy (Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (v[0] + v[1] + v[2] + v[5] + v[6]) / _TICK  # user nice system irq softirq
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_snapshot(stack: Stack) -> dict[str, float]:
     pids = {p.name: p.pid for p in stack.procs}
     if stack.temporal is not None and stack.temporal.pid:
@@ -355,11 +365,17 @@ def cpu_snapshot(stack: Stack) -> dict[str, float]:
     out = {name: _proc_cpu(pid) for name, pid in pids.items()}
     t = os.times()
     out["bench client"] = t.user + t.system
+    out["_machine"] = _machine_busy()
     return {k: v for k, v in out.items() if v is not None}
 
 
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: round(after[k] - before[k], 2) for k in after if k in before}
+    """CPU seconds per process of the bench between two snapshots, and `other processes`: what the rest
+    of the machine used meanwhile (other people's tests, say), which would skew the numbers."""
+    out = {k: round(after[k] - before[k], 2) for k in after if k in before and k != "_machine"}
+    if "_machine" in before and "_machine" in after:
+        out["other processes"] = round(max(0.0, after["_machine"] - before["_machine"] - sum(out.values())), 2)
+    return out
 
 
 def call_order(stats: dict) -> dict:
@@ -414,7 +430,7 @@ async def run(args: argparse.Namespace) -> int:
 
     data_dir = Path(tempfile.mkdtemp(prefix="ragline-bench-"))
     stack = Stack(data_dir)
-    ok = False
+    ok = interrupted = False
     n = args.requests
     t_begin = time.monotonic()
     try:
@@ -492,10 +508,13 @@ async def run(args: argparse.Namespace) -> int:
             log(f"updated section '{report.HEADING}' in {args.output}")
         ok = True
         return 0
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        interrupted = True
+        raise
     finally:
         log("stopping everything the bench started")
         await stack.stop()
-        if ok and not args.keep_data:
+        if (ok or interrupted) and not args.keep_data:
             shutil.rmtree(data_dir, ignore_errors=True)
         else:
             log(f"data and logs kept in {data_dir}")

@@ -46,7 +46,7 @@ class OpenAIEmbedder:
 
         self.name = settings.embeddings_model
         self._client = OpenAI(base_url=settings.embeddings_base_url, api_key=settings.embeddings_api_key or "unused",
-                              max_retries=0, timeout=60.0)
+                              max_retries=0, timeout=settings.embeddings_timeout)
         # e5-family models expect these prefixes; harmless for other models.
         self._e5 = "e5" in settings.embeddings_model.lower()
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import openai
 from openai import AsyncOpenAI
 
 from ragline.errors import TransientError
@@ -49,12 +48,9 @@ class ChatModel:
     async def complete(self, messages: list[dict], *, step: str, temperature: float = 0.0,
                        max_tokens: int | None = None) -> Completion:
         with translate_provider_errors(step):
-            try:
-                response = await self._client.chat.completions.create(
-                    model=self.model, messages=messages, temperature=temperature,
-                    max_tokens=max_tokens or self.max_tokens, extra_headers={"X-Ragline-Step": step})
-            except (ValueError, openai.APIResponseValidationError) as exc:
-                raise TransientError(f"{step}: malformed response from the model server ({exc})") from exc
+            response = await self._client.chat.completions.create(
+                model=self.model, messages=messages, temperature=temperature,
+                max_tokens=max_tokens or self.max_tokens, extra_headers={"X-Ragline-Step": step})
         if not response.choices:
             raise TransientError(f"{step}: the model returned no choices")
         usage = response.usage
@@ -66,23 +62,20 @@ class ChatModel:
                      temperature: float = 0.0) -> AsyncIterator[str]:
         """Yields pieces of the reply as they arrive; totals land in `result`."""
         with translate_provider_errors(step):
-            try:
-                response = await self._client.chat.completions.create(
-                    model=self.model, messages=messages, temperature=temperature, max_tokens=self.max_tokens,
-                    stream=True, stream_options={"include_usage": True}, extra_headers={"X-Ragline-Step": step})
-                async for chunk in response:
-                    if chunk.model:
-                        result.model = chunk.model
-                    if chunk.usage:
-                        result.prompt_tokens = chunk.usage.prompt_tokens
-                        result.completion_tokens = chunk.usage.completion_tokens
-                    for choice in chunk.choices:
-                        piece = choice.delta.content if choice.delta else None
-                        if piece:
-                            result.parts.append(piece)
-                            yield piece
-            except (ValueError, openai.APIResponseValidationError) as exc:
-                raise TransientError(f"{step}: malformed stream from the model server ({exc})") from exc
+            response = await self._client.chat.completions.create(
+                model=self.model, messages=messages, temperature=temperature, max_tokens=self.max_tokens,
+                stream=True, stream_options={"include_usage": True}, extra_headers={"X-Ragline-Step": step})
+            async for chunk in response:
+                if chunk.model:
+                    result.model = chunk.model
+                if chunk.usage:
+                    result.prompt_tokens = chunk.usage.prompt_tokens
+                    result.completion_tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    piece = choice.delta.content if choice.delta else None
+                    if piece:
+                        result.parts.append(piece)
+                        yield piece
         if not result.completion_tokens:
             result.completion_tokens = max(1, len(result.text) // 4)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 
 import openai
@@ -23,6 +24,8 @@ def _retry_after(exc: openai.APIStatusError) -> float | None:
 def translate_provider_errors(what: str):
     try:
         yield
+    except (json.JSONDecodeError, openai.APIResponseValidationError) as exc:
+        raise TransientError(f"{what}: malformed response from the provider ({exc})") from exc
     except openai.APITimeoutError as exc:
         raise TransientError(f"{what}: provider timed out") from exc
     except openai.APIConnectionError as exc:

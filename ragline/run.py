@@ -112,12 +112,12 @@ def llm_preflight(settings: Settings) -> Preflight:
         if problem := port_check():
             return problem
         try:
-            model = get_model(settings.local_model)
+            get_model(settings.local_model)
         except LocalModelError as e:
             return str(e)
         if importlib.util.find_spec("llama_cpp") is None:
             return (f"llama-cpp-python is not installed in {sys.prefix}: run `make run` (it installs the "
-                    f"extra '{model.extra}'), or set RAGLINE_LLM_BASE_URL to an OpenAI-compatible server.")
+                    f"extra 'local-llm'), or set RAGLINE_LLM_BASE_URL to an OpenAI-compatible server.")
         try:
             ensure_model(settings, log=lambda msg: say(msg, "llm"))
         except LocalModelError as e:

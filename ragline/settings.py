@@ -32,6 +32,7 @@ class Settings(BaseSettings):
     embeddings_model: str = "multilingual-e5-small"
     embeddings_api_key: str | None = None
     embeddings_dim: int = 384
+    embeddings_timeout: float = 60.0
 
     # Chat model: any OpenAI-compatible endpoint. Unset: `make run` starts a local llama.cpp server
     # (model `local_model`, assembled by ragline.localmodel) on 127.0.0.1:llm_port.

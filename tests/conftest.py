@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import socket
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,7 @@ class Stack:
     settings: Settings
     client: Client
     http: httpx.AsyncClient
-    index: VectorIndex
+    index: VectorIndex | None
     base_url: str
     llm: ScriptedLLM
 
@@ -108,32 +109,43 @@ async def scripted_llm():
     await llm.stop()
 
 
-@pytest_asyncio.fixture(scope="session")
-async def stack(temporal_env, scripted_llm, tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("ragline-data")
-    address = temporal_env.client.service_client.config.target_host
+@asynccontextmanager
+async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_process_worker: bool = True,
+                        **overrides):
+    """A worker (in-process unless told otherwise) and the API on a free port, against `address`."""
     api_port = free_port()
-    settings = Settings(data_dir=data_dir, temporal_address=address, api_port=api_port,
-                        task_queue="ragline-test", embed_batch_size=16,
-                        llm_base_url=scripted_llm.base_url, llm_model="scripted", llm_timeout=3,
-                        policies=FIXTURES.parent / "fast_policies.toml")
+    options = dict(data_dir=data_dir, temporal_address=address, api_port=api_port, task_queue="ragline-test",
+                   embed_batch_size=16, llm_base_url=llm.base_url, llm_model="scripted", llm_timeout=3,
+                   policies=FIXTURES.parent / "fast_policies.toml")
+    options.update(overrides)
+    settings = Settings(**options)
     client = await connect(settings)
-    index = open_index(settings)
+    index = open_index(settings) if in_process_worker else None
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)
-    worker = build_worker(client, settings, index, executor)
-    worker_task = asyncio.create_task(worker.run())
-
+    worker = build_worker(client, settings, index, executor) if in_process_worker else None
+    worker_task = asyncio.create_task(worker.run()) if worker else None
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=api_port,
                                            log_level="warning", lifespan="on"))
     server_task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.05)
     base_url = f"http://127.0.0.1:{api_port}"
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
-        yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=scripted_llm)
-    server.should_exit = True
-    await server_task
-    await worker.shutdown()
-    await worker_task
-    executor.shutdown(wait=False, cancel_futures=True)
-    index.close()
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=llm)
+    finally:
+        server.should_exit = True
+        await server_task
+        if worker:
+            await worker.shutdown()
+            await worker_task
+        executor.shutdown(wait=False, cancel_futures=True)
+        if index:
+            index.close()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def stack(temporal_env, scripted_llm, tmp_path_factory):
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path_factory.mktemp("ragline-data")) as s:
+        yield s

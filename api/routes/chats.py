@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import uuid
 from typing import Annotated
@@ -10,7 +11,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import (
+    Client, WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowFailureError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -43,27 +47,55 @@ async def post_chat(req: ChatRequest, request: Request,
     session_id = req.session_id or uuid.uuid4().hex
     if not SESSION_RE.match(session_id):
         raise ApiError(422, "invalid_session_id", "session_id must be 1-64 letters, digits, '_' or '-'")
-    start = WithStartWorkflowOperation(
-        ChatSessionWorkflow.run, SessionState(session_id=session_id), id=session_workflow_id(session_id),
-        task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
-                                                 SearchAttributePair(sa.SESSION, session_id)]))
+    # Every turn gets a key (the client's, or one made here), so resending an unconfirmed update is safe.
     turn = TurnRequest(message=req.message, collection=req.collection, top_k=req.top_k,
-                       idempotency_key=idempotency_key)
+                       idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}")
     try:
-        accepted: TurnAccepted = await asyncio.wait_for(client.execute_update_with_start_workflow(
-            ChatSessionWorkflow.submit, turn, start_workflow_operation=start, rpc_timeout=rpc_timeout(settings)), settings.temporal_rpc_timeout)
+        accepted = await asyncio.wait_for(_submit(client, turn, session_id, settings), settings.temporal_rpc_timeout)
     except asyncio.TimeoutError:
-        raise ApiError(503, "worker_unavailable",
-                       "the session did not accept the message in time (is the worker running?); nothing was "
-                       "recorded, send it again") from None
+        raise ApiError(503, "temporal_unavailable",
+                       "the session did not confirm the message in time (Temporal or the worker is not available); "
+                       "send it again, with the same Idempotency-Key to be sure it runs once") from None
     body = {
         "job_id": accepted.job_id, "session_id": session_id, "turn": accepted.turn,
-        "duplicate": accepted.duplicate,
+        "duplicate": accepted.duplicate and idempotency_key is not None,
         "status_url": str(request.url_for("get_job", job_id=accepted.job_id)),
         "events_url": str(request.url_for("job_events", job_id=accepted.job_id)),
     }
     return JSONResponse(body, status_code=202)
+
+
+def _start_session(session_id: str, settings: Settings) -> WithStartWorkflowOperation:
+    return WithStartWorkflowOperation(
+        ChatSessionWorkflow.run, SessionState(session_id=session_id), id=session_workflow_id(session_id),
+        task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                 SearchAttributePair(sa.SESSION, session_id)]))
+
+
+async def _submit(client: Client, turn: TurnRequest, session_id: str, settings: Settings) -> TurnAccepted:
+    """Update-with-start, retried while the server sheds load: Temporal admits only a few concurrent
+    Updates per workflow (10 by default), and a burst to one session must queue, not fail."""
+    delay = 0.02
+    while True:
+        try:
+            return await client.execute_update_with_start_workflow(
+                ChatSessionWorkflow.submit, turn, start_workflow_operation=_start_session(session_id, settings),
+                rpc_timeout=rpc_timeout(settings))
+        except RPCError as exc:
+            if not _update_rejected_for_load(exc):
+                raise
+        except WorkflowUpdateRPCTimeoutOrCancelledError:
+            pass
+        # The turn's idempotency key makes a resend return the same turn if the first one did land.
+        await asyncio.sleep(random.uniform(delay / 2, delay))
+        delay = min(delay * 2, 0.5)
+
+
+def _update_rejected_for_load(exc: RPCError) -> bool:
+    if exc.status == RPCStatusCode.RESOURCE_EXHAUSTED:
+        return True
+    return exc.status == RPCStatusCode.UNAVAILABLE and "update was aborted" in str(exc)
 
 
 @router.get("/{session_id}", summary="A session's turns with their answers, citations and status")

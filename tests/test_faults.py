@@ -1,0 +1,195 @@
+"""Proof under faults: flaky providers, killed workers and a restarted Temporal server lose and
+duplicate nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ragline.vectorstore import open_index
+from temporal.devserver import DevServer
+from tests.conftest import FIXTURES, free_port, running_stack
+from tests.pdfgen import pdf_bytes
+
+PROJECT = Path(__file__).resolve().parent.parent
+TRANSIENT = ["429", "503", "drop", "hang", "malformed"]
+FACT = "The {n}th harbour has a lighthouse painted {colour} and a keeper named Keeper{n}."
+COLOURS = ["red", "green", "blue", "white", "yellow"]
+
+
+def _doc(n: int, pages: int = 3) -> bytes:
+    return pdf_bytes([FACT.format(n=n, colour=COLOURS[(n + p) % 5]) + f" Page {p} of document {n}."
+                      for p in range(1, pages + 1)])
+
+
+async def _all_done(stack, job_ids: list[str], timeout: float) -> list[dict]:
+    return await asyncio.gather(*(stack.wait_job(j, timeout=timeout) for j in job_ids))
+
+
+async def test_twelve_percent_transient_faults_everywhere(temporal_env, scripted_llm, tmp_path):
+    """Every model and embedding call may fail (429 + Retry-After, 503, dropped connection, hang past
+    the timeout, malformed JSON): 30 chats and 10 ingestions all complete."""
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-faults",
+                             embeddings_base_url=scripted_llm.base_url, embeddings_model="scripted",
+                             embeddings_timeout=3) as stack:
+        scripted_llm.reset()
+        scripted_llm.set_faults(rate=0.12, kinds=TRANSIENT, seed=12, retry_after=0.2)
+        try:
+            uploads = [await stack.upload((f"h{n}.pdf", _doc(n)), collection="faults") for n in range(10)]
+            ingest_jobs = await _all_done(stack, [u["job_id"] for u in uploads], timeout=300)
+            assert [j["status"] for j in ingest_jobs] == ["completed"] * 10, ingest_jobs
+            sessions = [f"f-{uuid.uuid4().hex[:6]}" for _ in range(10)]
+            chats = await asyncio.gather(*(stack.chat(f"What colour is the lighthouse of harbour {i}?",
+                                                      session_id=sessions[i % 10], collection="faults")
+                                           for i in range(30)))
+            chat_jobs = await _all_done(stack, [c["job_id"] for c in chats], timeout=400)
+        finally:
+            scripted_llm.set_faults(rate=0)
+        assert [j["status"] for j in chat_jobs] == ["completed"] * 30, [j for j in chat_jobs if j["status"] != "completed"]
+        assert all(j["result"]["answer"] for j in chat_jobs)
+        faults = [c for c in scripted_llm.calls if c.fault]
+        assert {c.fault for c in faults} >= {"429", "503"} and len(faults) >= 10, len(faults)
+        retried = [s for j in chat_jobs for s in j["steps"] if s["attempts"] > 1]
+        assert retried, "no step needed a retry: the faults did not reach the chain"
+
+
+def _worker_process(settings_env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "worker.py"], cwd=PROJECT, env={**os.environ, **settings_env},
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, scripted_llm, tmp_path):
+    """SIGKILL the worker at two random moments with 20 ingestions and 20 chat turns in flight."""
+    address = temporal_env.client.service_client.config.target_host
+    queue = "ragline-kill"
+    env = {"RAGLINE_DATA_DIR": str(tmp_path), "RAGLINE_TEMPORAL_ADDRESS": address, "RAGLINE_TASK_QUEUE": queue,
+           "RAGLINE_LLM_BASE_URL": scripted_llm.base_url, "RAGLINE_LLM_MODEL": "scripted",
+           "RAGLINE_LLM_TIMEOUT": "3", "RAGLINE_POLICIES": str(FIXTURES.parent / "fast_policies.toml"),
+           "RAGLINE_EMBED_BATCH_SIZE": "4"}
+    log = tmp_path / "worker.log"
+    rng = random.Random(20)
+    kills: list[float] = []
+    async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False, task_queue=queue) as stack:
+        scripted_llm.reset()
+        scripted_llm.set_delay(0.4)
+        worker = _worker_process(env, log)
+        try:
+            uploads = await asyncio.gather(*(stack.upload((f"k{n}.pdf", _doc(n, pages=4)), collection="kill")
+                                             for n in range(20)))
+            # Chats go to a collection already indexed, so their answers need the model.
+            seed = await stack.upload(("seed.txt", b"Lighthouses guide ships. Keepers light them at dusk."),
+                                      collection="killchat")
+            await stack.wait_job(seed["job_id"])
+            sessions = [f"k-{uuid.uuid4().hex[:6]}" for _ in range(5)]
+            chats = await asyncio.gather(*(stack.chat(f"Question {i}: who lights the lighthouses?",
+                                                      session_id=sessions[i % 5], collection="killchat")
+                                           for i in range(20)))
+            for _ in range(2):
+                await asyncio.sleep(rng.uniform(1.0, 4.0))
+                kills.append(time.monotonic())
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+                worker = _worker_process(env, log)
+            ingest_jobs = await _all_done(stack, [u["job_id"] for u in uploads], timeout=400)
+            chat_jobs = await _all_done(stack, [c["job_id"] for c in chats], timeout=400)
+        finally:
+            scripted_llm.set_delay(0)
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+
+        assert [j["status"] for j in ingest_jobs] == ["completed"] * 20
+        assert [j["status"] for j in chat_jobs] == ["completed"] * 20
+        # Qdrant holds exactly the expected points: none missing, none duplicated.
+        index = open_index(stack.settings)
+        try:
+            for job in ingest_jobs:
+                [doc] = job["result"]["documents"]
+                assert index.count("kill", doc["document_id"]) == doc["chunks"], doc
+            expected = sum(j["result"]["documents"][0]["chunks"] for j in ingest_jobs)
+            assert index.count("kill") == expected
+        finally:
+            index.close()
+        # Every chat turn has exactly one answer, in order per session.
+        for session in sessions:
+            turns = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+            assert [t["turn"] for t in turns] == [1, 2, 3, 4]
+            assert all(t["status"] == "completed" and t["answer"] for t in turns)
+        # No step ran again after it had completed: a repeated model call for the same question and
+        # step is only allowed when the earlier one was cut off by a kill.
+        by_step: dict[tuple[str, str], list] = {}
+        for call in scripted_llm.calls:
+            if call.endpoint == "chat" and call.question.startswith("Question "):
+                by_step.setdefault((call.question, call.task), []).append(call)
+        for key, calls in by_step.items():
+            completed = [c for c in calls if c.ok]
+            assert completed, key
+            for earlier in completed[:-1]:
+                later = completed[completed.index(earlier) + 1]
+                assert any(earlier.started_at < k < later.started_at for k in kills), (
+                    f"{key} completed twice without a kill in between")
+
+
+async def test_temporal_restart_mid_run(scripted_llm, tmp_path):
+    """SIGTERM the Temporal server mid-run and start it again on the same file: every job completes.
+    While it is down, POSTs answer 503 and /healthz says why."""
+    from ragline.settings import Settings
+
+    port = free_port()
+    server_settings = Settings(data_dir=tmp_path / "temporal", temporal_address=f"127.0.0.1:{port}",
+                               temporal_ui_port=free_port())
+    server = DevServer(server_settings)
+    await server.start()
+    try:
+        async with running_stack(server_settings.temporal_address, scripted_llm, tmp_path / "stack",
+                                 task_queue="ragline-restart", temporal_rpc_timeout=3) as stack:
+            scripted_llm.reset()
+            scripted_llm.set_delay(0.5)
+            ingest = await stack.upload(*[(f"r{n}.pdf", _doc(n)) for n in range(3)], collection="restart")
+            await stack.wait_job(ingest["job_id"])
+            chats = [await stack.chat(f"Restart question {i}?", collection="restart") for i in range(4)]
+            second = await stack.upload(("late.pdf", _doc(99, pages=6)), collection="restart")
+
+            await server.stop()
+            down = await stack.http.post("/v1/chats", json={"message": "anyone there?", "collection": "restart"})
+            assert down.status_code == 503 and down.json()["error"]["code"] == "temporal_unavailable"
+            health = await stack.http.get("/healthz")
+            assert health.status_code == 503
+            assert "Temporal" in health.json()["components"]["temporal"]["reason"]
+
+            await server.start()
+            scripted_llm.set_delay(0)
+            jobs = await _all_done(stack, [c["job_id"] for c in chats] + [second["job_id"]], timeout=300)
+            assert [j["status"] for j in jobs] == ["completed"] * 5, jobs
+            assert (await stack.http.get("/healthz")).status_code == 200
+    finally:
+        scripted_llm.set_delay(0)
+        await server.stop()
+
+
+async def test_hundred_concurrent_identical_requests_run_one_chain(stack):
+    seed = await stack.upload(("idem.txt", b"Idempotency keys make retries safe."), collection="idem100")
+    await stack.wait_job(seed["job_id"])
+    session = f"i100-{uuid.uuid4().hex[:6]}"
+    before = {task: stack.llm.count(task) for task in ("summarize", "extract_entities", "answer")}
+    bodies = await asyncio.gather(*(stack.chat("What makes retries safe?", session_id=session,
+                                               collection="idem100", idempotency_key="same-key")
+                                    for _ in range(100)))
+    assert len({b["job_id"] for b in bodies}) == 1
+    job = await stack.wait_job(bodies[0]["job_id"])
+    assert job["status"] == "completed"
+    await asyncio.sleep(0.5)
+    for task, count in before.items():
+        assert stack.llm.count(task) == count + 1, task
