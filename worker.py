@@ -12,6 +12,7 @@ import structlog
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.agent import AgentActivities
 from activities.chat import ChatActivities
 from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
@@ -26,13 +27,15 @@ from ragline.vectorstore import VectorIndex, open_index
 from temporal import policies
 from temporal.client import connect
 from temporal.search_attributes import ensure_registered
+from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
 from workflows.search import SearchWorkflow
 
 log = structlog.get_logger("ragline.worker")
 
-WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow]
+WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
+             AgentWorkflow]
 
 
 def build_worker(client: Client, settings: Settings, index: VectorIndex,
@@ -44,12 +47,14 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
     ingest = IngestActivities(settings, blobs, embedder, index)
     search = SearchActivities(embedder, index)
     jobs = JobActivities(client)
-    chat = ChatActivities(blobs, embedder, index, ChatModel(settings))
+    model = ChatModel(settings)
+    chat = ChatActivities(blobs, embedder, index, model)
+    agent = AgentActivities(embedder, index, model)
     return Worker(
         client,
         task_queue=settings.task_queue,
         workflows=WORKFLOWS,
-        activities=[*ingest.all(), *search.all(), *jobs.all(), *chat.all()],
+        activities=[*ingest.all(), *search.all(), *jobs.all(), *chat.all(), *agent.all()],
         activity_executor=executor,
         max_concurrent_activities=executor._max_workers,
     )

@@ -25,6 +25,21 @@ class Completion:
 
 
 @dataclass
+class ToolChoice:
+    name: str
+    arguments: str  # JSON text as the model wrote it
+
+
+@dataclass
+class ToolPlan:
+    text: str
+    calls: list[ToolChoice]
+    model: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
 class StreamedCompletion:
     """Filled while `stream()` is iterated."""
 
@@ -57,6 +72,22 @@ class ChatModel:
         return Completion(text=response.choices[0].message.content or "", model=response.model or self.model,
                           prompt_tokens=usage.prompt_tokens if usage else 0,
                           completion_tokens=usage.completion_tokens if usage else 0)
+
+    async def plan(self, messages: list[dict], tools: list[dict], *, step: str) -> ToolPlan:
+        """One tool-calling turn: the model picks tools from `tools` (or answers in text)."""
+        with translate_provider_errors(step):
+            response = await self._client.chat.completions.create(
+                model=self.model, messages=messages, tools=tools, tool_choice="auto", temperature=0.0,
+                max_tokens=self.max_tokens, extra_headers={"X-Ragline-Step": step})
+        if not response.choices:
+            raise TransientError(f"{step}: the model returned no choices")
+        message = response.choices[0].message
+        calls = [ToolChoice(name=c.function.name, arguments=c.function.arguments or "{}")
+                 for c in (message.tool_calls or []) if getattr(c, "function", None)]
+        usage = response.usage
+        return ToolPlan(text=message.content or "", calls=calls, model=response.model or self.model,
+                        prompt_tokens=usage.prompt_tokens if usage else 0,
+                        completion_tokens=usage.completion_tokens if usage else 0)
 
     async def stream(self, messages: list[dict], result: StreamedCompletion, *, step: str,
                      temperature: float = 0.0) -> AsyncIterator[str]:

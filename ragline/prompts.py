@@ -37,3 +37,10 @@ def no_context_answer(question: str) -> str:
 
 def format_passages(passages: list[dict]) -> str:
     return "\n\n".join(f"[{i}] ({p['filename']}, page {p['page']}) {p['text']}" for i, p in enumerate(passages, 1))
+
+
+def agent_tools() -> list[dict]:
+    """The agent's tool allowlist as OpenAI `tools`."""
+    return [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                              "parameters": t["parameters"]}}
+            for t in templates()["agent"]["tools"]]

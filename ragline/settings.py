@@ -56,6 +56,16 @@ class Settings(BaseSettings):
     embed_batch_size: int = 16
     embed_parallelism: int = 4
 
+    # Agents: server-side ceilings on what a request may ask for (above them: 422).
+    agent_max_depth: int = 6
+    agent_max_llm_calls: int = 500
+    agent_max_tokens: int = 2_000_000
+    agent_max_seconds: float = 6 * 3600
+    # How long anything waits for a human review before it is rejected ("review timed out"), e.g. "24h".
+    review_timeout: str = "24h"
+    # Hold chat answers without a supporting citation for review.
+    review_unsupported_answers: bool = False
+
     log_level: str = "INFO"
     log_json: bool = False
 

@@ -85,6 +85,7 @@ class ActivityPolicy(BaseModel):
 KNOWN_ACTIVITIES = frozenset({
     "extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks", "await_document",
     "search_chunks", "await_turn", "retrieve_context", "summarize_context", "extract_entities", "generate_answer",
+    "agent_plan", "search_documents",
 })
 
 _loaded: dict[str, ActivityPolicy] | None = None

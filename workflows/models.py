@@ -156,3 +156,81 @@ def session_workflow_id(session_id: str) -> str:
 
 def turn_job_id(session_id: str, turn: int) -> str:
     return f"chat-{session_id}-{turn}"
+
+
+# -- human review and agents -----------------------------------------------------------------------
+
+class ReviewDecision(BaseModel):
+    """Payload of the `review` Update and Signal (Web UI, CLI, or POST /v1/jobs/{id}/review)."""
+    decision: Literal["approve", "reject", "revise"]
+    reviewer: str
+    comment: str = ""
+    instructions: str | None = None
+    extra_depth: int = 0
+    extra_budget: dict[str, float] = {}
+    # For held chat answers: the text to release instead of the model's.
+    answer: str | None = None
+
+
+class ReviewRequest(BaseModel):
+    reason: str
+    detail: str
+    proposed_action: dict
+    goal: str
+    depth: int
+    requested_at: datetime
+    expires_at: datetime
+
+
+class ReviewAck(BaseModel):
+    accepted: bool
+    decision: str
+
+
+class Budget(BaseModel):
+    max_llm_calls: int = 50
+    max_tokens: int = 200_000
+    max_seconds: float = 3600
+
+
+class Spend(BaseModel):
+    llm_calls: int = 0
+    tokens: int = 0
+
+    def add(self, other: "Spend") -> None:
+        self.llm_calls += other.llm_calls
+        self.tokens += other.tokens
+
+
+class AgentInput(BaseModel):
+    goal: str
+    collection: str = "default"
+    depth: int = 0
+    max_depth: int = 3
+    budget: Budget = Budget()
+    # Wall-clock end of the whole tree's time budget (set by the root).
+    deadline: datetime | None = None
+    ancestors: list[str] = []
+    review_timeout_seconds: float = 86400
+
+
+class AgentNode(BaseModel):
+    goal: str
+    depth: int
+    job_id: str
+    status: str
+    answer: str = ""
+    children: list["AgentNode"] = []
+
+
+class AgentResult(BaseModel):
+    answer: str
+    status: Literal["finished", "stopped"]
+    tree: AgentNode
+    llm_calls: int
+    tokens: int
+    decisions: list[dict] = []
+
+
+def agent_workflow_id(parent_id: str, index: int) -> str:
+    return f"{parent_id}.{index}"

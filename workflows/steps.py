@@ -70,6 +70,8 @@ class Steps:
         self._releases = 0
         self._discard: OperatorRequest | None = None
         self.decisions: list[dict[str, Any]] = []
+        # Merged into every event's data (an agent adds its depth).
+        self.context: dict[str, Any] = {}
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, type_: str, data: dict[str, Any] | None = None) -> None:
@@ -83,7 +85,7 @@ class Steps:
             "time": workflow.now().isoformat(),
             "subject": info.workflow_id,
             "datacontenttype": "application/json",
-            "data": data or {},
+            "data": {**self.context, **(data or {})},
         })
 
     async def finish(self, type_: str, data: dict[str, Any] | None = None) -> None:

@@ -1,0 +1,71 @@
+"""Agent activities: plan the next tool calls with the model, and search the documents."""
+
+from __future__ import annotations
+
+import json
+
+from temporalio import activity
+
+from activities.agent_models import PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, ToolCall
+from ragline import prompts
+from ragline.embeddings import Embedder
+from ragline.llm import ChatModel
+from ragline.vectorstore import VectorIndex
+from temporal.errors import translate_errors
+
+OBSERVATION_CHARS = 600
+
+
+class AgentActivities:
+    def __init__(self, embedder: Embedder, index: VectorIndex, model: ChatModel) -> None:
+        self.embedder = embedder
+        self.index = index
+        self.model = model
+
+    @activity.defn(name="agent_plan")
+    @translate_errors
+    async def agent_plan(self, req: PlanInput) -> PlanOutput:
+        messages = prompts.messages(
+            "agent", goal=req.goal, instructions=req.instructions or "(none)", depth=str(req.depth),
+            max_depth=str(req.max_depth), observations="\n".join(f"- {o}" for o in req.observations) or "(none)")
+        tools = prompts.agent_tools()
+        plan = await self.model.plan(messages, tools, step="agent")
+        allowed = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        return PlanOutput(calls=[checked_call(c.name, c.arguments, allowed) for c in plan.calls], text=plan.text,
+                          prompt_tokens=plan.prompt_tokens, completion_tokens=plan.completion_tokens,
+                          attempt=activity.info().attempt)
+
+    @activity.defn(name="search_documents")
+    @translate_errors
+    def search_documents(self, req: SearchDocumentsInput) -> SearchDocumentsOutput:
+        hits = self.index.search(req.collection, self.embedder.query(req.query), req.top_k)
+        if not hits:
+            text = f"search_documents({req.query!r}): nothing found"
+        else:
+            text = " | ".join(f"[{h.payload.get('filename')}, p.{h.payload.get('page')}] {h.payload.get('text', '')}"
+                              for h in hits)
+        return SearchDocumentsOutput(observation=text[:OBSERVATION_CHARS], attempt=activity.info().attempt)
+
+    def all(self) -> list:
+        return [self.agent_plan, self.search_documents]
+
+
+def checked_call(name: str, arguments: str, allowed: dict[str, dict]) -> ToolCall:
+    """Hold a model's tool call to the allowlist and the tool's schema; errors become tool errors."""
+    if name not in allowed:
+        return ToolCall(name=name, error=f"unknown tool {name!r}; allowed: {', '.join(sorted(allowed))}")
+    try:
+        args = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return ToolCall(name=name, error=f"arguments of {name} are not valid JSON")
+    if not isinstance(args, dict):
+        return ToolCall(name=name, error=f"arguments of {name} must be an object")
+    schema = allowed[name]
+    for key in schema.get("required", []):
+        value = args.get(key)
+        if not isinstance(value, str) or not value.strip():
+            return ToolCall(name=name, error=f"{name} needs a non-empty string {key!r}")
+    unknown = set(args) - set(schema.get("properties", {}))
+    if unknown:
+        return ToolCall(name=name, error=f"{name} got unknown argument(s): {', '.join(sorted(unknown))}")
+    return ToolCall(name=name, arguments={k: v.strip() for k, v in args.items()})

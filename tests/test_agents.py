@@ -1,0 +1,198 @@
+"""Agents delegate to sub-agents as child workflows; guards stop them for human review."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from temporal.devserver import temporal_binary
+
+DEPTH = re.compile(r"DEPTH: (\d+) of at most (\d+)")
+
+
+def _depth(body: dict) -> int:
+    text = body["messages"][-1]["content"]
+    return int(DEPTH.search(text).group(1))
+
+
+def _fresh(body: dict) -> bool:
+    return "OBSERVATIONS SO FAR:\n(none)" in body["messages"][-1]["content"]
+
+
+def _goal(body: dict) -> str:
+    return body["messages"][-1]["content"].split("GOAL: ", 1)[1].split("\n", 1)[0]
+
+
+def delegate_until(leaf_depth: int):
+    """The scripted model delegates on its first plan until `leaf_depth`, then finishes."""
+    def plan(body: dict) -> dict:
+        depth = _depth(body)
+        if _fresh(body) and depth < leaf_depth:
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"level {depth + 1} part"}}]}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer from depth {depth}"}}]}
+    return plan
+
+
+async def _start(stack, goal: str, **extra) -> str:
+    r = await stack.http.post("/v1/agents", json={"goal": goal, "collection": "agents", **extra})
+    assert r.status_code == 202, r.text
+    return r.json()["job_id"]
+
+
+async def _waiting(stack, *, count: int = 1, timeout: float = 60) -> list[dict]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        reviews = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        if len(reviews) >= count:
+            return reviews
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"expected {count} review(s), got {reviews}")
+        await asyncio.sleep(0.3)
+
+
+async def _cli(stack, *args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        temporal_binary(), *args, "--address", stack.settings.temporal_address,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, out.decode()
+    return out.decode()
+
+
+def _node_at(tree: dict, depth: int) -> dict:
+    node = tree
+    while node["depth"] < depth:
+        node = node["children"][0]
+    return node
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_script(stack):
+    yield
+    stack.llm.script_fn("agent", None)
+
+
+async def test_depth_guard_waits_and_cli_approval_continues(stack):
+    stack.llm.script_fn("agent", delegate_until(leaf_depth=4))
+    job_id = await _start(stack, "Map the harbour records", max_depth=3)
+    [review] = await _waiting(stack)
+    assert review["reason"] == "depth" and review["depth"] == 3
+    assert review["proposed_action"] == {"action": "delegate", "subgoals": ["level 4 part"]}
+    assert review["job_id"].startswith(job_id) and review["job_id"].count(".") == 3
+    assert (await stack.http.get(f"/v1/jobs/{review['job_id']}")).json()["status"] == "waiting_review"
+
+    # Approve with the real `temporal` CLI, as an operator would.
+    payload = {"decision": "approve", "reviewer": "cli-operator", "comment": "one more level", "extra_depth": 1}
+    await _cli(stack, "workflow", "update", "execute", "-w", review["workflow_id"], "--name", "review",
+               "--input", json.dumps(payload))
+    job = await stack.wait_job(job_id, timeout=120)
+    assert job["status"] == "completed", job
+    result = job["result"]
+    assert result["status"] == "finished" and result["answer"]
+    assert _node_at(result["tree"], 4)["answer"] == "answer from depth 4"
+    assert result["llm_calls"] >= 9
+    [decision] = result["decisions"]
+    assert decision["reviewer"] == "cli-operator" and decision["decision"] == "approve"
+    assert decision["reason"] == "depth" and decision["decided_at"]
+    assert (await stack.http.get("/v1/reviews")).json()["reviews"] == []
+
+
+async def test_reject_finishes_with_a_partial_answer(stack):
+    stack.llm.script_fn("agent", delegate_until(leaf_depth=9))
+    job_id = await _start(stack, "Summarise every ledger", max_depth=1)
+    [review] = await _waiting(stack)
+    r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
+                              json={"decision": "reject", "reviewer": "ana", "comment": "deep enough"})
+    assert r.status_code == 200, r.text
+    job = await stack.wait_job(job_id)
+    stopped = _node_at(job["result"]["tree"], 1)
+    assert stopped["status"] == "stopped" and stopped["answer"].startswith("Stopped")
+    assert job["result"]["decisions"][0]["comment"] == "deep enough"
+    again = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
+                                  json={"decision": "approve", "reviewer": "ana"})
+    assert again.status_code == 409
+
+
+async def test_budget_guard_trips_and_waits(stack):
+    stack.llm.script_fn("agent", delegate_until(leaf_depth=9))
+    job_id = await _start(stack, "Count the ships", max_depth=5, budget={"max_llm_calls": 2})
+    [review] = await _waiting(stack)
+    assert review["reason"] == "budget" and review["depth"] == 1
+    # The child got only what was left of the shared budget.
+    assert "model calls left" in review["detail"] or "budget used up" in review["detail"]
+    await stack.http.post(f"/v1/jobs/{review['job_id']}/review", json={"decision": "reject", "reviewer": "bo"})
+    # The tree's budget is spent, so the root stops too before planning again.
+    for _ in range(100):
+        root = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        if root and root[0]["job_id"] == job_id:
+            break
+        await asyncio.sleep(0.2)
+    assert root[0]["reason"] == "budget" and root[0]["depth"] == 0
+    await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "reject", "reviewer": "bo"})
+    job = await stack.wait_job(job_id)
+    assert job["status"] == "completed" and job["result"]["llm_calls"] == 2
+    assert job["result"]["status"] == "stopped" and len(job["result"]["decisions"]) == 2
+
+
+async def test_loop_guard_trips_on_a_repeated_goal(stack):
+    def loop(body: dict) -> dict:
+        if _fresh(body):
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": _goal(body).upper() + "!"}}]}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "done"}}]}
+
+    stack.llm.script_fn("agent", loop)
+    job_id = await _start(stack, "Find the lighthouse keeper")
+    [review] = await _waiting(stack)
+    assert review["reason"] == "loop" and review["depth"] == 0 and review["job_id"] == job_id
+    # A revise decision continues with the reviewer's instructions instead of the delegation.
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+        "decision": "revise", "reviewer": "cy", "instructions": "search the documents yourself"})
+    assert r.status_code == 200
+    job = await stack.wait_job(job_id)
+    assert job["status"] == "completed" and job["result"]["answer"] == "done"
+    plans = [c for c in stack.llm.calls if c.task == "agent" and "Find the lighthouse keeper" in c.user_message]
+    assert "search the documents yourself" in plans[-1].user_message
+
+
+async def test_signal_reviews_record_bad_input_and_accept_good_input(stack):
+    stack.llm.script_fn("agent", delegate_until(leaf_depth=9))
+    job_id = await _start(stack, "Read the tide tables", max_depth=0)
+    [review] = await _waiting(stack)
+    await _cli(stack, "workflow", "signal", "-w", job_id, "--name", "review",
+               "--input", json.dumps({"decision": "maybe", "reviewer": "dee"}))
+    for _ in range(50):
+        pending = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        if pending and pending[0]["rejected_inputs"]:
+            break
+        await asyncio.sleep(0.2)
+    assert "decision" in pending[0]["rejected_inputs"][0]["error"]
+    await _cli(stack, "workflow", "signal", "-w", job_id, "--name", "review",
+               "--input", json.dumps({"decision": "reject", "reviewer": "dee"}))
+    job = await stack.wait_job(job_id)
+    assert job["status"] == "completed" and job["result"]["status"] == "stopped"
+
+
+async def test_bad_tool_calls_are_tool_errors_and_events_carry_depth(stack):
+    stack.llm.script("agent", [{"tool_calls": [{"name": "rm_rf", "arguments": {"path": "/"}}]},
+                               {"tool_calls": [{"name": "search_documents", "arguments": {"q": "x"}}]},
+                               {"tool_calls": [{"name": "finish", "arguments": {"answer": "safe"}}]}])
+    job_id = await _start(stack, "Try something odd")
+    job = await stack.wait_job(job_id)
+    assert job["status"] == "completed" and job["result"]["answer"] == "safe"
+    last_plan = [c for c in stack.llm.calls if c.task == "agent" and "Try something odd" in c.user_message][-1]
+    assert "unknown tool 'rm_rf'" in last_plan.user_message
+    assert "search_documents needs a non-empty string 'query'" in last_plan.user_message
+
+    from tests.test_events import read_events
+    events = await read_events(stack, job_id)
+    assert all(e["data"].get("depth") == 0 for _, e in events)
+
+
+async def test_limits_above_the_ceiling_are_refused(stack):
+    r = await stack.http.post("/v1/agents", json={"goal": "x", "max_depth": 99})
+    assert r.status_code == 422 and "max_depth" in r.json()["error"]["message"]
+    r = await stack.http.post("/v1/agents", json={"goal": "x", "budget": {"max_llm_calls": 10**6}})
+    assert r.status_code == 422

@@ -1,0 +1,112 @@
+"""Human review: a workflow that needs a person stops spending, shows up in `GET /v1/reviews`
+(RaglineStatus=waiting_review), and waits for a `review` decision or the review timeout.
+
+The decision arrives as the `review` Update (validated: a bad payload is rejected back to the sender,
+in the Web UI's dialog too) or as the `review` Signal (a permissive payload; input that fails
+validation is recorded where a person sees it, since a signal that cannot be decoded would otherwise
+be dropped silently).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from pydantic import ValidationError
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.models import ReviewAck, ReviewDecision, ReviewRequest
+    from workflows.steps import Steps
+
+
+class Reviews:
+    def __init__(self, steps: Steps) -> None:
+        self.steps = steps
+        self.pending: ReviewRequest | None = None
+        self.decision: ReviewDecision | None = None
+        self.history: list[dict[str, Any]] = []
+        self.rejected_inputs: list[dict[str, Any]] = []
+
+    async def ask(self, *, reason: str, detail: str, proposed_action: dict, goal: str, depth: int,
+                  timeout: timedelta) -> ReviewDecision:
+        now = workflow.now()
+        self.pending = ReviewRequest(reason=reason, detail=detail, proposed_action=proposed_action, goal=goal,
+                                     depth=depth, requested_at=now, expires_at=now + timeout)
+        self.decision = None
+        previous = self.steps.status
+        self.steps.set_status("waiting_review")
+        self.steps.emit("ragline.review.requested", self.pending.model_dump(mode="json"))
+        try:
+            await workflow.wait_condition(lambda: self.decision is not None, timeout=timeout)
+            decision = self.decision
+        except TimeoutError:
+            decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
+        record = {"reason": reason, "detail": detail, "proposed_action": proposed_action, "depth": depth,
+                  "decision": decision.decision, "reviewer": decision.reviewer, "comment": decision.comment,
+                  "instructions": decision.instructions, "extra_depth": decision.extra_depth,
+                  "extra_budget": decision.extra_budget, "decided_at": workflow.now().isoformat()}
+        self.history.append(record)
+        self.pending = None
+        self.steps.emit("ragline.review.decided", record)
+        self.steps.set_status(previous if previous != "waiting_review" else "running")
+        return decision
+
+    def validate(self, decision: ReviewDecision) -> None:
+        if self.pending is None:
+            raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
+        if decision.extra_depth < 0 or any(v < 0 for v in decision.extra_budget.values()):
+            raise ApplicationError("extensions cannot be negative", type="InvalidReview")
+        unknown = set(decision.extra_budget) - {"max_llm_calls", "max_tokens", "max_seconds"}
+        if unknown:
+            raise ApplicationError(f"unknown budget key(s): {', '.join(sorted(unknown))}", type="InvalidReview")
+        if not decision.reviewer.strip():
+            raise ApplicationError("reviewer is required", type="InvalidReview")
+
+    def accept(self, decision: ReviewDecision) -> ReviewAck:
+        self.decision = decision
+        return ReviewAck(accepted=True, decision=decision.decision)
+
+    def accept_signal(self, payload: Any) -> None:
+        try:
+            decision = ReviewDecision.model_validate(payload)
+            self.validate(decision)
+        except (ValidationError, ApplicationError, TypeError) as exc:
+            message = str(exc).splitlines()[0] if isinstance(exc, ApplicationError) else _short(exc)
+            entry = {"payload": payload, "error": message, "at": workflow.now().isoformat()}
+            self.rejected_inputs.append(entry)
+            self.steps.emit("ragline.review.rejected_input", entry)
+            workflow.logger.warning("review signal rejected: %s", message)
+            return
+        self.decision = decision
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'payload'}: {e['msg']}" for e in exc.errors())
+    return str(exc)
+
+
+class ReviewHandlers:
+    """The `review` Update and Signal, and the `review_request` query, for workflows that use Reviews."""
+
+    reviews: Reviews
+
+    @workflow.update(name="review")
+    def review(self, decision: ReviewDecision) -> ReviewAck:
+        return self.reviews.accept(decision)
+
+    @review.validator
+    def _validate_review(self, decision: ReviewDecision) -> None:
+        self.reviews.validate(decision)
+
+    @workflow.signal(name="review")
+    def review_signal(self, payload: Any) -> None:
+        self.reviews.accept_signal(payload)
+
+    @workflow.query(name="review_request")
+    def review_request(self) -> dict | None:
+        if self.reviews.pending is None:
+            return None
+        return {**self.reviews.pending.model_dump(mode="json"), "rejected_inputs": self.reviews.rejected_inputs}
