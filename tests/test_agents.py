@@ -196,3 +196,26 @@ async def test_limits_above_the_ceiling_are_refused(stack):
     assert r.status_code == 422 and "max_depth" in r.json()["error"]["message"]
     r = await stack.http.post("/v1/agents", json={"goal": "x", "budget": {"max_llm_calls": 10**6}})
     assert r.status_code == 422
+
+
+async def test_chat_with_require_review_releases_the_answer_only_after_approval(stack):
+    seed = await stack.upload(("tides.txt", b"High tide at Vell harbour is at noon. Low tide follows at six."),
+                              collection="reviewed")
+    await stack.wait_job(seed["job_id"])
+    r = await stack.http.post("/v1/chats", json={"message": "When is high tide at Vell?", "collection": "reviewed",
+                                                 "require_review": True})
+    job_id = r.json()["job_id"]
+    [review] = await _waiting(stack)
+    assert review["job_id"] == job_id and review["reason"] == "review requested"
+    assert "[1]" in review["proposed_action"]["answer"]
+    held = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
+    assert held["status"] == "waiting_review" and held["result"] is None
+    session = (await stack.http.get(f"/v1/chats/{r.json()['session_id']}")).json()
+    assert session["turns"][0]["answer"] is None
+
+    await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+        "decision": "approve", "reviewer": "editor", "answer": "High tide is at noon [1]."})
+    job = await stack.wait_job(job_id)
+    assert job["status"] == "completed"
+    assert job["result"]["answer"] == "High tide is at noon [1]."
+    assert job["result"]["review"]["reviewer"] == "editor"

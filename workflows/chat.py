@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -32,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         JobProgress, PendingTurn, SessionState, TurnAccepted, TurnContext, TurnInput, TurnRequest, TurnResult, Usage,
         turn_job_id,
     )
+    from workflows.review import ReviewHandlers, Reviews
     from workflows.steps import OperatorHandlers, Steps, failure_reason, failure_type
 
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -41,11 +43,12 @@ TURNS_PER_RUN = 200         # continue-as-new after this many turns even if the 
 
 
 @workflow.defn
-class ChatTurnWorkflow(OperatorHandlers):
+class ChatTurnWorkflow(OperatorHandlers, ReviewHandlers):
     def __init__(self) -> None:
         self.stream = WorkflowStream()
         self.steps = Steps(self.stream, ["retrieve_context", "summarize_context", "extract_entities",
                                          "generate_answer"])
+        self.reviews = Reviews(self.steps)
         self.context: TurnContext | None = None
 
     @workflow.signal
@@ -62,6 +65,8 @@ class ChatTurnWorkflow(OperatorHandlers):
         await workflow.wait_condition(lambda: self.context is not None)
         try:
             result = await self._chain(turn)
+            if turn.require_review or (turn.review_unsupported and not result.citations):
+                result = await self._hold_for_review(turn, result)
         except (ActivityError, ApplicationError) as exc:
             self.steps.skip_pending()
             reason = failure_reason(exc)
@@ -69,6 +74,19 @@ class ChatTurnWorkflow(OperatorHandlers):
             raise ApplicationError(reason, type=failure_type(exc), non_retryable=True) from exc
         await self.steps.finish("ragline.job.completed", result.model_dump(mode="json"))
         return result
+
+    async def _hold_for_review(self, turn: TurnInput, result: TurnResult) -> TurnResult:
+        """The answer waits for a person, who may release it, replace its text, or reject it."""
+        reason = "review requested" if turn.require_review else "answer without a supporting citation"
+        decision = await self.reviews.ask(
+            reason=reason, detail=f"answer to {turn.message[:200]!r} is held until a reviewer releases it",
+            proposed_action={"action": "release_answer", "answer": result.answer[:2000]}, goal=turn.message,
+            depth=0, timeout=timedelta(seconds=turn.review_timeout_seconds))
+        if decision.decision == "reject":
+            raise ApplicationError(f"answer rejected by {decision.reviewer}: {decision.comment or 'no comment'}",
+                                   type="AnswerRejected", non_retryable=True)
+        released = decision.answer or result.answer
+        return result.model_copy(update={"answer": released, "review": self.reviews.history[-1]})
 
     async def _chain(self, turn: TurnInput) -> TurnResult:
         retrieved = await self.steps.run("retrieve_context", lambda: workflow.execute_activity(
@@ -134,7 +152,9 @@ class ChatSessionWorkflow:
             return await workflow.start_child_workflow(
                 ChatTurnWorkflow.run,
                 TurnInput(session_id=self.state.session_id, turn=pending.turn, message=req.message,
-                          collection=req.collection, top_k=req.top_k),
+                          collection=req.collection, top_k=req.top_k, require_review=req.require_review,
+                          review_unsupported=req.review_unsupported,
+                          review_timeout_seconds=req.review_timeout_seconds),
                 id=pending.job_id, parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                 memo={"turn": pending.turn, "message": req.message[:500]},
                 search_attributes=TypedSearchAttributes([

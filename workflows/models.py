@@ -96,6 +96,9 @@ class TurnRequest(BaseModel):
     collection: str = "default"
     top_k: int = 5
     idempotency_key: str | None = None
+    require_review: bool = False
+    review_unsupported: bool = False
+    review_timeout_seconds: float = 86400
 
 
 class TurnAccepted(BaseModel):
@@ -110,6 +113,10 @@ class TurnInput(BaseModel):
     message: str
     collection: str
     top_k: int
+    # Hold the answer for a person: always, or only when nothing in the documents supports it.
+    require_review: bool = False
+    review_unsupported: bool = False
+    review_timeout_seconds: float = 86400
 
 
 class TurnContext(BaseModel):
@@ -133,6 +140,7 @@ class TurnResult(BaseModel):
     model: str
     usage: Usage
     warnings: list[str] = []
+    review: dict | None = None
 
 
 class PendingTurn(BaseModel):

@@ -21,6 +21,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from api import jobs
 from api.deps import get_client, get_settings, rpc_timeout
 from api.errors import ApiError
+from api.routes.agents import review_timeout_seconds
 from api.routes.documents import validate_collection
 from ragline.settings import Settings
 from temporal import search_attributes as sa
@@ -37,6 +38,7 @@ class ChatRequest(BaseModel):
     session_id: str | None = Field(None, description="Continue a session; a new one is made when omitted")
     collection: str = "default"
     top_k: int = Field(5, ge=1, le=20)
+    require_review: bool = Field(False, description="Hold the answer until a reviewer approves it")
 
 
 @router.post("", status_code=202, summary="Ask a question in a session; answers at once with a job")
@@ -49,7 +51,9 @@ async def post_chat(req: ChatRequest, request: Request,
         raise ApiError(422, "invalid_session_id", "session_id must be 1-64 letters, digits, '_' or '-'")
     # Every turn gets a key (the client's, or one made here), so resending an unconfirmed update is safe.
     turn = TurnRequest(message=req.message, collection=req.collection, top_k=req.top_k,
-                       idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}")
+                       idempotency_key=idempotency_key or f"auto-{uuid.uuid4().hex}",
+                       require_review=req.require_review, review_unsupported=settings.review_unsupported_answers,
+                       review_timeout_seconds=review_timeout_seconds(settings))
     try:
         accepted = await asyncio.wait_for(_submit(client, turn, session_id, settings), settings.temporal_rpc_timeout)
     except asyncio.TimeoutError:
