@@ -35,7 +35,22 @@ install: $(STAMP)
 run: install $(RUN_EXTRA)
 	$(BIN)/python -m ragline.run
 
-test: install
+# The browser test (tests/test_webui.py) drives the Temporal Web UI with Debian's Chromium through
+# playwright-core, pinned in tests/webui/package-lock.json (npm never downloads a browser here).
+# Only `make test` needs them; `make run` does not.
+CHROMIUM    := /usr/bin/chromium
+WEBUI_STAMP := tests/webui/node_modules/.installed
+
+$(CHROMIUM):
+	@echo "Installing Debian's chromium for the Web UI browser test (~1 min)"
+	DEBIAN_FRONTEND=noninteractive apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+
+$(WEBUI_STAMP): tests/webui/package-lock.json tests/webui/package.json
+	npm ci --prefix tests/webui --no-audit --no-fund
+	@touch $(WEBUI_STAMP)
+
+test: install $(CHROMIUM) $(WEBUI_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: install

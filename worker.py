@@ -38,8 +38,33 @@ WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSession
              AgentWorkflow]
 
 
+class RaglineWorker:
+    """The main worker (workflows, I/O-bound activities) and the CPU-bound activity worker, run together.
+
+    Every activity is registered on both, so the policy file alone decides where each one runs.
+    """
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = workers
+
+    async def run(self) -> None:
+        await asyncio.gather(*(w.run() for w in self.workers))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(w.shutdown() for w in self.workers))
+
+    async def __aenter__(self) -> "RaglineWorker":
+        for w in self.workers:
+            await w.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for w in reversed(self.workers):
+            await w.__aexit__(*exc)
+
+
 def build_worker(client: Client, settings: Settings, index: VectorIndex,
-                 executor: concurrent.futures.ThreadPoolExecutor) -> Worker:
+                 executor: concurrent.futures.ThreadPoolExecutor) -> RaglineWorker:
     """One place that wires workflows and activities; used by `main()` and by the tests."""
     policies.load(settings.policies, dead_letter_ttl=settings.dead_letter_ttl)
     blobs = BlobStore(settings.blob_dir)
@@ -50,14 +75,13 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
     model = ChatModel(settings)
     chat = ChatActivities(blobs, embedder, index, model)
     agent = AgentActivities(embedder, index, model)
-    return Worker(
-        client,
-        task_queue=settings.task_queue,
-        workflows=WORKFLOWS,
-        activities=[*ingest.all(), *search.all(), *jobs.all(), *chat.all(), *agent.all()],
-        activity_executor=executor,
-        max_concurrent_activities=executor._max_workers,
-    )
+    activities = [*ingest.all(), *search.all(), *jobs.all(), *chat.all(), *agent.all()]
+    return RaglineWorker([
+        Worker(client, task_queue=settings.task_queue, workflows=WORKFLOWS, activities=activities,
+               activity_executor=executor, max_concurrent_activities=settings.worker_io_concurrency),
+        Worker(client, task_queue=policies.cpu_queue(settings.task_queue), activities=activities,
+               activity_executor=executor, max_concurrent_activities=settings.worker_cpu_concurrency),
+    ])
 
 
 async def main() -> int:
@@ -79,7 +103,9 @@ async def main() -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as executor:
+    # Threads for the CPU-bound activities, plus room for sync activities on the main queue (search).
+    threads = settings.worker_cpu_concurrency + 4
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as executor:
         worker = build_worker(client, settings, index, executor)
         log.info("worker polling", task_queue=settings.task_queue, temporal=settings.temporal_address,
                  vector_store=settings.qdrant_url or str(settings.qdrant_path))

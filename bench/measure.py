@@ -50,7 +50,8 @@ class Burst:
                 "error_kinds": dict(Counter(s.error or f"HTTP {s.status}" for s in self.errors)),
                 "error_first": min((s.latency for s in self.errors), default=None),
                 "error_last": max((s.latency for s in self.errors), default=None),
-                "latencies": [round(s.latency, 4) for s in self.samples]}
+                "latencies": [round(s.latency, 4) for s in self.samples],
+                "ok_latencies": [round(s.latency, 4) for s in self.ok]}
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:

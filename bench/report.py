@@ -62,7 +62,9 @@ def render(r: dict) -> str:
         f"Measured {m['date']} on {m['nproc']} CPUs ({m['cpu'] or 'unknown CPU'}), {m['mem_gb']} GB RAM, {m['os']}; "
         f"Python {m['python']}, temporalio {m['temporalio']}, Temporal CLI {m['temporal_cli'] or '?'} "
         f"(`temporal server start-dev`, SQLite in a temp folder, WAL), uvicorn {m['uvicorn']}, "
-        f"FastAPI {m['fastapi']}, openai {m['openai']}; commit `{m['commit'] or '?'}`. "
+        f"FastAPI {m['fastapi']}, openai {m['openai']}; commit `{m['commit'] or '?'}`"
+        + (f" with uncommitted changes to {', '.join(f'`{x}`' for x in m['dirty'])}" if m.get("dirty") else "")
+        + ". "
         f"Command: `python -m bench --requests {n} --delay {delay:g}` (`make bench` = 200 and 5). "
         f"Every process on this machine over loopback; one client process sends all requests (httpx, "
         f"{n} connections); the whole run took {secs(r.get('bench_seconds'))}.")
@@ -126,11 +128,17 @@ def render(r: dict) -> str:
             notes.append(f"**{name} errors: {kinds}**, answered after {ms(s['error_first'])} … "
                          f"{ms(s['error_last'])}; the {s['ok']} successful requests alone: p50 {ms(s['ok_p50'])}, "
                          f"p99 {ms(s['ok_p99'])}, max {ms(s['ok_max'])}.")
+    limit = r.get("api_deadline")
+    late = [x for x in (rl.get("ok_latencies") or []) if limit and x > limit + 0.5]
+    if late:
+        notes.append(f"**{len(late)} Ragline requests got their `202` after more than the API's own {limit:g} s "
+                     f"limit** (`RAGLINE_TEMPORAL_RPC_TIMEOUT`, after which `POST /v1/chats` should answer 503): "
+                     f"up to {ms(max(late))}.")
     if e2e and e2e["recorded_despite_error"]:
         notes.append(f"**{e2e['recorded_despite_error']} of the {rl['errors']} Ragline requests that got an error "
                      f"were recorded anyway**: their turn jobs (`chat-<session>-1`) exist and ran to the end "
                      f"(they are in the end-to-end numbers and the model-call count). A client that resends "
-                     f"after such an error gets a second turn.")
+                     f"after such an error without an `Idempotency-Key` (the bench sends none) gets a second turn.")
     cpu = r.get("cpu_seconds") or {}
     if cpu.get("ragline"):
         def used(phase: str) -> str:
@@ -150,13 +158,18 @@ def render(r: dict) -> str:
         calls = _chat_calls(rlu)
         conc = rlu.get("max_concurrency") or 0
         if calls and conc:
-            slots = (" (`max_concurrent_activities`, which `worker.py` sets to the size of its 8-thread executor; "
-                     "it counts async activities too)") if conc == 8 else ""
-            notes.append(
-                f"Ragline's end to end is capped by the worker's activity slots{slots}: at most {conc} model calls "
-                f"were in flight at once, so {calls} calls × {delay:g} s / {conc} = {calls * delay / conc:.0f} s "
-                f"is the least time for them (measured {secs(e2e['last_done_after'])}); the sync app had "
-                f"{slu.get('max_concurrency')} calls in flight (its thread pool).")
+            slots = r.get("worker_io_slots")
+            least = (f"{calls} calls × {delay:g} s / {conc} = {calls * delay / conc:.0f} s is the least time for "
+                     f"them at that concurrency (measured {secs(e2e['last_done_after'])})")
+            if slots and conc >= slots:
+                notes.append(f"Ragline's end to end is capped by the worker's activity slots "
+                             f"(`RAGLINE_WORKER_IO_CONCURRENCY` = {slots}): {conc} model calls were in flight at "
+                             f"most, so {least}.")
+            else:
+                notes.append(f"At most {conc} Ragline model calls were in flight at once"
+                             + (f" (the worker has {slots} activity slots for them)" if slots else "")
+                             + f"; {least}.")
+            notes[-1] += f" The sync app had {slu.get('max_concurrency')} calls in flight (its thread pool)."
         order = r.get("ragline_call_order") or {}
         if order.get("answers") and order["answers_before_last_prep"] <= order["answers"] // 4:
             notes.append(

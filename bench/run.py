@@ -99,6 +99,7 @@ class Stack:
         self.temporal = None  # DevServer
         self.llm_url = self.api_url = self.sync_url = ""
         self.temporal_address = ""
+        self.api_deadline = 0.0  # the API's RAGLINE_TEMPORAL_RPC_TIMEOUT
 
     async def start(self, delay: float) -> None:
         from ragline.settings import Settings
@@ -120,6 +121,8 @@ class Stack:
         log(f"Temporal dev server on {self.temporal_address} (data in {self.data_dir})")
         settings = Settings(data_dir=self.data_dir, temporal_address=self.temporal_address,
                             temporal_ui_port=ui_port, temporal_namespace="default", task_queue="ragline")
+        # The children get no RAGLINE_* of ours besides the ones below: the API runs with the default.
+        self.api_deadline = Settings.model_fields["temporal_rpc_timeout"].default
         self.temporal = DevServer(settings, startup_timeout=60)
         await self.temporal.start()
         server = self.temporal
@@ -419,7 +422,22 @@ def machine_facts() -> dict:
             "python": platform.python_version(), "temporalio": version("temporalio"),
             "temporal_cli": cmd([temporal_binary(), "--version"]).replace("temporal version ", ""),
             "uvicorn": version("uvicorn"), "fastapi": version("fastapi"), "openai": version("openai"),
-            "commit": cmd(["git", "rev-parse", "--short", "HEAD"])}
+            "commit": cmd(["git", "rev-parse", "--short", "HEAD"]),
+            "dirty": _dirty(cmd(["git", "status", "--porcelain", "--untracked-files=no"]))}
+
+
+def _worker_io_slots() -> int | None:
+    """The worker's activity slots for model calls, if this version of the settings has the knob."""
+    from ragline.settings import Settings
+
+    field = Settings.model_fields.get("worker_io_concurrency")
+    return field.default if field is not None else None
+
+
+def _dirty(porcelain: str) -> list[str]:
+    """Tracked files with uncommitted changes that the measured code may include (not bench/ nor docs)."""
+    paths = [line[3:].strip() for line in porcelain.splitlines() if len(line) > 3]
+    return sorted(p for p in paths if p.endswith((".py", ".toml")) and not p.startswith(("tests/", "bench/")))
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -493,6 +511,7 @@ async def run(args: argparse.Namespace) -> int:
                    "sync_llm": _llm_digest(sync_llm), "ragline_llm": _llm_digest(ragline_stats),
                    "ragline_call_order": call_order(ragline_stats), "cpu_seconds": cpu,
                    "e2e": _e2e_digest(e2e, submitted, t0_wall) if e2e else None, "verify": checked,
+                   "api_deadline": stack.api_deadline, "worker_io_slots": _worker_io_slots(),
                    "bench_seconds": None}
         results["bench_seconds"] = round(time.monotonic() - t_begin, 1)
         text = report.render(results)

@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     embed_batch_size: int = 16
     embed_parallelism: int = 4
 
+    # Activities in flight per worker: model calls and waits (I/O) / extraction and embedding (CPU).
+    worker_io_concurrency: int = 64
+    worker_cpu_concurrency: int = 4
+
     # Agents: server-side ceilings on what a request may ask for (above them: 422).
     agent_max_depth: int = 6
     agent_max_llm_calls: int = 500

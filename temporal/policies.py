@@ -10,7 +10,7 @@ import re
 import tomllib
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from temporalio.common import RetryPolicy
@@ -47,6 +47,7 @@ class _Partial(BaseModel):
     max_interval: timedelta | None = None
     max_attempts: int | None = None
     non_retryable: list[str] | None = None
+    queue: Literal["main", "cpu"] | None = None
 
     @field_validator("start_to_close", "heartbeat", "initial_interval", "max_interval", mode="before")
     @classmethod
@@ -72,6 +73,9 @@ class ActivityPolicy(BaseModel):
     start_to_close: timedelta
     heartbeat: timedelta | None
     retry: RetryPolicy
+    # "cpu": runs on the CPU-bound task queue (<task queue>-cpu), whose worker takes few at a time;
+    # "main": with the workflows, where many I/O-bound calls (model requests) may wait at once.
+    queue: str = "main"
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     def as_options(self) -> dict[str, Any]:
@@ -129,6 +133,7 @@ def parse(text: str, source: str = "policies") -> dict[str, ActivityPolicy]:
                 maximum_attempts=merged.max_attempts or 0,
                 non_retryable_error_types=list(merged.non_retryable or []),
             ),
+            queue=merged.queue or "main",
         )
     return policies
 
@@ -182,6 +187,21 @@ def policy(activity_name: str) -> ActivityPolicy:
     return _loaded[activity_name]
 
 
+def cpu_queue(task_queue: str) -> str:
+    return f"{task_queue}-cpu"
+
+
 def options(activity_name: str) -> dict[str, Any]:
-    """Keyword arguments for `workflow.execute_activity` / `execute_local_activity`."""
+    """Keyword arguments for `workflow.execute_activity` (call from workflow code)."""
+    from temporalio import workflow
+
+    chosen = policy(activity_name)
+    opts = chosen.as_options()
+    if chosen.queue == "cpu":
+        opts["task_queue"] = cpu_queue(workflow.info().task_queue)
+    return opts
+
+
+def local_options(activity_name: str) -> dict[str, Any]:
+    """Keyword arguments for `workflow.execute_local_activity` (runs in the workflow's worker)."""
     return policy(activity_name).as_options()

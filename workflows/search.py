@@ -15,4 +15,4 @@ class SearchWorkflow:
     @workflow.run
     async def run(self, req: SearchInput) -> SearchOutput:
         return await workflow.execute_local_activity(
-            "search_chunks", req, result_type=SearchOutput, **policies.options("search_chunks"))
+            "search_chunks", req, result_type=SearchOutput, **policies.local_options("search_chunks"))

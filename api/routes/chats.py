@@ -6,6 +6,7 @@ import asyncio
 import random
 import re
 import uuid
+import weakref
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -31,6 +32,10 @@ from workflows.models import SessionState, TurnAccepted, TurnRequest, session_wo
 router = APIRouter(prefix="/v1/chats", tags=["chat"])
 
 SESSION_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Temporal admits 10 in-flight Updates per workflow by default; a burst to one session waits here
+# instead of being refused by the server.
+UPDATES_PER_SESSION = 4
+_session_gates: weakref.WeakValueDictionary[str, asyncio.Semaphore] = weakref.WeakValueDictionary()
 
 
 class ChatRequest(BaseModel):
@@ -80,12 +85,16 @@ def _start_session(session_id: str, settings: Settings) -> WithStartWorkflowOper
 async def _submit(client: Client, turn: TurnRequest, session_id: str, settings: Settings) -> TurnAccepted:
     """Update-with-start, retried while the server sheds load: Temporal admits only a few concurrent
     Updates per workflow (10 by default), and a burst to one session must queue, not fail."""
+    gate = _session_gates.get(session_id)
+    if gate is None:
+        gate = _session_gates[session_id] = asyncio.Semaphore(UPDATES_PER_SESSION)
     delay = 0.02
     while True:
         try:
-            return await client.execute_update_with_start_workflow(
-                ChatSessionWorkflow.submit, turn, start_workflow_operation=_start_session(session_id, settings),
-                rpc_timeout=rpc_timeout(settings))
+            async with gate:
+                return await client.execute_update_with_start_workflow(
+                    ChatSessionWorkflow.submit, turn, start_workflow_operation=_start_session(session_id, settings),
+                    rpc_timeout=rpc_timeout(settings))
         except RPCError as exc:
             if not _update_rejected_for_load(exc):
                 raise
