@@ -52,18 +52,24 @@ class Stack:
     base_url: str
     llm: ScriptedLLM
 
-    async def wait_job(self, job_id: str, timeout: float = 120) -> dict:
-        """Poll the API until the job reaches a terminal status; returns the job view."""
+    async def wait_job(self, job_id: str, timeout: float = 120,
+                       until: tuple[str, ...] = ("completed", "failed", "cancelled", "dead_lettered",
+                                                 "waiting_review")) -> dict:
+        """Poll the API until the job reaches one of `until` (by default: ended, or waiting for a person)."""
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             r = await self.http.get(f"/v1/jobs/{job_id}")
             assert r.status_code == 200, r.text
             job = r.json()
-            if job["status"] in ("completed", "failed", "cancelled", "dead_lettered", "waiting_review"):
+            if job["status"] in until:
                 return job
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s: {job}")
             await asyncio.sleep(0.2)
+
+    async def wait_done(self, job_id: str, timeout: float = 120) -> dict:
+        """Until the job has ended (after a decision, the job may still show the status it had)."""
+        return await self.wait_job(job_id, timeout, until=("completed", "failed", "cancelled"))
 
     async def upload(self, *files: tuple[str, bytes], collection: str = "default", password: str | None = None,
                      expect: int = 202) -> dict:

@@ -88,7 +88,7 @@ async def test_depth_guard_waits_and_cli_approval_continues(stack):
     payload = {"decision": "approve", "reviewer": "cli-operator", "comment": "one more level", "extra_depth": 1}
     await _cli(stack, "workflow", "update", "execute", "-w", review["workflow_id"], "--name", "review",
                "--input", json.dumps(payload))
-    job = await stack.wait_job(job_id, timeout=120)
+    job = await stack.wait_done(job_id, timeout=120)
     assert job["status"] == "completed", job
     result = job["result"]
     assert result["status"] == "finished" and result["answer"]
@@ -107,7 +107,7 @@ async def test_reject_finishes_with_a_partial_answer(stack):
     r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
                               json={"decision": "reject", "reviewer": "ana", "comment": "deep enough"})
     assert r.status_code == 200, r.text
-    job = await stack.wait_job(job_id)
+    job = await stack.wait_done(job_id)
     stopped = _node_at(job["result"]["tree"], 1)
     assert stopped["status"] == "stopped" and stopped["answer"].startswith("Stopped")
     assert job["result"]["decisions"][0]["comment"] == "deep enough"
@@ -132,7 +132,7 @@ async def test_budget_guard_trips_and_waits(stack):
         await asyncio.sleep(0.2)
     assert root[0]["reason"] == "budget" and root[0]["depth"] == 0
     await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "reject", "reviewer": "bo"})
-    job = await stack.wait_job(job_id)
+    job = await stack.wait_done(job_id)
     assert job["status"] == "completed" and job["result"]["llm_calls"] == 2
     assert job["result"]["status"] == "stopped" and len(job["result"]["decisions"]) == 2
 
@@ -151,7 +151,7 @@ async def test_loop_guard_trips_on_a_repeated_goal(stack):
     r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
         "decision": "revise", "reviewer": "cy", "instructions": "search the documents yourself"})
     assert r.status_code == 200
-    job = await stack.wait_job(job_id)
+    job = await stack.wait_done(job_id)
     assert job["status"] == "completed" and job["result"]["answer"] == "done"
     plans = [c for c in stack.llm.calls if c.task == "agent" and "Find the lighthouse keeper" in c.user_message]
     assert "search the documents yourself" in plans[-1].user_message
@@ -171,7 +171,7 @@ async def test_signal_reviews_record_bad_input_and_accept_good_input(stack):
     assert "decision" in pending[0]["rejected_inputs"][0]["error"]
     await _cli(stack, "workflow", "signal", "-w", job_id, "--name", "review",
                "--input", json.dumps({"decision": "reject", "reviewer": "dee"}))
-    job = await stack.wait_job(job_id)
+    job = await stack.wait_done(job_id)
     assert job["status"] == "completed" and job["result"]["status"] == "stopped"
 
 
@@ -180,7 +180,7 @@ async def test_bad_tool_calls_are_tool_errors_and_events_carry_depth(stack):
                                {"tool_calls": [{"name": "search_documents", "arguments": {"q": "x"}}]},
                                {"tool_calls": [{"name": "finish", "arguments": {"answer": "safe"}}]}])
     job_id = await _start(stack, "Try something odd")
-    job = await stack.wait_job(job_id)
+    job = await stack.wait_done(job_id)
     assert job["status"] == "completed" and job["result"]["answer"] == "safe"
     last_plan = [c for c in stack.llm.calls if c.task == "agent" and "Try something odd" in c.user_message][-1]
     assert "unknown tool 'rm_rf'" in last_plan.user_message
@@ -215,7 +215,7 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
 
     await stack.http.post(f"/v1/jobs/{job_id}/review", json={
         "decision": "approve", "reviewer": "editor", "answer": "High tide is at noon [1]."})
-    job = await stack.wait_job(job_id)
+    job = await stack.wait_done(job_id)
     assert job["status"] == "completed"
     assert job["result"]["answer"] == "High tide is at noon [1]."
     assert job["result"]["review"]["reviewer"] == "editor"

@@ -38,7 +38,7 @@ async def test_exhausted_step_parks_and_retry_resumes_at_that_step(stack):
     r = await stack.http.post(f"/v1/jobs/{job['job_id']}/retry", json={"operator": "ana", "reason": "provider back"})
     assert r.status_code == 200, r.text
     assert r.json()["steps"] == ["generate_answer"]
-    done = await stack.wait_job(job["job_id"])
+    done = await stack.wait_done(job["job_id"])
     assert done["status"] == "completed" and "[1]" in done["result"]["answer"]
     assert stack.llm.count("summarize") == summaries_before + 1, "a completed step ran again"
     assert done["operator_decisions"][0]["operator"] == "ana"
@@ -51,7 +51,7 @@ async def test_discard_ends_a_parked_job_as_failed(stack):
     job = await _park_a_turn(stack, "Why are coasts rocky?")
     r = await stack.http.post(f"/v1/jobs/{job['job_id']}/discard", json={"operator": "bo", "reason": "not needed"})
     assert r.status_code == 200, r.text
-    failed = await stack.wait_job(job["job_id"])
+    failed = await stack.wait_done(job["job_id"])
     assert failed["status"] == "failed"
     assert "discarded by bo: not needed" in failed["error"]["message"]
     assert (await stack.http.post("/v1/jobs/no-such-job/discard", json={})).status_code == 404

@@ -1,13 +1,11 @@
-"""Human input through the real Temporal Web UI: headless Chromium (Debian's /usr/bin/chromium, driven
-by tests/webui/send_update.mjs with playwright-core) opens a workflow's page on this test's own dev
-server, uses More Actions -> Send an Update, picks the Update name, pastes a JSON payload and submits.
+"""Human review through the real Temporal Web UI: headless Chromium (Debian's /usr/bin/chromium, driven
+by tests/webui/send_update.mjs with playwright-core) opens a waiting agent's page on this test's own
+dev server, uses More Actions -> Send an Update, picks `review`, pastes the decision and submits.
 
-The workflow here is a stand-in for a human-review step: it waits for an Update `approve` whose
-validator accepts only decision "approve" or "reject". A bad payload must be refused in the dialog
-with the validator's message (and leave the workflow waiting); a good one must complete it.
-
-`make test` installs what this needs (Debian's chromium, `npm ci` in tests/webui). With
-RAGLINE_SCREENSHOTS set, the PNGs of each stage are kept in tests/webui/screenshots/.
+A bad payload must be refused in the dialog (and leave the agent waiting); a good one must let the
+agent go on and complete. `make test` installs what this needs (Debian's chromium, `npm ci` in
+tests/webui). With RAGLINE_SCREENSHOTS set, the PNGs of each stage are kept in docs/webui/ (the
+README shows them).
 """
 
 from __future__ import annotations
@@ -20,55 +18,20 @@ import signal
 import socket
 import sys
 import time
-import uuid
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from temporalio import workflow
-from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
+from temporal import search_attributes as sa
 from temporal.devserver import temporal_binary
+from tests.conftest import running_stack
+from tests.test_agents import _waiting, delegate_until
 
-WEBUI_DIR = Path(__file__).parent / "webui"  # no resolve(): the workflow sandbox re-imports this module and forbids it
+WEBUI_DIR = Path(__file__).parent / "webui"
 SEND_UPDATE = WEBUI_DIR / "send_update.mjs"
-SCREENSHOTS = WEBUI_DIR / "screenshots"
+SCREENSHOTS = Path(__file__).parent.parent / "docs" / "webui"
 CHROMIUM = "/usr/bin/chromium"
-
-
-@dataclass
-class Approval:
-    reviewer: str
-    decision: str  # "approve" | "reject"; a plain str so that the validator, not decoding, refuses others
-
-
-@workflow.defn
-class ApprovalWorkflow:
-    """Waits for one valid `approve` Update and returns who decided what."""
-
-    def __init__(self) -> None:
-        self._approval: Approval | None = None
-
-    @workflow.run
-    async def run(self, subject: str) -> str:
-        await workflow.wait_condition(lambda: self._approval is not None)
-        assert self._approval is not None
-        return f"{subject}: {self._approval.decision} by {self._approval.reviewer}"
-
-    @workflow.update
-    def approve(self, approval: Approval) -> str:
-        self._approval = approval
-        return f"recorded {approval.decision}"
-
-    @approve.validator
-    def _validate_approve(self, approval: Approval) -> None:
-        if approval.decision not in ("approve", "reject"):
-            raise ValueError(f"decision must be 'approve' or 'reject', got {approval.decision!r}")
-        if not approval.reviewer.strip():
-            raise ValueError("reviewer must not be empty")
 
 
 def _free_port() -> int:
@@ -119,56 +82,46 @@ async def _send_update(node: str, ui: str, workflow_id: str, name: str, payload:
     return json.loads(lines[0])
 
 
-@pytest.mark.timeout(240)
-async def test_update_sent_from_web_ui_dialog(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+async def test_agent_review_approved_from_the_web_ui(scripted_llm, tmp_path: Path) -> None:
     node = _require_browser_tools()
     started = time.monotonic()
     ui_port = _free_port()
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), ui=True, ui_port=ui_port,
+        dev_server_existing_path=temporal_binary(), ui=True, ui_port=ui_port, search_attributes=list(sa.ALL),
         dev_server_extra_args=["--ui-disable-news-fetch"])
     ui = f"http://127.0.0.1:{ui_port}"
     keep = bool(os.environ.get("RAGLINE_SCREENSHOTS"))
+    address = env.client.service_client.config.target_host
+    scripted_llm.script_fn("agent", delegate_until(leaf_depth=1))
     try:
-        task_queue = f"webui-{uuid.uuid4().hex[:8]}"
-        async with Worker(env.client, task_queue=task_queue, workflows=[ApprovalWorkflow]):
-            handle = await env.client.start_workflow(
-                ApprovalWorkflow.run, "invoice-42", id=f"webui-approval-{uuid.uuid4().hex[:8]}",
-                task_queue=task_queue, execution_timeout=timedelta(minutes=5))
-            # The dialog offers the Update names it learns from the workflow's metadata query, so
-            # let the worker run the first workflow task before the page opens.
-            await handle.query("__temporal_workflow_metadata")
+        async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-webui") as stack:
+            r = await stack.http.post("/v1/agents", json={"goal": "Chart the northern cape", "max_depth": 0})
+            job_id = r.json()["job_id"]
+            [review] = await _waiting(stack)
+            assert review["job_id"] == job_id and review["reason"] == "depth"
 
-            # (a) A decision the validator refuses: the dialog shows its message, nothing changes.
-            if keep:
-                shutil.rmtree(SCREENSHOTS, ignore_errors=True)
-            bad = await _send_update(node, ui, handle.id, "approve",
-                                     {"reviewer": "Ada Lovelace", "decision": "maybe"},
+            # (a) A decision that is not one of approve/reject/revise: refused in the dialog.
+            bad = await _send_update(node, ui, job_id, "review", {"decision": "maybe", "reviewer": "Ada"},
                                      screenshots=SCREENSHOTS / "rejected" if keep else None, expect_error=True)
             assert bad["ok"] is False, bad
-            assert bad["error"] == "decision must be 'approve' or 'reject', got 'maybe'", bad
+            assert "decision" in bad["error"], bad
             assert bad["name_mode"] == "dropdown", bad  # the name came from the worker's metadata
-            assert bad["expected"] is True
-            desc = await handle.describe()
-            assert desc.status == WorkflowExecutionStatus.RUNNING
-            # A rejected Update leaves no trace in the history.
-            history = await handle.fetch_history()
-            assert not any(e.HasField("workflow_execution_update_accepted_event_attributes")
-                           for e in history.events)
+            assert (await stack.http.get(f"/v1/jobs/{job_id}")).json()["status"] == "waiting_review"
 
-            # (b) A valid decision: accepted, and the workflow finishes with the reviewer's name.
-            good = await _send_update(node, ui, handle.id, "approve",
-                                      {"reviewer": "Ada Lovelace", "decision": "approve"},
+            # (b) Approval with one more level: the agent delegates and completes.
+            payload = {"decision": "approve", "reviewer": "Ada Lovelace", "comment": "one level is fine",
+                       "extra_depth": 1}
+            good = await _send_update(node, ui, job_id, "review", payload,
                                       screenshots=SCREENSHOTS if keep else None)
             assert good["ok"] is True, good
             assert good["toast"] == "Update successful", good
-            assert good["stage"] == "UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_COMPLETED", good
-            result = await asyncio.wait_for(handle.result(), timeout=15)
-            assert result == "invoice-42: approve by Ada Lovelace"
-            if keep:
-                shots = sorted(p.name for p in SCREENSHOTS.glob("*.png"))
-                assert shots == ["01-workflow-page.png", "02-more-actions-menu.png",
-                                 "03-dialog-filled.png", "04-after-submit.png"], shots
+            job = await stack.wait_done(job_id, timeout=60)
+            assert job["status"] == "completed", job
+            assert job["result"]["tree"]["children"][0]["answer"] == "answer from depth 1"
+            [decision] = job["result"]["decisions"]
+            assert decision["reviewer"] == "Ada Lovelace" and decision["decision"] == "approve"
     finally:
+        scripted_llm.script_fn("agent", None)
         await env.shutdown()
-    print(f"\nWeb UI update test took {time.monotonic() - started:.1f} s", file=sys.stderr)
+    print(f"\nWeb UI review test took {time.monotonic() - started:.1f} s", file=sys.stderr)

@@ -53,6 +53,15 @@ class Reviews:
         self.steps.set_status(previous if previous != "waiting_review" else "running")
         return decision
 
+    def parse(self, payload: Any) -> ReviewDecision:
+        """A decision from a permissive payload, with a message a person can act on when it is wrong."""
+        if isinstance(payload, ReviewDecision):
+            return payload
+        try:
+            return ReviewDecision.model_validate(payload)
+        except ValidationError as exc:
+            raise ApplicationError(f"invalid review: {_short(exc)}", type="InvalidReview") from None
+
     def validate(self, decision: ReviewDecision) -> None:
         if self.pending is None:
             raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
@@ -70,10 +79,10 @@ class Reviews:
 
     def accept_signal(self, payload: Any) -> None:
         try:
-            decision = ReviewDecision.model_validate(payload)
+            decision = self.parse(payload)
             self.validate(decision)
-        except (ValidationError, ApplicationError, TypeError) as exc:
-            message = str(exc).splitlines()[0] if isinstance(exc, ApplicationError) else _short(exc)
+        except (ApplicationError, TypeError) as exc:
+            message = exc.message if isinstance(exc, ApplicationError) else str(exc)
             entry = {"payload": payload, "error": message, "at": workflow.now().isoformat()}
             self.rejected_inputs.append(entry)
             self.steps.emit("ragline.review.rejected_input", entry)
@@ -93,13 +102,15 @@ class ReviewHandlers:
 
     reviews: Reviews
 
+    # The payload is taken as plain JSON and checked by the validator, so a person who types a wrong
+    # decision in the Web UI reads what is wrong instead of "Failed decoding arguments".
     @workflow.update(name="review")
-    def review(self, decision: ReviewDecision) -> ReviewAck:
-        return self.reviews.accept(decision)
+    def review(self, payload: dict[str, Any]) -> ReviewAck:
+        return self.reviews.accept(self.reviews.parse(payload))
 
     @review.validator
-    def _validate_review(self, decision: ReviewDecision) -> None:
-        self.reviews.validate(decision)
+    def _validate_review(self, payload: dict[str, Any]) -> None:
+        self.reviews.validate(self.reviews.parse(payload))
 
     @workflow.signal(name="review")
     def review_signal(self, payload: Any) -> None:

@@ -99,7 +99,10 @@ async def _submit(client: Client, turn: TurnRequest, session_id: str, settings: 
             if not _update_rejected_for_load(exc):
                 raise
         except WorkflowUpdateRPCTimeoutOrCancelledError:
-            pass
+            # The SDK raises this also when our own deadline cancels the call: then stop, don't resend.
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise asyncio.CancelledError from None
         # The turn's idempotency key makes a resend return the same turn if the first one did land.
         await asyncio.sleep(random.uniform(delay / 2, delay))
         delay = min(delay * 2, 0.5)
