@@ -6,7 +6,9 @@ import asyncio
 from datetime import datetime, timezone
 from typing import Any
 
-from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import (
+    Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError,
+)
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.errors import ApiError
@@ -149,3 +151,20 @@ async def _failure(handle, desc, rpc_timeout) -> dict[str, Any]:
     except Exception as exc:  # terminated / timed out surface as other errors
         return {"message": str(exc), "type": type(exc).__name__, "details": None}
     return {"message": f"workflow ended {desc.status.name.lower()}", "type": "Workflow", "details": None}
+
+
+async def send_update(client: Client, job_id: str, name: str, payload, result_type, rpc_timeout, *,
+                      refused_code: str) -> dict:
+    """A person's decision on a job (operator retry/discard, review), as a validated Update.
+    Unknown job: 404; refused by the workflow's validator: 409 with its reason; job ended: 409."""
+    await describe_job(client, job_id, rpc_timeout)
+    try:
+        ack = await client.get_workflow_handle(job_id).execute_update(
+            name, payload, result_type=result_type, rpc_timeout=rpc_timeout)
+    except WorkflowUpdateFailedError as exc:
+        raise ApiError(409, refused_code, getattr(exc.cause, "message", None) or str(exc.cause)) from None
+    except RPCError as exc:
+        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
+            raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
+        raise
+    return {"job_id": job_id, **ack.model_dump()}

@@ -188,11 +188,11 @@ def render(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Create `path`, or replace the section under HEADING (up to the next `## ` heading) and keep the rest."""
+def write_section(path: Path, section: str, heading: str = HEADING) -> None:
+    """Create `path`, or replace the section under `heading` (up to the next `## ` heading) and keep the rest."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == HEADING), None)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
     if start is None:
         new = text.rstrip("\n") + "\n\n" + section
     else:

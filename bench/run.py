@@ -13,6 +13,8 @@ retrieves a passage and really calls the model: summarize, extract_entities, ans
 model delay at 0, then with the delay at D: (1) N concurrent bare start_workflow calls, (2) N concurrent
 POST /v1/chats to the sync app, (3) N concurrent POST /v1/chats to Ragline, then wait until Ragline's N
 jobs are done (GET /v1/jobs every --poll-interval s) and check every one (GET /v1/jobs/{id}).
+Then, on the same stack with the worker restarted with RAGLINE_LLM_TIMEOUT=3, completion under injected
+model faults (bench/faults.py; --skip-faults leaves it out).
 """
 
 from __future__ import annotations
@@ -70,7 +72,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md", help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the results, do not touch BENCHMARKS.md")
     p.add_argument("--keep-data", action="store_true", help="keep the temp data folder and logs")
+    f = p.add_argument_group("completion under injected faults (after the acceptance benchmark)")
+    f.add_argument("--fault-chats", type=int, default=40, help="chat turns per fault rate, over 10 sessions (default 40)")
+    f.add_argument("--fault-ingests", type=int, default=5, help="small text documents ingested per fault rate (default 5)")
+    f.add_argument("--fault-rate", type=float, default=0.12,
+                   help="share of model calls that fail in the second run (default 0.12; the first runs at 0)")
+    f.add_argument("--fault-delay", type=float, default=0.5, help="model delay during the fault runs (default 0.5 s)")
+    f.add_argument("--fault-deadline", type=float, default=600.0, help="max seconds per fault rate (default 600)")
+    f.add_argument("--skip-faults", action="store_true", help="only the acceptance benchmark")
     args = p.parse_args(argv)
+    if not 0 < args.fault_rate <= 1 or args.fault_chats < 0 or args.fault_ingests < 0 or args.fault_delay < 0:
+        p.error("--fault-rate must be within (0, 1], --fault-chats, --fault-ingests and --fault-delay >= 0")
     if not 1 <= args.requests <= 1000:
         p.error("--requests must be within 1..1000 (the load stays bounded)")
     if args.delay < 0 or args.poll_interval <= 0:
@@ -100,6 +112,7 @@ class Stack:
         self.llm_url = self.api_url = self.sync_url = ""
         self.temporal_address = ""
         self.api_deadline = 0.0  # the API's RAGLINE_TEMPORAL_RPC_TIMEOUT
+        self.env: dict[str, str] = {}  # the worker's and the API's RAGLINE_* settings
 
     async def start(self, delay: float) -> None:
         from ragline.settings import Settings
@@ -133,6 +146,7 @@ class Stack:
                "RAGLINE_LLM_BASE_URL": f"{self.llm_url}/v1", "RAGLINE_LLM_MODEL": "scripted",
                "RAGLINE_LLM_API_KEY": "unused", "RAGLINE_API_HOST": LOOPBACK, "RAGLINE_API_PORT": str(api_port)}
         log("Ragline worker (python worker.py)")
+        self.env = env
         worker = self._spawn("worker", [py, "worker.py"], env)
         log(f"Ragline API on {self.api_url} (uvicorn, 1 worker)")
         api = self._spawn("api", [py, "-m", "uvicorn", "api.app:app", "--host", LOOPBACK, "--port", str(api_port),
@@ -146,6 +160,18 @@ class Stack:
         await api.wait_ready(http_ok(f"{self.api_url}/healthz", body_check=lambda r: r.json()["status"] == "up"), 120)
         if not worker.alive():
             raise RuntimeError(f"the worker exited:\n{worker.log_tail()}")
+
+    async def restart_worker(self, extra_env: dict[str, str]) -> None:
+        """Stop the worker and start another one with `extra_env` added; ready once it logs `worker polling`."""
+        old = next(p for p in reversed(self.procs) if p.name.startswith("worker"))
+        await old.stop()
+        self.procs.remove(old)
+        worker = self._spawn("worker-faults", [sys.executable, "worker.py"], {**self.env, **extra_env})
+
+        async def polling() -> bool:
+            return worker.log_path.exists() and "worker polling" in worker.log_path.read_text(errors="replace")
+
+        await worker.wait_ready(polling, 120)
 
     def _spawn(self, name: str, argv: list[str], extra_env: dict[str, str]) -> Proc:
         proc = Proc(name, argv, child_env(extra_env), self.log_dir)
@@ -525,6 +551,18 @@ async def run(args: argparse.Namespace) -> int:
         if not args.no_write:
             report.write_section(args.output, text)
             log(f"updated section '{report.HEADING}' in {args.output}")
+        if not args.skip_faults:
+            from bench import faults
+            fr = await faults.measure(stack, args, QUESTION, COLLECTION, TERMINAL, log)
+            text = faults.render(fr, results["machine"])
+            print()
+            print(text)
+            raw = out_dir / f"faults-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+            raw.write_text(json.dumps(fr, indent=2, default=str))
+            log(f"raw results in {raw.relative_to(ROOT)}")
+            if not args.no_write:
+                report.write_section(args.output, text, faults.HEADING)
+                log(f"updated section '{faults.HEADING}' in {args.output}")
         ok = True
         return 0
     except (asyncio.CancelledError, KeyboardInterrupt):

@@ -8,9 +8,8 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from temporalio.client import Client, WorkflowUpdateFailedError
+from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.service import RPCError, RPCStatusCode
 
 from api import jobs
 from api.deps import get_client, get_settings, rpc_timeout
@@ -90,14 +89,5 @@ async def list_reviews(client: Client = Depends(get_client), settings: Settings 
 @router.post("/v1/jobs/{job_id}/review", summary="Approve, reject or revise what a job waits on")
 async def review_job(job_id: str, decision: ReviewDecision, client: Client = Depends(get_client),
                      settings: Settings = Depends(get_settings)) -> dict:
-    await jobs.describe_job(client, job_id, rpc_timeout(settings))  # 404 for unknown ids
-    try:
-        ack = await client.get_workflow_handle(job_id).execute_update(
-            "review", decision, result_type=ReviewAck, rpc_timeout=rpc_timeout(settings))
-    except WorkflowUpdateFailedError as exc:
-        raise ApiError(409, "not_waiting_for_review", getattr(exc.cause, "message", None) or str(exc.cause)) from None
-    except RPCError as exc:
-        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
-            raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
-        raise
-    return {"job_id": job_id, **ack.model_dump()}
+    return await jobs.send_update(client, job_id, "review", decision, ReviewAck, rpc_timeout(settings),
+                                  refused_code="not_waiting_for_review")

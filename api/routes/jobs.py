@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter, Body, Depends, Query
-from temporalio.client import Client, WorkflowUpdateFailedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.client import Client
 
 from api import jobs
 from api.deps import get_client, get_settings, rpc_timeout
-from api.errors import ApiError
 from workflows.models import OperatorAck, OperatorRequest
 from ragline.settings import Settings
 
@@ -36,17 +34,8 @@ async def get_job(job_id: str, client: Client = Depends(get_client),
 
 
 async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client, settings: Settings) -> dict:
-    await jobs.describe_job(client, job_id, rpc_timeout(settings))  # 404 for unknown ids
-    handle = client.get_workflow_handle(job_id)
-    try:
-        ack = await handle.execute_update(action, req, result_type=OperatorAck, rpc_timeout=rpc_timeout(settings))
-    except WorkflowUpdateFailedError as exc:
-        raise ApiError(409, "not_dead_lettered", getattr(exc.cause, "message", None) or str(exc.cause)) from None
-    except RPCError as exc:
-        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
-            raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
-        raise
-    return {"job_id": job_id, **ack.model_dump()}
+    return await jobs.send_update(client, job_id, action, req, OperatorAck, rpc_timeout(settings),
+                                  refused_code="not_dead_lettered")
 
 
 @router.post("/{job_id}/retry", summary="Resume a dead-lettered job at its failed step")
