@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -13,7 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.errors import ApiError
 from temporal import search_attributes as sa
-from workflows.models import JobProgress
+from workflows.models import JobProgress, session_workflow_id
 
 JOB_STATUSES = ("queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled")
 JOB_KINDS = ("ingest", "ingest_document", "chat", "agent")
@@ -75,12 +76,48 @@ async def list_jobs(client: Client, query: str, limit: int, rpc_timeout) -> list
     return list(seen.values())
 
 
+_TURN_ID = re.compile(r"^chat-(?P<session>[A-Za-z0-9_-]{1,64})-(?P<turn>\d+)$")
+
+
+async def pending_turn(client: Client, job_id: str, rpc_timeout) -> dict[str, Any] | None:
+    """A chat turn its session has accepted but whose job the server has not created yet (a few ms)."""
+    match = _TURN_ID.match(job_id)
+    if not match:
+        return None
+    try:
+        pending = await client.get_workflow_handle(session_workflow_id(match["session"])).query(
+            "pending_turns", rpc_timeout=rpc_timeout)
+    except Exception:
+        return None
+    return next((p for p in pending if p.get("job_id") == job_id), None)
+
+
+async def wait_until_created(client: Client, job_id: str, rpc_timeout, timeout: float = 10.0) -> None:
+    """Waits out the moment between a turn's 202 and its job's creation; 404 if it never comes."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await pending_turn(client, job_id, rpc_timeout) is not None:
+        try:
+            await client.get_workflow_handle(job_id).describe(rpc_timeout=rpc_timeout)
+            return
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+
+
 async def describe_job(client: Client, job_id: str, rpc_timeout) -> dict[str, Any]:
     handle = client.get_workflow_handle(job_id)
     try:
         desc = await handle.describe(rpc_timeout=rpc_timeout)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
+            turn = await pending_turn(client, job_id, rpc_timeout)
+            if turn is not None:
+                now = datetime.now(timezone.utc)
+                return {"job_id": job_id, "kind": "chat", "status": "queued", "created_at": now, "updated_at": now,
+                        "steps": [], "result": None, "error": None}
             raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
         raise
     if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:

@@ -31,14 +31,14 @@ def test_default_file_covers_every_activity_with_timeouts():
 
 
 def test_worker_registers_an_activity_for_every_policy_and_back():
-    import worker  # noqa: F401  (the activity classes are what the worker registers)
+    from activities.agent import AgentActivities
     from activities.chat import ChatActivities
     from activities.ingest import IngestActivities
     from activities.jobs import JobActivities
     from activities.search import SearchActivities
 
     names = set()
-    for cls in (ChatActivities, IngestActivities, JobActivities, SearchActivities):
+    for cls in (AgentActivities, ChatActivities, IngestActivities, JobActivities, SearchActivities):
         for attr in vars(cls).values():
             defn = getattr(attr, "__temporal_activity_definition", None)
             if defn is not None:

@@ -21,7 +21,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.deps import get_client, get_settings, rpc_timeout
 from api.errors import ApiError
-from api.jobs import JOB_KINDS
+from api.jobs import JOB_KINDS, wait_until_created
 from ragline.settings import Settings
 from temporal import search_attributes as sa
 from workflows.steps import EVENTS_TOPIC
@@ -43,6 +43,7 @@ def _start_offset(last_event_id: str | None, from_offset: int | None) -> int:
 async def job_events(job_id: str, last_event_id: str | None = Header(None, alias="Last-Event-ID"),
                      from_offset: int | None = Query(None, ge=0, description="Resume from this offset"),
                      client: Client = Depends(get_client), settings: Settings = Depends(get_settings)):
+    await wait_until_created(client, job_id, rpc_timeout(settings))
     handle = client.get_workflow_handle(job_id)
     try:
         desc = await handle.describe(rpc_timeout=rpc_timeout(settings))
