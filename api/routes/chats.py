@@ -60,7 +60,7 @@ async def post_chat(req: ChatRequest, request: Request,
                        require_review=req.require_review, review_unsupported=settings.review_unsupported_answers,
                        review_timeout_seconds=review_timeout_seconds(settings))
     try:
-        accepted = await asyncio.wait_for(_submit(client, turn, session_id, settings), settings.temporal_rpc_timeout)
+        accepted = await asyncio.wait_for(_submit(client, turn, session_id, settings), settings.accept_timeout)
     except asyncio.TimeoutError:
         raise ApiError(503, "temporal_unavailable",
                        "the session did not confirm the message in time (Temporal or the worker is not available); "
