@@ -219,3 +219,27 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
     assert job["status"] == "completed"
     assert job["result"]["answer"] == "High tide is at noon [1]."
     assert job["result"]["review"]["reviewer"] == "editor"
+
+
+async def test_unsupported_answers_are_held_when_configured(temporal_env, scripted_llm, tmp_path):
+    from tests.conftest import running_stack
+
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-unsupported",
+                             review_unsupported_answers=True) as stack:
+        seed = await stack.upload(("birds.txt", b"Puffins nest on the cliffs of Vell every spring."),
+                                  collection="birds")
+        await stack.wait_job(seed["job_id"])
+        supported = await stack.chat("Where do puffins nest?", collection="birds")
+        assert (await stack.wait_job(supported["job_id"]))["status"] == "completed"  # cites [1]: released
+
+        scripted_llm.script("answer", ["Probably somewhere warm, I would guess."])
+        held = await stack.chat("Where do swallows go in winter?", collection="birds")
+        job = await stack.wait_job(held["job_id"])
+        assert job["status"] == "waiting_review"
+        [review] = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        assert review["reason"] == "answer without a supporting citation"
+        await stack.http.post(f"/v1/jobs/{held['job_id']}/review", json={"decision": "reject", "reviewer": "ed",
+                                                                         "comment": "unsupported"})
+        job = await stack.wait_done(held["job_id"])
+        assert job["status"] == "failed" and "answer rejected by ed: unsupported" in job["error"]["message"]
