@@ -7,6 +7,7 @@ import json
 from temporalio import activity
 
 from activities.agent_models import PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, ToolCall
+from activities.search import find_passages
 from ragline import prompts
 from ragline.embeddings import Embedder
 from ragline.llm import ChatModel
@@ -38,12 +39,11 @@ class AgentActivities:
     @activity.defn(name="search_documents")
     @translate_errors
     def search_documents(self, req: SearchDocumentsInput) -> SearchDocumentsOutput:
-        hits = self.index.search(req.collection, self.embedder.query(req.query), req.top_k)
+        hits = find_passages(self.embedder, self.index, req.collection, req.query, req.top_k)
         if not hits:
             text = f"search_documents({req.query!r}): nothing found"
         else:
-            text = " | ".join(f"[{h.payload.get('filename')}, p.{h.payload.get('page')}] {h.payload.get('text', '')}"
-                              for h in hits)
+            text = " | ".join(f"[{h.filename}, p.{h.page}] {h.text}" for h in hits)
         return SearchDocumentsOutput(observation=text[:OBSERVATION_CHARS], attempt=activity.info().attempt)
 
     def all(self) -> list:

@@ -15,6 +15,7 @@ from activities.chat_models import (
     Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput, RetrieveInput, RetrieveOutput,
     SummaryOutput,
 )
+from activities.search import find_passages
 from ragline import prompts
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
@@ -43,10 +44,8 @@ class ChatActivities:
     @activity.defn(name="retrieve_context")
     @translate_errors
     def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
-        hits = self.index.search(req.collection, self.embedder.query(req.question), req.top_k)
-        passages = [{"document_id": h.payload["document_id"], "filename": h.payload.get("filename", ""),
-                     "page": int(h.payload.get("page", 0)), "chunk": int(h.payload.get("chunk", 0)),
-                     "text": h.payload.get("text", ""), "score": float(h.score)} for h in hits]
+        passages = [hit.model_dump() for hit in
+                    find_passages(self.embedder, self.index, req.collection, req.question, req.top_k)]
         return RetrieveOutput(
             context_ref=self.blobs.put_json(passages), passages=len(passages), attempt=activity.info().attempt,
             citations=[Citation(document_id=p["document_id"], filename=p["filename"], page=p["page"],
