@@ -24,7 +24,7 @@ from ragline.errors import StoreUnavailableError
 from ragline.llm import ChatModel
 from ragline.settings import Settings, get_settings
 from ragline.vectorstore import VectorIndex, open_index
-from temporal import policies
+from temporal import policies, queues
 from temporal.client import connect
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
@@ -79,7 +79,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
     return RaglineWorker([
         Worker(client, task_queue=settings.task_queue, workflows=WORKFLOWS, activities=activities,
                activity_executor=executor, max_concurrent_activities=settings.worker_io_concurrency),
-        Worker(client, task_queue=policies.cpu_queue(settings.task_queue), activities=activities,
+        Worker(client, task_queue=queues.cpu_queue(settings.task_queue), activities=activities,
                activity_executor=executor, max_concurrent_activities=settings.worker_cpu_concurrency),
     ])
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from temporalio.common import RetryPolicy
 
+from temporal import queues
+
 DEFAULT_FILE = Path(__file__).with_name("policies.toml")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -187,10 +189,6 @@ def policy(activity_name: str) -> ActivityPolicy:
     return _loaded[activity_name]
 
 
-def cpu_queue(task_queue: str) -> str:
-    return f"{task_queue}-cpu"
-
-
 def options(activity_name: str) -> dict[str, Any]:
     """Keyword arguments for `workflow.execute_activity` (call from workflow code)."""
     from temporalio import workflow
@@ -198,7 +196,7 @@ def options(activity_name: str) -> dict[str, Any]:
     chosen = policy(activity_name)
     opts = chosen.as_options()
     if chosen.queue == "cpu":
-        opts["task_queue"] = cpu_queue(workflow.info().task_queue)
+        opts["task_queue"] = queues.cpu_queue(workflow.info().task_queue)
     return opts
 
 

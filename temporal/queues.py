@@ -1,8 +1,7 @@
-"""Task queue names. One queue today; named here so a deployment can split CPU-heavy embedding
-onto its own workers without touching workflow code."""
+"""Task queue names. Workflows and I/O-bound activities share RAGLINE_TASK_QUEUE; CPU-bound
+activities (`queue = "cpu"` in the policy file) run on its `-cpu` companion, whose worker takes
+only a few at a time."""
 
-from ragline.settings import get_settings
 
-
-def default_queue() -> str:
-    return get_settings().task_queue
+def cpu_queue(task_queue: str) -> str:
+    return f"{task_queue}-cpu"

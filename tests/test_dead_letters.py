@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-
-from tests.conftest import free_port  # noqa: F401  (fixtures come from conftest)
 
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
 

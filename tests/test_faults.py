@@ -13,7 +13,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
 
 from ragline.vectorstore import open_index
 from temporal.devserver import DevServer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from temporalio.client import WorkflowExecutionStatus
 
 from tests.conftest import shared_pdf
 from api.routes.documents import display_name

@@ -12,7 +12,6 @@ IngestDocumentWorkflow (one per document id = collection + content hash)
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.contrib.workflow_streams import WorkflowStream

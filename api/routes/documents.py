@@ -55,7 +55,7 @@ def ingest_job_id(collection: str, document_ids: list[str]) -> str:
     return "ingest-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-async def _store_upload(upload: UploadFile, blobs: BlobStore, settings: Settings) -> DocumentInput | dict:
+async def _store_upload(upload: UploadFile, blobs: BlobStore, settings: Settings) -> dict:
     name = display_name(upload.filename)
     head = await upload.read(SNIFF_BYTES)
     if not head:
