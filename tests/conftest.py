@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import random
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,6 +35,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_server_port(span: int = 12) -> int:
+    """A port p with p..p+span-1 free, below the kernel's ephemeral range, for a server that must come
+    back on the same ports after a restart: an ephemeral port could be taken meanwhile by an outgoing
+    connection. (The dev server puts its HTTP API on p+10 and metrics on p+11.)"""
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - span)
+        if all(_bindable(base + i) for i in (0, 10, 11) if i < span) and _bindable(base + span - 1):
+            return base
+    raise RuntimeError("no free port block found below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def shared_pdf(name: str) -> Path:

@@ -3,7 +3,6 @@ durability of the SQLite file across a restart."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -14,22 +13,12 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from ragline.settings import Settings
 from temporal import search_attributes
-from temporal.devserver import DevServer, dev_server_command, port_in_use, temporal_reachable
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import free_server_port
+from temporal.devserver import DevServer, dev_server_command, temporal_reachable
 
 
 def _free_grpc_port() -> int:
-    """A free port p whose p+10 and p+11 (HTTP API and metrics of the dev server) are free too."""
-    for _ in range(200):
-        p = _free_port()
-        if p + 11 < 65536 and not any(port_in_use("127.0.0.1", q) for q in (p + 10, p + 11)):
-            return p
-    raise RuntimeError("no free port triple found")
+    return free_server_port()
 
 
 def test_command_flags(tmp_path: Path) -> None:
@@ -51,7 +40,7 @@ async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
     started = time.monotonic()
     port = _free_grpc_port()
     settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{port}",
-                        temporal_ui_port=_free_port())
+                        temporal_ui_port=port + 5)
     server = DevServer(settings)
     assert not await temporal_reachable(server.address)
 

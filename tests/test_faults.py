@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ragline.vectorstore import open_index
 from temporal.devserver import DevServer
-from tests.conftest import FIXTURES, free_port, running_stack
+from tests.conftest import FIXTURES, free_server_port, running_stack
 from tests.pdfgen import pdf_bytes
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -146,9 +146,9 @@ async def test_temporal_restart_mid_run(scripted_llm, tmp_path):
     While it is down, POSTs answer 503 and /healthz says why."""
     from ragline.settings import Settings
 
-    port = free_port()
+    port = free_server_port()
     server_settings = Settings(data_dir=tmp_path / "temporal", temporal_address=f"127.0.0.1:{port}",
-                               temporal_ui_port=free_port())
+                               temporal_ui_port=port + 5)
     server = DevServer(server_settings)
     await server.start()
     try:
