@@ -33,7 +33,7 @@ $(STAMP_1_5B): $(STAMP)
 install: $(STAMP)
 
 run: install $(RUN_EXTRA)
-	$(BIN)/python -m ragline.run
+	$(BIN)/python -m devtools.supervisor
 
 # The browser test (tests/test_webui.py) drives the Temporal Web UI with Debian's Chromium through
 # playwright-core, pinned in tests/webui/package-lock.json (npm never downloads a browser here).

@@ -36,12 +36,20 @@ log = structlog.get_logger("ragline.worker")
 
 WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
              AgentWorkflow]
+ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities)
+
+
+def activity_names() -> list[str]:
+    """Every activity the worker registers, by name: the policy file must cover these and no others."""
+    return [policies.activity_name(fn) for cls in ACTIVITY_CLASSES for fn in vars(cls).values()
+            if hasattr(fn, "__temporal_activity_definition")]
 
 
 class RaglineWorker:
-    """The main worker (workflows, I/O-bound activities) and the CPU-bound activity worker, run together.
+    """One worker per task queue (temporal/queues.py), run together: main (workflows and I/O-bound
+    activities), cpu and llm, each with its own slot count.
 
-    Every activity is registered on both, so the policy file alone decides where each one runs.
+    Every activity is registered on each, so the policy file alone decides where each one runs.
     """
 
     def __init__(self, workers: list[Worker]) -> None:
@@ -66,21 +74,28 @@ class RaglineWorker:
 def build_worker(client: Client, settings: Settings, index: VectorIndex,
                  executor: concurrent.futures.ThreadPoolExecutor) -> RaglineWorker:
     """One place that wires workflows and activities; used by `main()` and by the tests."""
-    policies.load(settings.policies, dead_letter_ttl=settings.dead_letter_ttl)
     blobs = BlobStore(settings.blob_dir)
     embedder = build_embedder(settings)
-    ingest = IngestActivities(settings, blobs, embedder, index)
-    search = SearchActivities(embedder, index)
-    jobs = JobActivities(client)
     model = ChatModel(settings)
-    chat = ChatActivities(blobs, embedder, index, model)
-    agent = AgentActivities(embedder, index, model)
-    activities = [*ingest.all(), *search.all(), *jobs.all(), *chat.all(), *agent.all()]
+    activities = [
+        *IngestActivities(settings, blobs, embedder, index).all(),
+        *SearchActivities(embedder, index).all(),
+        *JobActivities(client).all(),
+        *ChatActivities(settings, blobs, embedder, index, model).all(),
+        *AgentActivities(embedder, index, model).all(),
+    ]
+    policies.load(settings.policies, [policies.activity_name(a) for a in activities],
+                  dead_letter_ttl=settings.dead_letter_ttl)
+    queue = settings.task_queue
     return RaglineWorker([
-        Worker(client, task_queue=settings.task_queue, workflows=WORKFLOWS, activities=activities,
+        Worker(client, task_queue=queue, workflows=WORKFLOWS, activities=activities,
                activity_executor=executor, max_concurrent_activities=settings.worker_io_concurrency),
-        Worker(client, task_queue=queues.cpu_queue(settings.task_queue), activities=activities,
+        Worker(client, task_queue=queues.queue_name(queue, "cpu"), activities=activities,
                activity_executor=executor, max_concurrent_activities=settings.worker_cpu_concurrency),
+        # Model calls in flight are bounded here, per model endpoint, not by a semaphore in an activity.
+        Worker(client, task_queue=queues.queue_name(queue, "llm"), activities=activities,
+               activity_executor=executor, max_concurrent_activities=settings.effective_llm_concurrency,
+               max_task_queue_activities_per_second=settings.llm_requests_per_second),
     ])
 
 
@@ -88,7 +103,7 @@ async def main() -> int:
     settings = get_settings()
     logs.configure(settings.log_level, settings.log_json)
     try:
-        policies.load(settings.policies, dead_letter_ttl=settings.dead_letter_ttl)
+        policies.load(settings.policies, activity_names(), dead_letter_ttl=settings.dead_letter_ttl)
     except policies.PolicyError as exc:
         log.error("invalid policy file", error=str(exc))
         return 2

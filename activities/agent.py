@@ -6,8 +6,8 @@ import json
 
 from temporalio import activity
 
-from activities.agent_models import PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, ToolCall
 from activities.search import find_passages
+from models.agent import PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, ToolCall
 from ragline import prompts
 from ragline.embeddings import Embedder
 from ragline.llm import ChatModel
@@ -23,7 +23,7 @@ class AgentActivities:
         self.index = index
         self.model = model
 
-    @activity.defn(name="agent_plan")
+    @activity.defn
     @translate_errors
     async def agent_plan(self, req: PlanInput) -> PlanOutput:
         messages = prompts.messages(
@@ -36,7 +36,7 @@ class AgentActivities:
                           prompt_tokens=plan.prompt_tokens, completion_tokens=plan.completion_tokens,
                           attempt=activity.info().attempt)
 
-    @activity.defn(name="search_documents")
+    @activity.defn
     @translate_errors
     def search_documents(self, req: SearchDocumentsInput) -> SearchDocumentsOutput:
         hits = find_passages(self.embedder, self.index, req.collection, req.query, req.top_k)

@@ -1,4 +1,5 @@
-"""The chat chain's activities: retrieve -> (summarize || extract_entities) -> generate."""
+"""The chat chain's activities: retrieve_context -> generate_answer (streams) -> summarize_context ||
+extract_entities. Each makes at most one kind of model call; the answer never waits for side steps."""
 
 from __future__ import annotations
 
@@ -11,87 +12,58 @@ import structlog
 from temporalio import activity
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 
-from activities.chat_models import (
-    Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput, RetrieveInput, RetrieveOutput,
-    SummaryOutput,
-)
 from activities.search import find_passages
+from models.chat import (
+    Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput, RetrieveInput, RetrieveOutput,
+    SummaryOutput, Usage,
+)
+from models.ingest import SearchHit
 from ragline import prompts
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
 from ragline.llm import ChatModel, StreamedCompletion
+from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
+from models.jobs import EVENTS_TOPIC
 
 log = structlog.get_logger("ragline.chat")
 
 ENTITY_TYPES = {"PERSON", "ORG", "PLACE", "DATE", "PRODUCT", "OTHER"}
 _CITATION = re.compile(r"\[(\d{1,2})\]")
 _WORD = re.compile(r"[^\W_]{4,}|[\u4e00-\u9fff]{2}", re.UNICODE)
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # An uncited answer is attributed to the passages sharing at least this share of its content words.
 SUPPORT_THRESHOLD = 0.35
+# Room kept in the model's context for the prompt's own text, history and question.
+PROMPT_OVERHEAD_TOKENS = 600
 DELTA_FLUSH = timedelta(milliseconds=150)
 HEARTBEAT_EVERY = 5.0
 
 
 class ChatActivities:
-    def __init__(self, blobs: BlobStore, embedder: Embedder, index: VectorIndex, model: ChatModel) -> None:
+    def __init__(self, settings: Settings, blobs: BlobStore, embedder: Embedder, index: VectorIndex,
+                 model: ChatModel) -> None:
+        self.settings = settings
         self.blobs = blobs
         self.embedder = embedder
         self.index = index
         self.model = model
 
-    @activity.defn(name="retrieve_context")
+    @activity.defn
     @translate_errors
     def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
-        passages = [hit.model_dump() for hit in
-                    find_passages(self.embedder, self.index, req.collection, req.question, req.top_k)]
+        hits = find_passages(self.embedder, self.index, req.collection, req.question, req.top_k)
+        budget = self.settings.llm_context_tokens - self.settings.llm_max_tokens - PROMPT_OVERHEAD_TOKENS
         return RetrieveOutput(
-            context_ref=self.blobs.put_json(passages), passages=len(passages), attempt=activity.info().attempt,
-            citations=[Citation(document_id=p["document_id"], filename=p["filename"], page=p["page"],
-                                chunk_id=f"{p['document_id']}:{p['chunk']}", score=round(p["score"], 4))
-                       for p in passages])
+            context_ref=self.blobs.put_json([h.model_dump() for h in hits]), passages=len(hits),
+            citations=[citation(h) for h in hits],
+            fits=estimate_tokens(" ".join(h.text for h in hits)) <= budget, attempt=activity.info().attempt)
 
-    def _passages(self, context_ref: str) -> list[dict]:
-        return self.blobs.get_json(context_ref)
+    def _passages(self, context_ref: str) -> list[SearchHit]:
+        return [SearchHit.model_validate(p) for p in self.blobs.get_json(context_ref)]
 
-    @activity.defn(name="summarize_context")
-    @translate_errors
-    async def summarize_context(self, req: ContextInput) -> SummaryOutput:
-        passages = await asyncio.to_thread(self._passages, req.context_ref)
-        if not passages:
-            return SummaryOutput(summary="", attempt=activity.info().attempt)
-        reply = await self.model.complete(prompts.messages(
-            "summarize", passages=prompts.format_passages(passages), question=req.question), step="summarize")
-        return SummaryOutput(summary=reply.text.strip(), prompt_tokens=reply.prompt_tokens,
-                             completion_tokens=reply.completion_tokens, attempt=activity.info().attempt)
-
-    @activity.defn(name="extract_entities")
-    @translate_errors
-    async def extract_entities(self, req: ContextInput) -> EntitiesOutput:
-        passages = await asyncio.to_thread(self._passages, req.context_ref)
-        if not passages:
-            return EntitiesOutput(entities=[], attempt=activity.info().attempt)
-        messages = prompts.messages("extract_entities", passages=prompts.format_passages(passages),
-                                    question=req.question)
-        reply = await self.model.complete(messages, step="extract_entities")
-        tokens = [reply.prompt_tokens, reply.completion_tokens]
-        entities = parse_entities(reply.text)
-        if entities is None:  # one corrective re-ask, then give up gracefully
-            messages += [{"role": "assistant", "content": reply.text},
-                         {"role": "user", "content": prompts.text("extract_entities", "repair")}]
-            reply = await self.model.complete(messages, step="extract_entities")
-            tokens = [tokens[0] + reply.prompt_tokens, tokens[1] + reply.completion_tokens]
-            entities = parse_entities(reply.text)
-        warnings = []
-        if entities is None:
-            warnings.append("entity extraction returned invalid JSON twice; continuing without entities")
-            log.warning("entities unparseable", reply=reply.text[:200])
-            entities = []
-        return EntitiesOutput(entities=entities, warnings=warnings, prompt_tokens=tokens[0],
-                              completion_tokens=tokens[1], attempt=activity.info().attempt)
-
-    @activity.defn(name="generate_answer")
+    @activity.defn
     @translate_errors
     async def generate_answer(self, req: GenerateInput) -> GenerateOutput:
         passages = await asyncio.to_thread(self._passages, req.context_ref)
@@ -100,30 +72,67 @@ class ChatActivities:
             return GenerateOutput(answer=prompts.no_context_answer(req.question), cited=[], model="none",
                                   attempt=attempt)
         history = "\n".join(f"Q: {h.question}\nA: {h.answer}" for h in req.history) or "(none)"
-        entities = ", ".join(f"{e.text} ({e.type})" for e in req.entities) or "(none)"
-        messages = prompts.messages("answer", passages=prompts.format_passages(passages), summary=req.summary or "(none)",
-                                    entities=entities, history=history, question=req.question)
+        context = prompts.format_passages(passages)
+        if req.summary:  # the passages did not fit the context: answer from their summary, still citable
+            context = f"SUMMARY OF THE PASSAGES: {req.summary}\n\n{prompts.format_passage_heads(passages)}"
+        messages = prompts.messages("answer", passages=context, history=history, question=req.question)
         result = StreamedCompletion(model=self.model.model)
         async with AnswerDeltas(attempt) as deltas:
             async for piece in self.model.stream(messages, result, step="generate"):
-                deltas.publish(piece)
+                await deltas.publish(piece)
         answer = result.text.strip()
         return GenerateOutput(answer=answer, cited=cited_passages(answer, passages), model=result.model,
-                              prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                              attempt=attempt)
+                              usage=Usage(prompt_tokens=result.prompt_tokens,
+                                          completion_tokens=result.completion_tokens), attempt=attempt)
+
+    @activity.defn
+    @translate_errors
+    async def summarize_context(self, req: ContextInput) -> SummaryOutput:
+        passages = await asyncio.to_thread(self._passages, req.context_ref)
+        if not passages:
+            return SummaryOutput(summary="", attempt=activity.info().attempt)
+        reply = await self.model.complete(prompts.messages(
+            "summarize", passages=prompts.format_passages(passages), question=req.question), step="summarize")
+        return SummaryOutput(summary=reply.text.strip(), attempt=activity.info().attempt,
+                             usage=Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens))
+
+    @activity.defn
+    @translate_errors
+    async def extract_entities(self, req: ContextInput) -> EntitiesOutput:
+        passages = await asyncio.to_thread(self._passages, req.context_ref)
+        if not passages:
+            return EntitiesOutput(entities=[], attempt=activity.info().attempt)
+        messages = prompts.messages("extract_entities", passages=prompts.format_passages(passages),
+                                    question=req.question)
+        reply = await self.model.complete(messages, step="extract_entities")
+        usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+        entities = parse_entities(reply.text)
+        if entities is None:  # one corrective re-ask, then give up gracefully
+            messages += [{"role": "assistant", "content": reply.text},
+                         {"role": "user", "content": prompts.text("extract_entities", "repair")}]
+            reply = await self.model.complete(messages, step="extract_entities")
+            usage = usage + Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+            entities = parse_entities(reply.text)
+        warnings = []
+        if entities is None:
+            warnings.append("entity extraction returned invalid JSON twice; continuing without entities")
+            log.warning("entities unparseable", reply=reply.text[:200])
+            entities = []
+        return EntitiesOutput(entities=entities, warnings=warnings, usage=usage, attempt=activity.info().attempt)
 
     def all(self) -> list:
-        return [self.retrieve_context, self.summarize_context, self.extract_entities, self.generate_answer]
+        return [self.retrieve_context, self.generate_answer, self.summarize_context, self.extract_entities]
 
 
 class AnswerDeltas:
-    """Publishes pieces of the answer to the job's event stream (batched) and heartbeats meanwhile."""
+    """Publishes pieces of the answer to the job's event stream and heartbeats meanwhile. The first
+    piece goes out at once (a person waits for it); later ones are batched."""
 
     def __init__(self, attempt: int) -> None:
         self.attempt = attempt
         self.index = 0
         self._stream = WorkflowStreamClient.from_within_activity(batch_interval=DELTA_FLUSH)
-        self._topic = self._stream.topic("events")
+        self._topic = self._stream.topic(EVENTS_TOPIC)
         self._last_beat = 0.0
 
     async def __aenter__(self) -> "AnswerDeltas":
@@ -133,7 +142,7 @@ class AnswerDeltas:
     async def __aexit__(self, *exc) -> None:
         await self._stream.__aexit__(*exc)
 
-    def publish(self, piece: str) -> None:
+    async def publish(self, piece: str) -> None:
         info = activity.info()
         now = datetime.now(timezone.utc)
         self.index += 1
@@ -143,9 +152,22 @@ class AnswerDeltas:
             "subject": info.workflow_id, "datacontenttype": "application/json",
             "data": {"text": piece, "index": self.index, "attempt": self.attempt},
         })
+        if self.index == 1:
+            await self._stream.flush()
         if now.timestamp() - self._last_beat > HEARTBEAT_EVERY:
             self._last_beat = now.timestamp()
             activity.heartbeat(self.index)
+
+
+def citation(hit: SearchHit) -> Citation:
+    return Citation(document_id=hit.document_id, filename=hit.filename, page=hit.page,
+                    chunk_id=f"{hit.document_id}:{hit.chunk}", score=round(hit.score, 4))
+
+
+def estimate_tokens(text: str) -> int:
+    """A model-independent over-estimate: a CJK character is about a token, other text about 4 characters."""
+    cjk = len(_CJK.findall(text))
+    return cjk + (len(text) - cjk + 3) // 4
 
 
 def parse_entities(text: str) -> list[Entity] | None:
@@ -178,7 +200,7 @@ def parse_entities(text: str) -> list[Entity] | None:
     return entities[:10]
 
 
-def cited_passages(answer: str, passages: list[dict]) -> list[int]:
+def cited_passages(answer: str, passages: list[SearchHit]) -> list[int]:
     """Passages the answer cites as [n]; for an answer without markers, those that share enough of its words."""
     numbers = sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= len(passages)})
     if numbers:
@@ -188,7 +210,7 @@ def cited_passages(answer: str, passages: list[dict]) -> list[int]:
         return []
     supported = []
     for i, passage in enumerate(passages, 1):
-        overlap = len(words & {w.lower() for w in _WORD.findall(passage["text"])}) / len(words)
+        overlap = len(words & {w.lower() for w in _WORD.findall(passage.text)}) / len(words)
         if overlap >= SUPPORT_THRESHOLD:
             supported.append(i)
     return supported

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from temporalio import activity
 
-from activities.models import (
+from models.ingest import (
     ChunkInput, ChunkOutput, EmbedInput, EmbedOutput, ExtractInput, ExtractOutput, IndexInput, IndexOutput,
     PruneInput, PruneOutput,
 )
@@ -28,7 +28,7 @@ class IngestActivities:
         self.embedder = embedder
         self.index = index
 
-    @activity.defn(name="extract_text")
+    @activity.defn
     @translate_errors
     def extract_text(self, req: ExtractInput) -> ExtractOutput:
         data = self.blobs.get(req.blob_ref)
@@ -40,7 +40,7 @@ class IngestActivities:
         return ExtractOutput(pages_ref=pages_ref, pages=len(pages), chars=sum(len(p.text) for p in pages),
                              attempt=_attempt())
 
-    @activity.defn(name="chunk_text")
+    @activity.defn
     @translate_errors
     def chunk_text(self, req: ChunkInput) -> ChunkOutput:
         pages = [text.Page(number=p["page"], text=p["text"]) for p in self.blobs.get_json(req.pages_ref)]
@@ -49,7 +49,7 @@ class IngestActivities:
         return ChunkOutput(chunks_ref=chunks_ref, chunks=len(chunks), batch_size=self.settings.embed_batch_size,
                            parallelism=self.settings.embed_parallelism, attempt=_attempt())
 
-    @activity.defn(name="embed_chunks")
+    @activity.defn
     @translate_errors
     def embed_chunks(self, req: EmbedInput) -> EmbedOutput:
         chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
@@ -58,7 +58,7 @@ class IngestActivities:
         return EmbedOutput(vectors_ref=self.blobs.put(vectors.tobytes()), count=len(chunks),
                            model=self.embedder.name, attempt=_attempt())
 
-    @activity.defn(name="index_chunks")
+    @activity.defn
     @translate_errors
     def index_chunks(self, req: IndexInput) -> IndexOutput:
         chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
@@ -71,7 +71,7 @@ class IngestActivities:
         ]
         return IndexOutput(points=self.index.upsert(req.collection, points), attempt=_attempt())
 
-    @activity.defn(name="prune_stale_chunks")
+    @activity.defn
     @translate_errors
     def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
         self.index.prune(req.collection, req.document_id, req.keep_chunks)

@@ -1,4 +1,4 @@
-"""Activities that talk to Temporal itself (through the worker's client)."""
+"""Activities that wait on other jobs through Temporal itself (the worker's client)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import asyncio
 from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 
-from activities.models import AwaitDocumentInput, AwaitTurnInput, AwaitTurnOutput
+from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
+from models.ingest import AwaitDocumentInput, DocumentOutcome
 from temporal.errors import translate_errors
-from workflows.models import DocumentOutcome
 
 
 class JobActivities:
     def __init__(self, client: Client) -> None:
         self.client = client
 
-    @activity.defn(name="await_document")
+    @activity.defn
     @translate_errors
     async def await_document(self, req: AwaitDocumentInput) -> DocumentOutcome:
         """Outcome of a document ingestion another job started (same bytes, same collection)."""
@@ -27,16 +27,16 @@ class JobActivities:
             cause = exc.cause
             return DocumentOutcome.failed_from(req.workflow_id, getattr(cause, "message", None) or str(cause))
 
-    @activity.defn(name="await_turn")
+    @activity.defn
     @translate_errors
-    async def await_turn(self, req: AwaitTurnInput) -> AwaitTurnOutput:
-        """Answer of a chat turn started by an earlier run of its session (before continue-as-new)."""
-        handle = self.client.get_workflow_handle(req.workflow_id)
+    async def await_turn(self, req: AwaitTurnInput) -> TurnOutcome:
+        """Outcome of a chat turn whose job an earlier run of its session started (continue-as-new)."""
+        handle = self.client.get_workflow_handle(req.workflow_id, result_type=TurnResult)
         try:
             result = await _with_heartbeats(handle.result())
         except WorkflowFailureError:
-            return AwaitTurnOutput(answer=None)
-        return AwaitTurnOutput(answer=(result or {}).get("answer", ""))
+            return TurnOutcome(answer=None)
+        return TurnOutcome(answer=result.answer)
 
     def all(self) -> list:
         return [self.await_document, self.await_turn]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from temporalio import activity
 
-from activities.models import SearchHit, SearchInput, SearchOutput
+from models.ingest import SearchHit, SearchInput, SearchOutput
 from ragline.embeddings import Embedder
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
@@ -24,7 +24,7 @@ class SearchActivities:
         self.embedder = embedder
         self.index = index
 
-    @activity.defn(name="search_chunks")
+    @activity.defn
     @translate_errors
     def search_chunks(self, req: SearchInput) -> SearchOutput:
         return SearchOutput(hits=find_passages(self.embedder, self.index, req.collection, req.query, req.top_k))

@@ -1,10 +1,11 @@
-"""Dependencies shared by routes: settings, the Temporal client, the blob store."""
+"""Dependencies shared by routes, as typed aliases: `client: ClientDep`, `settings: SettingsDep`..."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 from temporalio.client import Client
 
 from ragline.blobstore import BlobStore
@@ -23,5 +24,14 @@ def get_blobs(request: Request) -> BlobStore:
     return request.app.state.blobs
 
 
-def rpc_timeout(settings: Settings) -> timedelta:
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ClientDep = Annotated[Client, Depends(get_client)]
+BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
+
+
+def get_rpc_timeout(settings: SettingsDep) -> timedelta:
+    """How long one call to the Temporal server may take (RAGLINE_TEMPORAL_RPC_TIMEOUT)."""
     return timedelta(seconds=settings.temporal_rpc_timeout)
+
+
+RpcTimeoutDep = Annotated[timedelta, Depends(get_rpc_timeout)]

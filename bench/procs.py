@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from temporal.devserver import port_in_use, tail
+from devtools.devserver import port_in_use, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"

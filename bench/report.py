@@ -70,7 +70,7 @@ def render(r: dict) -> str:
         f"{n} connections); the whole run took {secs(r.get('bench_seconds'))}.")
     lines.append("")
     lines.append(
-        f"**{n} concurrent requests at once; the scripted model (`tests/scripted_llm.py --delay {delay:g}`) "
+        f"**{n} concurrent requests at once; the scripted model (`devtools/scripted_llm.py --delay {delay:g}`) "
         f"answers every chat completion after {delay:g} s.** Latency is per request, from sending it to its "
         f"full response, errors included at the moment they came back; percentiles are nearest-rank "
         f"(p99 of {n} is the {_rank(n, 99)}th).")

@@ -2,8 +2,8 @@
 bare Temporal `start_workflow` floor, with a scripted model that answers every chat completion after
 `--delay` seconds. Everything runs on loopback in one run, on free ports and a temporary data folder:
 
-  scripted model   python -m tests.scripted_llm --port L --delay D        (shared by both apps)
-  Temporal         temporal.devserver.DevServer (SQLite in the temp folder, WAL)
+  scripted model   python -m devtools.scripted_llm --port L --delay D        (shared by both apps)
+  Temporal         devtools.devserver.DevServer (SQLite in the temp folder, WAL)
   Ragline worker   python worker.py                                       (RAGLINE_* env)
   Ragline API      python -m uvicorn api.app:app --workers 1
   sync baseline    python -m uvicorn bench.sync_app:app --workers 1
@@ -116,7 +116,7 @@ class Stack:
 
     async def start(self, delay: float) -> None:
         from ragline.settings import Settings
-        from temporal.devserver import DevServer
+        from devtools.devserver import DevServer
 
         py = sys.executable
         llm_port, api_port, sync_port = free_port(), free_port(), free_port()
@@ -127,7 +127,7 @@ class Stack:
         self.sync_url = f"http://{LOOPBACK}:{sync_port}"
 
         log(f"scripted model on {self.llm_url} (delay {delay:g} s)")
-        llm = self._spawn("scripted-llm", [py, "-m", "tests.scripted_llm", "--host", LOOPBACK, "--port",
+        llm = self._spawn("scripted-llm", [py, "-m", "devtools.scripted_llm", "--host", LOOPBACK, "--port",
                                            str(llm_port), "--delay", str(delay)], {})
         await llm.wait_ready(http_ok(f"{self.llm_url}/v1/models"), 30)
 
@@ -440,7 +440,7 @@ def machine_facts() -> dict:
     except (OSError, StopIteration, ValueError):
         pass
     from importlib.metadata import version
-    from temporal.devserver import temporal_binary
+    from devtools.devserver import temporal_binary
 
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -35,8 +35,14 @@ def no_context_answer(question: str) -> str:
     return templates()["no_context"][language_of(question)]
 
 
-def format_passages(passages: list[dict]) -> str:
-    return "\n\n".join(f"[{i}] ({p['filename']}, page {p['page']}) {p['text']}" for i, p in enumerate(passages, 1))
+def format_passages(passages: list) -> str:
+    """Numbered passages (objects with filename, page and text) as the prompts cite them: [1], [2]…"""
+    return "\n\n".join(f"[{i}] ({p.filename}, page {p.page}) {p.text}" for i, p in enumerate(passages, 1))
+
+
+def format_passage_heads(passages: list) -> str:
+    """The numbers and sources of the passages without their text (when a summary stands in for it)."""
+    return "\n".join(f"[{i}] ({p.filename}, page {p.page})" for i, p in enumerate(passages, 1))
 
 
 def agent_tools() -> list[dict]:

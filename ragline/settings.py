@@ -38,13 +38,20 @@ class Settings(BaseSettings):
     embeddings_timeout: float = 60.0
 
     # Chat model: any OpenAI-compatible endpoint. Unset: `make run` starts a local llama.cpp server
-    # (model `local_model`, assembled by ragline.localmodel) on 127.0.0.1:llm_port.
+    # (model `local_model`, assembled by devtools.localmodel) on 127.0.0.1:llm_port.
     llm_base_url: str | None = None
     llm_api_key: str | None = None
     llm_model: str = "local"
     llm_timeout: float = 120.0
     llm_max_tokens: int = 512
-    # Key in ragline.localmodel.MODELS: "qwen2.5-coder-0.5b" (default) or "qwen2.5-coder-1.5b".
+    # Tokens the model's context holds (prompt + answer); passages beyond it are summarized first.
+    llm_context_tokens: int = 4096
+    # Model calls in flight, per model endpoint: the `llm` task queue's slots. Unset: 2 for the local
+    # llama.cpp server (2 cores), 64 for a remote endpoint.
+    llm_concurrency: int | None = None
+    # Optional cap on model calls started per second across all workers (the task queue's rate limit).
+    llm_requests_per_second: float | None = None
+    # Key in devtools.localmodel.MODELS: "qwen2.5-coder-0.5b" (default) or "qwen2.5-coder-1.5b".
     local_model: str = "qwen2.5-coder-0.5b"
     # Port of the local llama.cpp server; used only when llm_base_url is unset.
     llm_port: int = 8081
@@ -99,6 +106,12 @@ class Settings(BaseSettings):
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def effective_llm_concurrency(self) -> int:
+        if self.llm_concurrency is not None:
+            return self.llm_concurrency
+        return 64 if self.llm_base_url else 2
 
     @property
     def effective_llm_base_url(self) -> str:

@@ -1,7 +1,10 @@
 """Declarative timeouts and retry policies, read from `policies.toml` (or RAGLINE_POLICIES).
 
-The worker calls `load()` once at start: a bad file stops it with a message naming the key. Workflow
-code then calls `options("activity_name")` and passes the result to `execute_activity`.
+The worker calls `load()` once at start with the names of the activities it registers: every one of
+them gets a policy (its own section, else [defaults]), and a section naming no registered activity
+stops the worker, so a renamed activity cannot silently lose its policy. Workflow code never names
+an activity by a string: `options(activity_name(ChatActivities.generate_answer))` is derived from
+the definition.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ import re
 import tomllib
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
+from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from temporalio import activity
 from temporalio.common import RetryPolicy
 
 from temporal import queues
@@ -49,7 +55,7 @@ class _Partial(BaseModel):
     max_interval: timedelta | None = None
     max_attempts: int | None = None
     non_retryable: list[str] | None = None
-    queue: Literal["main", "cpu"] | None = None
+    queue: queues.QueueKind | None = None
 
     @field_validator("start_to_close", "heartbeat", "initial_interval", "max_interval", mode="before")
     @classmethod
@@ -75,9 +81,9 @@ class ActivityPolicy(BaseModel):
     start_to_close: timedelta
     heartbeat: timedelta | None
     retry: RetryPolicy
-    # "cpu": runs on the CPU-bound task queue (<task queue>-cpu), whose worker takes few at a time;
-    # "main": with the workflows, where many I/O-bound calls (model requests) may wait at once.
-    queue: str = "main"
+    # Which task queue runs it (temporal/queues.py): "main" (with the workflows, many I/O waits at
+    # once), "cpu" (a few at a time) or "llm" (model calls, bounded per model endpoint).
+    queue: queues.QueueKind = "main"
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     def as_options(self) -> dict[str, Any]:
@@ -87,19 +93,19 @@ class ActivityPolicy(BaseModel):
         return options
 
 
-# Activities the project defines: a policy for any other name is a typo.
-KNOWN_ACTIVITIES = frozenset({
-    "extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks", "await_document",
-    "search_chunks", "await_turn", "retrieve_context", "summarize_context", "extract_entities", "generate_answer",
-    "agent_plan", "search_documents",
-})
-
 _loaded: dict[str, ActivityPolicy] | None = None
 _dead_letter_ttl: timedelta | None = None
 DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 
 
-def parse(text: str, source: str = "policies") -> dict[str, ActivityPolicy]:
+def activity_name(fn: Callable[..., Any]) -> str:
+    """The registered name of an activity function or method (its `@activity.defn`)."""
+    return activity._Definition.must_from_callable(fn).name
+
+
+def parse(text: str, activities: Iterable[str], source: str = "policies") -> dict[str, ActivityPolicy]:
+    """Policies for `activities` (the names the worker registers) from the text of a policy file."""
+    known = frozenset(activities)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -113,15 +119,15 @@ def parse(text: str, source: str = "policies") -> dict[str, ActivityPolicy]:
         raise PolicyError(f"{source}: [defaults]: {_explain(exc)}") from None
     if defaults.start_to_close is None:
         raise PolicyError(f"{source}: [defaults].start_to_close is required")
-    activities = raw.get("activities", {})
-    unknown = set(activities) - KNOWN_ACTIVITIES
+    sections = raw.get("activities", {})
+    unknown = set(sections) - known
     if unknown:
         raise PolicyError(f"{source}: unknown activity: {', '.join(sorted(unknown))} "
-                          f"(known: {', '.join(sorted(KNOWN_ACTIVITIES))})")
+                          f"(registered: {', '.join(sorted(known))})")
     policies: dict[str, ActivityPolicy] = {}
-    for name in sorted(KNOWN_ACTIVITIES):
+    for name in sorted(known):
         try:
-            own = _Partial(**activities.get(name, {}))
+            own = _Partial(**sections.get(name, {}))
         except ValidationError as exc:
             raise PolicyError(f"{source}: [activities.{name}]: {_explain(exc)}") from None
         merged = defaults.model_copy(update=own.model_dump(exclude_none=True))
@@ -163,15 +169,17 @@ def parse_dead_letter_ttl(text: str, source: str = "policies", override: str | N
     return ttl
 
 
-def load(path: Path | None = None, *, dead_letter_ttl: str | None = None) -> dict[str, ActivityPolicy]:
-    """Read and validate the policy file; called once by the worker before it polls."""
+def load(path: Path | None, activities: Iterable[str], *,
+         dead_letter_ttl: str | None = None) -> dict[str, ActivityPolicy]:
+    """Read and validate the policy file for the registered `activities`; called once by the worker
+    before it polls."""
     global _loaded, _dead_letter_ttl
     path = Path(path) if path else DEFAULT_FILE
     try:
         text = path.read_text()
     except OSError as exc:
         raise PolicyError(f"cannot read policy file {path}: {exc}") from None
-    _loaded = parse(text, str(path))
+    _loaded = parse(text, activities, str(path))
     _dead_letter_ttl = parse_dead_letter_ttl(text, str(path), dead_letter_ttl)
     return _loaded
 
@@ -183,23 +191,25 @@ def dead_letter_ttl() -> timedelta:
     return _dead_letter_ttl
 
 
-def policy(activity_name: str) -> ActivityPolicy:
+def policy(name: str) -> ActivityPolicy:
     if _loaded is None:
         raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
-    return _loaded[activity_name]
+    try:
+        return _loaded[name]
+    except KeyError:
+        raise PolicyError(f"no policy for activity {name!r}: it is not registered with this worker") from None
 
 
-def options(activity_name: str) -> dict[str, Any]:
-    """Keyword arguments for `workflow.execute_activity` (call from workflow code)."""
+def options(name: str) -> dict[str, Any]:
+    """Keyword arguments for `workflow.execute_activity*` (call from workflow code)."""
     from temporalio import workflow
 
-    chosen = policy(activity_name)
+    chosen = policy(name)
     opts = chosen.as_options()
-    if chosen.queue == "cpu":
-        opts["task_queue"] = queues.cpu_queue(workflow.info().task_queue)
+    opts["task_queue"] = queues.queue_name(workflow.info().task_queue, chosen.queue)
     return opts
 
 
-def local_options(activity_name: str) -> dict[str, Any]:
-    """Keyword arguments for `workflow.execute_local_activity` (runs in the workflow's worker)."""
-    return policy(activity_name).as_options()
+def local_options(name: str) -> dict[str, Any]:
+    """Keyword arguments for `workflow.execute_local_activity*` (runs in the workflow's worker)."""
+    return policy(name).as_options()

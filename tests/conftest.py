@@ -23,8 +23,8 @@ from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import search_attributes as sa
 from temporal.client import connect
-from temporal.devserver import temporal_binary
-from tests.scripted_llm import ScriptedLLM
+from devtools.devserver import temporal_binary
+from devtools.scripted_llm import ScriptedLLM
 from worker import build_worker
 
 SHARED_PDFS = Path(__file__).resolve().parent.parent.parent / "shared" / "pdfs"
@@ -131,6 +131,28 @@ async def temporal_env():
 
 @pytest_asyncio.fixture(scope="session")
 async def scripted_llm():
+    llm = ScriptedLLM()
+    await llm.start()
+    yield llm
+    await llm.stop()
+
+
+@pytest.fixture
+def restore_policies():
+    """For a test that loads other policies (`temporal.policies.load` is process-wide, and the session's
+    in-process worker runs on what was loaded): puts the loaded policies back afterwards."""
+    from temporal import policies
+
+    saved = policies._loaded, policies._dead_letter_ttl
+    yield
+    policies._loaded, policies._dead_letter_ttl = saved
+
+
+@pytest_asyncio.fixture
+async def private_llm():
+    """A scripted model of the test's own, for a test that turns server-wide knobs (random faults, a delay
+    on every request, reset()): the session's shared `scripted_llm` is left as it was. Tests on the
+    shared one use `scripted_llm.scope()` instead, so their scripts reach only their own requests."""
     llm = ScriptedLLM()
     await llm.start()
     yield llm

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from ragline.localmodel import DEFAULT_MODEL, ensure_model, get_model, llama_server_argv, missing_packages
+from devtools.localmodel import DEFAULT_MODEL, ensure_model, get_model, llama_server_argv, missing_packages
 from ragline.settings import Settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

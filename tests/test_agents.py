@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from temporal.devserver import temporal_binary
+from devtools.devserver import temporal_binary
 
 DEPTH = re.compile(r"DEPTH: (\d+) of at most (\d+)")
 
@@ -124,17 +124,46 @@ async def test_budget_guard_trips_and_waits(stack):
     # The child got only what was left of the shared budget.
     assert "model calls left" in review["detail"] or "budget used up" in review["detail"]
     await stack.http.post(f"/v1/jobs/{review['job_id']}/review", json={"decision": "reject", "reviewer": "bo"})
-    # The tree's budget is spent, so the root stops too before planning again.
-    for _ in range(100):
-        root = (await stack.http.get("/v1/reviews")).json()["reviews"]
-        if root and root[0]["job_id"] == job_id:
-            break
-        await asyncio.sleep(0.2)
-    assert root[0]["reason"] == "budget" and root[0]["depth"] == 0
-    await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "reject", "reviewer": "bo"})
+    # A rejection sticks for the tree: the root finishes with what it has instead of asking again.
     job = await stack.wait_done(job_id)
     assert job["status"] == "completed" and job["result"]["llm_calls"] == 2
-    assert job["result"]["status"] == "stopped" and len(job["result"]["decisions"]) == 2
+    assert job["result"]["status"] == "stopped" and len(job["result"]["decisions"]) == 1
+
+
+def always_delegate(body: dict) -> dict:
+    """A model that delegates whatever it is asked, one level deeper each time."""
+    return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"level {_depth(body) + 1} part"}}]}
+
+
+async def test_a_rejected_delegation_is_not_proposed_again(stack):
+    stack.llm.script_fn("agent", always_delegate)
+    job_id = await _start(stack, "Survey the coastline", max_depth=1)
+    [first] = await _waiting(stack)
+    assert first["reason"] == "depth" and first["depth"] == 1
+    r = await stack.http.post(f"/v1/jobs/{first['job_id']}/review",
+                              json={"decision": "approve", "reviewer": "ann", "extra_depth": 1})
+    assert r.status_code == 200, r.text
+    second = None
+    for _ in range(200):
+        second = next((x for x in (await stack.http.get("/v1/reviews")).json()["reviews"]
+                       if x["job_id"].startswith(job_id) and x["depth"] == 2), None)
+        if second:
+            break
+        await asyncio.sleep(0.1)
+    assert second is not None and second["proposed_action"]["subgoals"] == ["level 3 part"]
+    await stack.http.post(f"/v1/jobs/{second['job_id']}/review", json={"decision": "reject", "reviewer": "ann"})
+    # The whole tree finishes with what it has; nobody is asked about the same delegation again.
+    job = await stack.wait_done(job_id, timeout=60)
+    assert job["status"] == "completed" and job["result"]["status"] == "stopped"
+    assert [d["decision"] for d in job["result"]["decisions"]] == ["approve", "reject"]
+    tree_reviews = [x for x in (await stack.http.get("/v1/reviews")).json()["reviews"]
+                    if x["job_id"].startswith(job_id)]
+    assert tree_reviews == []
+    listed = (await stack.http.get("/v1/jobs", params={"kind": "agent", "limit": 1000})).json()["jobs"]
+    tree = [j for j in listed if j["job_id"].startswith(job_id)]
+    # root, one child, one grandchild: the child did not delegate the rejected branch a second time
+    assert sorted(j["job_id"] for j in tree) == [job_id, f"{job_id}.1", f"{job_id}.1.1"]
+    assert all(j["status"] == "completed" for j in tree)
 
 
 async def test_loop_guard_trips_on_a_repeated_goal(stack):

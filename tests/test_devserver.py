@@ -14,7 +14,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from ragline.settings import Settings
 from temporal import search_attributes
 from tests.conftest import free_server_port
-from temporal.devserver import DevServer, dev_server_command, temporal_reachable
+from devtools.devserver import DevServer, dev_server_command, temporal_reachable
 
 
 def _free_grpc_port() -> int:

@@ -51,7 +51,7 @@ async def test_ingestion_events_stream_and_resume(stack):
     doc_job = body["documents"][0]["document_id"]
     doc_events = await read_events(stack, f"doc-{doc_job}")
     started = [e["data"]["step"] for _, e in doc_events if e["type"] == "ragline.step.started"]
-    assert started == ["extract_text", "chunk_text", "embed_chunks", "index_chunks"]
+    assert started == ["extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks"]
 
 
 async def test_failed_job_stream_ends_with_the_reason(stack):

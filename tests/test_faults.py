@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 from ragline.vectorstore import open_index
-from temporal.devserver import DevServer
+from devtools.devserver import DevServer
 from tests.conftest import FIXTURES, free_server_port, running_stack
 from tests.pdfgen import pdf_bytes
 

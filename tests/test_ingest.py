@@ -6,7 +6,7 @@ import asyncio
 
 
 from tests.conftest import shared_pdf
-from api.routes.documents import display_name
+from api.validators import display_name
 from tests.pdfgen import pdf_bytes
 
 
@@ -61,7 +61,7 @@ async def test_multi_page_pdf_keeps_page_numbers(stack):
     doc_job = (await stack.http.get(f"/v1/jobs/{outcome['job_id']}")).json()
     assert doc_job["kind"] == "ingest_document" and doc_job["status"] == "completed"
     steps = {s["name"]: s for s in doc_job["steps"]}
-    assert list(steps) == ["extract_text", "chunk_text", "embed_chunks", "index_chunks"]
+    assert list(steps) == ["extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks"]
     for step in steps.values():
         assert step["status"] == "completed" and step["attempts"] == 1
         assert step["started_at"] <= step["finished_at"]

@@ -1,4 +1,4 @@
-"""ragline.localmodel: assembling a GGUF from chunk packages, verifying it, reusing it; the llm
+"""devtools.localmodel: assembling a GGUF from chunk packages, verifying it, reusing it; the llm
 process spec of the supervisor; and one end-to-end run of the real local model through llama.cpp.
 
 The unit tests install fake chunk packages (a dist-info with RECORD and a part file) into a tmp
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ragline import localmodel
-from ragline.localmodel import (ChunkPart, LocalModel, ModelPackagesMissing, ModelVerificationError,
+from devtools import localmodel
+from devtools.localmodel import (ChunkPart, LocalModel, ModelPackagesMissing, ModelVerificationError,
                                 ensure_model, llama_server_argv)
-from ragline.run import llm_preflight, process_specs
+from devtools.supervisor import llm_preflight, process_specs
 from ragline.settings import Settings
 from tests.local_llm import local_llm_unavailable, model_dir, start_local_llm
 

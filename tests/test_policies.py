@@ -1,24 +1,37 @@
-"""The declarative policy file: every activity is covered, and a bad file stops the worker at start."""
+"""The declarative policy file: every registered activity is covered, and a bad file stops the worker at start."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tomllib
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+import worker
 from temporal import policies
 
 PROJECT = Path(__file__).resolve().parent.parent
+FAST_POLICIES = Path(__file__).resolve().parent / "fast_policies.toml"
+NAMES = worker.activity_names()
+MINIMAL = '[defaults]\nstart_to_close = "1m"\n'
 
 
-def test_default_file_covers_every_activity_with_timeouts():
+def test_worker_registers_every_activity_its_classes_define():
+    # main() loads the policies for activity_names(); build_worker registers each class's all():
+    # an activity missing from either would run without the policy the file gives it, or not at all.
+    registered = [policies.activity_name(fn) for cls in worker.ACTIVITY_CLASSES
+                  for fn in object.__new__(cls).all()]
+    assert sorted(registered) == sorted(NAMES)
+    assert len(set(NAMES)) == len(NAMES), "two activities share a name"
+
+
+def test_default_file_sets_timeouts_retries_and_queues():
     text = policies.DEFAULT_FILE.read_text()
-    parsed = policies.parse(text)
-    assert set(parsed) == policies.KNOWN_ACTIVITIES
+    parsed = policies.parse(text, NAMES)
     for name, policy in parsed.items():
         assert policy.start_to_close > timedelta(0), name
         assert "InputError" in policy.retry.non_retryable_error_types, name
@@ -26,49 +39,111 @@ def test_default_file_covers_every_activity_with_timeouts():
     for name in ("extract_text", "embed_chunks", "generate_answer", "await_document", "await_turn"):
         assert parsed[name].heartbeat is not None, name
     assert parsed["extract_text"].retry.maximum_attempts == 3
+    # Waiting on another job never gives up; everything else does.
+    assert parsed["await_document"].retry.maximum_attempts == 0
+    assert all(p.retry.maximum_attempts > 0 for n, p in parsed.items() if not n.startswith("await_"))
+    # Model calls go to the llm queue, CPU work to the cpu queue.
+    for name in ("generate_answer", "summarize_context", "extract_entities", "agent_plan"):
+        assert parsed[name].queue == "llm", name
+    for name in ("extract_text", "chunk_text", "embed_chunks"):
+        assert parsed[name].queue == "cpu", name
     assert policies.parse_dead_letter_ttl(text) == timedelta(days=7)
     assert policies.parse_dead_letter_ttl(text, override="12h") == timedelta(hours=12)
 
 
-def test_worker_registers_an_activity_for_every_policy_and_back():
-    from activities.agent import AgentActivities
-    from activities.chat import ChatActivities
-    from activities.ingest import IngestActivities
-    from activities.jobs import JobActivities
-    from activities.search import SearchActivities
+def test_test_policies_name_the_same_activities_on_the_same_queues():
+    default = policies.parse(policies.DEFAULT_FILE.read_text(), NAMES)
+    fast = policies.parse(FAST_POLICIES.read_text(), NAMES)
+    assert {n: p.queue for n, p in fast.items()} == {n: p.queue for n, p in default.items()}
+    assert {n: p.heartbeat is not None for n, p in fast.items()} == \
+        {n: p.heartbeat is not None for n, p in default.items()}
 
-    names = set()
-    for cls in (AgentActivities, ChatActivities, IngestActivities, JobActivities, SearchActivities):
-        for attr in vars(cls).values():
-            defn = getattr(attr, "__temporal_activity_definition", None)
-            if defn is not None:
-                names.add(defn.name)
-    assert names == policies.KNOWN_ACTIVITIES
+
+def test_an_activity_without_a_section_gets_the_defaults():
+    parsed = policies.parse(MINIMAL + "max_attempts = 7\n[activities.chunk_text]\nmax_attempts = 2\n", NAMES)
+    assert parsed["chunk_text"].retry.maximum_attempts == 2
+    assert parsed["embed_chunks"].retry.maximum_attempts == 7
+    assert parsed["embed_chunks"].start_to_close == timedelta(minutes=1)
+    assert parsed["embed_chunks"].queue == "main"
 
 
 @pytest.mark.parametrize("text, named", [
-    ('[defaults]\nstart_to_close = "1m"\n[activities.extract_txt]\nmax_attempts = 2', "extract_txt"),
-    ('[defaults]\nstart_to_close = "1m"\n[activities.chunk_text]\nretries = 2', "retries"),
-    ('[defaults]\nstart_to_close = "1m"\n[activities.chunk_text]\ninitial_interval = "-1s"', "initial_interval"),
-    ('[defaults]\nstart_to_close = "1m"\n[activities.chunk_text]\nmax_attempts = -1', "max_attempts"),
-    ('[defaults]\nstart_to_close = "1m"\nbackoff = 0.5', "backoff"),
+    (MINIMAL + "[activities.extract_txt]\nmax_attempts = 2", "extract_txt"),
+    (MINIMAL + "[activities.chunk_text]\nretries = 2", "retries"),
+    (MINIMAL + '[activities.chunk_text]\ninitial_interval = "-1s"', "initial_interval"),
+    (MINIMAL + "[activities.chunk_text]\nmax_attempts = -1", "max_attempts"),
+    (MINIMAL + '[activities.chunk_text]\nqueue = "gpu"', "queue"),
+    (MINIMAL + "backoff = 0.5", "backoff"),
     ('[defaults]\nstart_to_close = "soon"', "start_to_close"),
-    ('[defaults]\nstart_to_close = "1m"\n[dead_letters]\nttl = "1d"', "dead_letters"),
+    ('[defaults]\nmax_attempts = 2', "start_to_close"),
+    (MINIMAL + '[dead_letters]\nttl = "1d"', "dead_letters"),
+    (MINIMAL + "[activities.chunk_text\n", "not valid TOML"),
 ])
-def test_bad_policy_files_are_refused_naming_the_key(text, named):
+def test_bad_policy_sections_are_refused_naming_the_key(text, named):
     with pytest.raises(policies.PolicyError, match=named):
-        policies.parse(text)
+        policies.parse(text, NAMES)
+
+
+@pytest.mark.parametrize("section, named", [
+    ('[dead_letter]\nttl = "soon"', r"\[dead_letter\]\.ttl: not a duration"),
+    ('[dead_letter]\nttl = "0s"', r"\[dead_letter\]\.ttl must be positive"),
+    ('[dead_letter]\nttl = "-1d"', r"\[dead_letter\]\.ttl"),
+    ('[dead_letter]\nkeep = "1d"', r"\[dead_letter\]: unknown key: keep"),
+])
+def test_bad_dead_letter_sections_are_refused_naming_the_key(section, named):
+    text = MINIMAL + section
+    policies.parse(text, NAMES)  # the activity policies themselves are fine
+    with pytest.raises(policies.PolicyError, match=named):
         policies.parse_dead_letter_ttl(text)
 
 
-def test_worker_with_a_bad_policy_file_stops_at_start(tmp_path):
-    bad = tmp_path / "policies.toml"
-    bad.write_text('[defaults]\nstart_to_close = "1m"\n[activities.generate_answer]\nheartbeat = "-5s"\n')
-    env = {**os.environ, "RAGLINE_POLICIES": str(bad), "RAGLINE_DATA_DIR": str(tmp_path),
+def test_a_bad_dead_letter_override_names_the_variable():
+    with pytest.raises(policies.PolicyError, match="RAGLINE_DEAD_LETTER_TTL"):
+        policies.parse_dead_letter_ttl(MINIMAL, override="a week")
+    assert policies.parse_dead_letter_ttl(MINIMAL) == policies.DEFAULT_DEAD_LETTER_TTL
+
+
+def test_a_section_for_an_activity_the_worker_does_not_register_stops_loading(tmp_path, restore_policies):
+    # extract_text was renamed in code (say to extract_pages) but its section still names the old name:
+    # loading stops instead of the renamed activity silently running on [defaults].
+    renamed = [("extract_pages" if n == "extract_text" else n) for n in NAMES]
+    for path in (policies.DEFAULT_FILE, FAST_POLICIES):
+        with pytest.raises(policies.PolicyError, match="unknown activity: extract_text") as refused:
+            policies.load(path, renamed)
+        assert str(path) in str(refused.value)
+        assert "extract_pages" in str(refused.value)  # the registered names are listed to compare
+
+    # The same file loads for the names the worker registers, and the loaded policies are the file's.
+    loaded = policies.load(FAST_POLICIES, NAMES, dead_letter_ttl="2h")
+    assert policies.policy("extract_text") is loaded["extract_text"]
+    assert policies.dead_letter_ttl() == timedelta(hours=2)
+    with pytest.raises(policies.PolicyError, match="extract_pages"):
+        policies.policy("extract_pages")
+
+
+def test_load_reports_a_missing_file(tmp_path):
+    with pytest.raises(policies.PolicyError, match="cannot read policy file"):
+        policies.load(tmp_path / "nowhere.toml", NAMES)
+
+
+def test_every_section_of_the_shipped_files_names_a_registered_activity():
+    for path in (policies.DEFAULT_FILE, FAST_POLICIES):
+        sections = set(tomllib.loads(path.read_text()).get("activities", {}))
+        assert sections <= set(NAMES), (path, sections - set(NAMES))
+
+
+@pytest.mark.parametrize("bad, named", [
+    ('[defaults]\nstart_to_close = "1m"\n[activities.generate_answer]\nheartbeat = "-5s"\n', "heartbeat"),
+    ('[defaults]\nstart_to_close = "1m"\n[activities.generate_answers]\nheartbeat = "5s"\n', "generate_answers"),
+])
+def test_worker_with_a_bad_policy_file_stops_at_start(tmp_path, bad, named):
+    path = tmp_path / "policies.toml"
+    path.write_text(bad)
+    env = {**os.environ, "RAGLINE_POLICIES": str(path), "RAGLINE_DATA_DIR": str(tmp_path),
            "RAGLINE_TEMPORAL_ADDRESS": "127.0.0.1:1"}
     proc = subprocess.run([sys.executable, "worker.py"], cwd=PROJECT, env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2
     output = proc.stdout + proc.stderr
-    assert "generate_answer" in output and "heartbeat" in output
+    assert named in output and "invalid policy file" in output
     assert "Traceback" not in output

@@ -17,7 +17,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from tests.scripted_llm import NO_ANSWER_EN, NO_ANSWER_ZH, ScriptedLLM
+from devtools.scripted_llm import NO_ANSWER_EN, NO_ANSWER_ZH, ScriptedLLM
 
 PROJECT = Path(__file__).resolve().parent.parent
 
@@ -304,7 +304,7 @@ async def test_http_control_and_stats(llm, client):
 
 
 def test_runs_as_its_own_process():
-    with subprocess.Popen([sys.executable, "-m", "tests.scripted_llm", "--port", "0", "--delay", "0.2"],
+    with subprocess.Popen([sys.executable, "-m", "devtools.scripted_llm", "--port", "0", "--delay", "0.2"],
                           cwd=PROJECT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
         try:
@@ -322,3 +322,82 @@ def test_runs_as_its_own_process():
             proc.terminate()  # SIGTERM: a clean stop, exit status 0
             _, err = proc.communicate(timeout=10)
         assert proc.returncode == 0, err
+
+
+async def test_scopes_keep_scripts_delays_and_records_to_requests_with_their_token(llm, client):
+    llm.script("answer", ["unscoped"])
+    with llm.scope() as mine, llm.scope("OTHER-7") as other:
+        assert mine.token.startswith("tok") and mine.token != other.token
+        mine.script("answer", ["mine 1", "503"])
+        other.script_fn("*", lambda body: {"content": "other's"})
+        mine.set_delay(0.3)
+        # A request without either token takes the unscoped script, at once.
+        began = time.monotonic()
+        assert (await ask(client)).choices[0].message.content == "unscoped"
+        assert time.monotonic() - began < 0.3
+        # The token may sit anywhere in the messages (here: the question); the scope's script comes first.
+        began = time.monotonic()
+        assert (await ask(client, messages=messages("answer", f"Zebras? {mine.token}"))
+                ).choices[0].message.content == "mine 1"
+        assert time.monotonic() - began >= 0.3
+        assert (await ask(client, "summarize", messages=messages("summarize", "Zebras? OTHER-7"))
+                ).choices[0].message.content == "other's"
+        with pytest.raises(openai.InternalServerError):
+            await ask(client, messages=messages("answer", f"Again {mine.token}"))
+        # Used up: the default reply, still counted as the scope's.
+        assert (await ask(client, messages=messages("answer", f"Third {mine.token}"))
+                ).choices[0].message.content.startswith("According to [1]")
+        assert [c.question for c in mine.calls()] == [f"Zebras? {mine.token}", f"Again {mine.token}",
+                                                      f"Third {mine.token}"]
+        assert mine.count("answer") == 3 and mine.count("answer", ok_only=True) == 2 and mine.count("summarize") == 0
+        assert other.count() == 1 and llm.count() == 5
+        assert [c.scope for c in llm.calls] == [None, mine.token, "OTHER-7", mine.token, mine.token]
+        assert (await mine.wait_for_calls(3, "answer", finished=True))[-1].ok
+        # Embedding inputs count as the request's text too.
+        await client.embeddings.create(model="scripted", input=[f"a passage {mine.token}"])
+        assert mine.count("embeddings") == 1 and llm.count("embeddings", containing="OTHER-7") == 0
+        mine.script("summarize", ["left over"])
+        assert llm.settings()["scopes"][mine.token]["scripted"] == {"summarize": 1}
+    # Leaving the scopes removes what they had not used: the token no longer changes anything.
+    assert llm.settings()["scopes"] == {}
+    assert (await ask(client, "summarize", messages=messages("summarize", f"Zebras? {mine.token}"))
+            ).choices[0].message.content.startswith("Summary: ")
+    assert llm.calls[-1].scope is None
+
+
+async def test_scoped_stream_chunk_delay_and_cut_off_calls(llm, client):
+    with llm.scope(stream_chunk_delay=0.05) as slow:
+        began = time.monotonic()
+        pieces = [c.choices[0].delta.content async for c in await ask(
+            client, stream=True, messages=messages("answer", f"Slow? {slow.token}"))
+            if c.choices and c.choices[0].delta.content]
+        assert time.monotonic() - began >= 0.05 * (len(pieces) - 1)
+        began = time.monotonic()
+        await ask(client, stream=True)  # not in the scope: no pause
+        assert time.monotonic() - began < 0.05 * (len(pieces) - 1)
+
+        # A client that goes away before the reply is sent is recorded as cut off; an injected fault is not.
+        slow.set_delay(5)
+        with pytest.raises(openai.APITimeoutError):
+            await ask(client, messages=messages("answer", f"Gone? {slow.token}"), timeout=0.3)
+        [gone] = [c for c in await slow.wait_for_calls(2, "answer", finished=True) if "Gone?" in c.question]
+        assert gone.cut_off and gone.client_disconnected and gone.status is None and not gone.ok
+    llm.script("answer", ["hang"])
+    with pytest.raises(openai.APITimeoutError):
+        await ask(client, timeout=0.3)
+    hung = (await llm.wait_for_calls(4, "answer", finished=True))[-1]
+    assert hung.fault == "hang" and hung.client_disconnected and not hung.cut_off
+
+
+def test_clear_script_forgets_scoped_and_unscoped_scripts():
+    llm = ScriptedLLM()
+    llm.script("answer", ["a"])
+    llm.script("answer", ["b", "c"], when="T1")
+    assert llm.pending("answer") == 1 and llm.pending("answer", when="T1") == 2
+    llm.clear_script("answer", when="T1")
+    assert llm.pending("answer") == 1 and llm.pending("answer", when="T1") == 0
+    llm.script("answer", ["b"], when="T1")
+    llm.clear_script()
+    assert llm.pending("answer") == 0 and llm.pending("answer", when="T1") == 0
+    with pytest.raises(ValueError):
+        llm.script("answer", ["x"], when="")

@@ -24,7 +24,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from temporal import search_attributes as sa
-from temporal.devserver import temporal_binary
+from devtools.devserver import temporal_binary
 from tests.conftest import running_stack
 from tests.test_agents import _waiting, delegate_until
 

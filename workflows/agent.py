@@ -6,8 +6,9 @@ AgentWorkflow (id agent-<uuid>, children <parent id>.<n>)
           delegate(subgoal) -> guards (depth, loop, budget) -> child AgentWorkflow, in parallel
           finish(answer) -> done
   A tripped guard does not start more work: the agent waits for a person's `review`
-  (approve: go on, with extensions; reject: stop this branch and finish with what it has;
-  revise: go on with new instructions), or rejects itself when the review times out.
+  (approve: go on, with extensions; reject: stop and finish with what it has; revise: go on with new
+  instructions), or rejects itself when the review times out. A rejection sticks for the whole tree:
+  the rejected sub-goal is never delegated again, and every ancestor finishes with what it has.
 """
 
 from __future__ import annotations
@@ -17,42 +18,41 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.contrib.workflow_streams import WorkflowStream
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.agent_models import PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput
-    from temporal import policies
-    from temporal import search_attributes as sa
-    from workflows.models import (
-        AgentInput, AgentNode, AgentResult, Budget, JobProgress, ReviewDecision, Spend, agent_workflow_id,
+    from activities.agent import AgentActivities
+    from models.agent import (
+        AgentInput, AgentNode, AgentResult, Budget, PlanInput, SearchDocumentsInput, Spend, agent_workflow_id,
     )
-    from workflows.review import ReviewHandlers, Reviews
-    from workflows.steps import OperatorHandlers, Steps, failure_reason
+    from models.review import ReviewDecision, ReviewRecord
+    from temporal import search_attributes as sa
+    from workflows.failures import failure_reason
+    from workflows.job import JobWorkflow
+    from workflows.review import ReviewHandlers
 
 MAX_TURNS = 8            # planning rounds per agent
 MAX_OBSERVATIONS = 8     # observations kept for the next plan (each is short)
 
 
-def _normalise(goal: str) -> str:
+def normalise_goal(goal: str) -> str:
     return " ".join(goal.lower().split()).strip(" .?!")
 
 
+class Stop(Exception):
+    """This agent stops and finishes with what it has: a reviewer rejected its action, or one below."""
+
+
 @workflow.defn
-class AgentWorkflow(OperatorHandlers, ReviewHandlers):
+class AgentWorkflow(JobWorkflow, ReviewHandlers):
     def __init__(self) -> None:
-        self.stream = WorkflowStream()
-        self.steps = Steps(self.stream, [])
-        self.reviews = Reviews(self.steps)
+        super().__init__()
         self.spent = Spend()
         self.children: list[AgentNode] = []
-        self.child_decisions: list[dict] = []
-
-    @workflow.query
-    def progress(self) -> JobProgress:
-        view = self.steps.view()
-        view.decisions = [*view.decisions, *self.reviews.history]
-        return view
+        self.child_decisions: list[ReviewRecord] = []
+        self.observations: list[str] = []
+        # Sub-goals a reviewer rejected, in this agent, below it, or above it (from its input).
+        self.rejected: list[str] = []
 
     @workflow.run
     async def run(self, inp: AgentInput) -> AgentResult:
@@ -60,76 +60,81 @@ class AgentWorkflow(OperatorHandlers, ReviewHandlers):
         self.max_depth = inp.max_depth
         self.budget = inp.budget.model_copy()
         self.deadline = inp.deadline or workflow.now() + timedelta(seconds=inp.budget.max_seconds)
-        self.steps.context = {"depth": inp.depth}
-        self.steps.emit("ragline.job.accepted", {"goal": inp.goal, "depth": inp.depth, "max_depth": inp.max_depth})
-        self.steps.set_status("running")
+        self.rejected = list(inp.rejected)
+        self.events.context = {"depth": inp.depth}
+        return await self.run_job(self._agent, accepted={
+            "goal": inp.goal, "depth": inp.depth, "max_depth": inp.max_depth})
+
+    async def _agent(self) -> AgentResult:
+        self.begin()
         try:
-            answer, status = await self._loop()
-        except (ActivityError, ApplicationError) as exc:
-            reason = failure_reason(exc)
-            await self.steps.finish("ragline.job.failed", {"error": reason})
-            raise ApplicationError(reason, non_retryable=True) from exc
-        result = AgentResult(
+            answer, status = await self._loop(), "finished"
+        except Stop:
+            answer, status = self._partial(), "stopped"
+        if answer is None:
+            answer, status = self._partial(), "stopped"
+        inherited = set(self.inp.rejected)
+        return AgentResult(
             answer=answer, status=status, llm_calls=self.spent.llm_calls, tokens=self.spent.tokens,
             decisions=[*self.reviews.history, *self.child_decisions],
-            tree=AgentNode(goal=inp.goal, depth=inp.depth, job_id=workflow.info().workflow_id, status=status,
-                           answer=answer, children=self.children))
-        await self.steps.finish("ragline.job.completed", result.model_dump(mode="json"))
-        return result
+            rejected=[g for g in self.rejected if g not in inherited],
+            tree=AgentNode(goal=self.inp.goal, depth=self.inp.depth, job_id=workflow.info().workflow_id,
+                           status=status, answer=answer, children=self.children))
 
     # -- the loop ---------------------------------------------------------------------------------
-    async def _loop(self) -> tuple[str, str]:
+    async def _loop(self) -> str | None:
+        """The final answer, or None when the planning rounds ran out."""
         inp = self.inp
-        observations: list[str] = []
         instructions = ""
         for turn in range(1, MAX_TURNS + 1):
             over = self._over_budget()
             if over:
                 decision = await self._review("budget", over, {"action": "plan", "goal": inp.goal})
                 if decision.decision == "reject":
-                    return self._partial(observations), "stopped"
+                    self.rejected.append(inp.goal)
+                    raise Stop()
                 instructions = decision.instructions or instructions
-            name = f"plan {turn}"
-            plan = await self.steps.run(name, lambda: workflow.execute_activity(
-                "agent_plan", PlanInput(goal=inp.goal, instructions=instructions,
-                                        observations=observations[-MAX_OBSERVATIONS:], depth=inp.depth,
-                                        max_depth=self.max_depth),
-                result_type=PlanOutput, **policies.options("agent_plan")))
+            plan = await self.step(AgentActivities.agent_plan, PlanInput(
+                goal=inp.goal, instructions=instructions, observations=self.observations[-MAX_OBSERVATIONS:],
+                depth=inp.depth, max_depth=self.max_depth), name=f"plan {turn}")
             self.spent.add(Spend(llm_calls=1, tokens=plan.prompt_tokens + plan.completion_tokens))
             if not plan.calls:
-                return plan.text.strip() or self._partial(observations), "finished"
+                return plan.text.strip() or self._partial()
             subgoals = []
             for call in plan.calls:
                 if call.error:
-                    observations.append(f"tool error: {call.error}")
+                    self.observations.append(f"tool error: {call.error}")
                 elif call.name == "finish":
-                    return call.arguments["answer"], "finished"
+                    return call.arguments["answer"]
                 elif call.name == "search_documents":
-                    found = await self.steps.run(f"search {turn}", lambda: workflow.execute_activity(
-                        "search_documents", SearchDocumentsInput(query=call.arguments["query"],
-                                                                 collection=inp.collection),
-                        result_type=SearchDocumentsOutput, **policies.options("search_documents")))
-                    observations.append(found.observation)
+                    found = await self.step(AgentActivities.search_documents, SearchDocumentsInput(
+                        query=call.arguments["query"], collection=inp.collection), name=f"search {turn}")
+                    self.observations.append(found.observation)
                 elif call.name == "delegate":
                     subgoals.append(call.arguments["subgoal"])
             if subgoals:
-                outcome = await self._delegate(subgoals)
-                if outcome is None:
-                    return self._partial(observations), "stopped"
-                observations.extend(outcome)
-        return self._partial(observations), "stopped"
+                await self._delegate(subgoals)
+        return None
 
-    async def _delegate(self, subgoals: list[str]) -> list[str] | None:
-        """Child agents for `subgoals`, in parallel, once every guard passes (or a person approves).
-        None when a reviewer rejected: this branch stops."""
+    async def _delegate(self, subgoals: list[str]) -> None:
+        """Child agents for `subgoals`, in parallel, once every guard passes (or a person approves)."""
+        refused = {normalise_goal(g) for g in self.rejected}
+        for goal in [g for g in subgoals if normalise_goal(g) in refused]:
+            self.observations.append(f"a reviewer rejected delegating {goal!r}; do not propose it again")
+        subgoals = [g for g in subgoals if normalise_goal(g) not in refused]
+        if not subgoals:
+            return
         guard = self._delegation_guard(subgoals)
         if guard is not None:
             reason, detail = guard
             decision = await self._review(reason, detail, {"action": "delegate", "subgoals": subgoals})
             if decision.decision == "reject":
-                return None
+                self.rejected.extend(subgoals)
+                raise Stop()
             if decision.decision == "revise":
-                return [f"a reviewer said instead of delegating: {decision.instructions or decision.comment}"]
+                self.observations.append(
+                    f"a reviewer said instead of delegating: {decision.instructions or decision.comment}")
+                return
             # approve: this delegation goes ahead, with whatever extension came with it
         share = len(subgoals)
         child_budget = Budget(
@@ -139,20 +144,23 @@ class AgentWorkflow(OperatorHandlers, ReviewHandlers):
         base = len(self.children)
         results = await asyncio.gather(*(self._child(base + i + 1, goal, child_budget)
                                          for i, goal in enumerate(subgoals)))
-        return [f"sub-agent on {goal!r}: {answer}" for goal, answer in zip(subgoals, results)]
+        self.observations.extend(f"sub-agent on {goal!r}: {answer}" for goal, (answer, _) in zip(subgoals, results))
+        if any(rejected_below for _, rejected_below in results):
+            raise Stop()  # a reviewer rejected something below: the tree finishes with what it has
 
-    async def _child(self, index: int, goal: str, budget: Budget) -> str:
+    async def _child(self, index: int, goal: str, budget: Budget) -> tuple[str, bool]:
+        """The child's answer, and whether a reviewer rejected anything in its subtree."""
         inp = self.inp
         child_id = agent_workflow_id(workflow.info().workflow_id, index)
         node = AgentNode(goal=goal, depth=inp.depth + 1, job_id=child_id, status="running")
         self.children.append(node)
         self.steps.start(f"delegate {index}", detail=goal)
         try:
-            result: AgentResult = await workflow.execute_child_workflow(
+            result = await workflow.execute_child_workflow(
                 AgentWorkflow.run,
                 AgentInput(goal=goal, collection=inp.collection, depth=inp.depth + 1, max_depth=self.max_depth,
                            budget=budget, deadline=self.deadline, ancestors=[*inp.ancestors, inp.goal],
-                           review_timeout_seconds=inp.review_timeout_seconds),
+                           rejected=self.rejected, review_timeout_seconds=inp.review_timeout_seconds),
                 id=child_id,
                 search_attributes=TypedSearchAttributes([
                     SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
@@ -160,21 +168,22 @@ class AgentWorkflow(OperatorHandlers, ReviewHandlers):
         except ChildWorkflowError as exc:
             node.status, node.answer = "failed", failure_reason(exc)
             self.steps.fail(f"delegate {index}", node.answer)
-            return f"(failed: {node.answer})"
+            return f"(failed: {node.answer})", False
         self.spent.add(Spend(llm_calls=result.llm_calls, tokens=result.tokens))
         self.child_decisions.extend(result.decisions)
+        self.rejected.extend(g for g in result.rejected if g not in self.rejected)
         node.status, node.answer, node.children = result.status, result.answer, result.tree.children
         self.steps.complete(f"delegate {index}", detail=goal)
-        return result.answer
+        return result.answer, bool(result.rejected)
 
     # -- guards and review ----------------------------------------------------------------------------
     def _delegation_guard(self, subgoals: list[str]) -> tuple[str, str] | None:
         inp = self.inp
         if inp.depth + 1 > self.max_depth:
             return "depth", f"delegating would reach depth {inp.depth + 1}, past max_depth {self.max_depth}"
-        seen = {_normalise(g) for g in [*inp.ancestors, inp.goal]}
+        seen = {normalise_goal(g) for g in [*inp.ancestors, inp.goal]}
         for goal in subgoals:
-            if _normalise(goal) in seen:
+            if normalise_goal(goal) in seen:
                 return "loop", f"sub-goal {goal!r} repeats a goal of this agent or one of its ancestors"
         over = self._over_budget()
         if over:
@@ -207,8 +216,7 @@ class AgentWorkflow(OperatorHandlers, ReviewHandlers):
                 self.deadline += timedelta(seconds=extra["max_seconds"])
         return decision
 
-    @staticmethod
-    def _partial(observations: list[str]) -> str:
-        if not observations:
+    def _partial(self) -> str:
+        if not self.observations:
             return "Stopped before finding an answer."
-        return "Stopped before finishing. What was found: " + " ".join(observations[-3:])
+        return "Stopped before finishing. What was found: " + " ".join(self.observations[-3:])

@@ -1,4 +1,4 @@
-"""Human review: a workflow that needs a person stops spending, shows up in `GET /v1/reviews`
+"""Human review: a job that needs a person stops spending, shows up in `GET /v1/reviews`
 (RaglineStatus=waiting_review), and waits for a `review` decision or the review timeout.
 
 The decision arrives as the `review` Update (validated: a bad payload is rejected back to the sender,
@@ -9,6 +9,7 @@ be dropped silently).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -17,17 +18,20 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.models import ReviewAck, ReviewDecision, ReviewRequest
-    from workflows.steps import Steps
+    from models.review import PendingReview, RejectedInput, ReviewAck, ReviewDecision, ReviewRecord, ReviewRequest
+    from workflows.events import JobEvents
+
+BUDGET_KEYS = {"max_llm_calls", "max_tokens", "max_seconds"}
 
 
 class Reviews:
-    def __init__(self, steps: Steps) -> None:
-        self.steps = steps
+    def __init__(self, events: JobEvents, on_change: Callable[[], None]) -> None:
+        self._events = events
+        self._on_change = on_change
         self.pending: ReviewRequest | None = None
         self.decision: ReviewDecision | None = None
-        self.history: list[dict[str, Any]] = []
-        self.rejected_inputs: list[dict[str, Any]] = []
+        self.history: list[ReviewRecord] = []
+        self.rejected_inputs: list[RejectedInput] = []
 
     async def ask(self, *, reason: str, detail: str, proposed_action: dict, goal: str, depth: int,
                   timeout: timedelta) -> ReviewDecision:
@@ -35,23 +39,27 @@ class Reviews:
         self.pending = ReviewRequest(reason=reason, detail=detail, proposed_action=proposed_action, goal=goal,
                                      depth=depth, requested_at=now, expires_at=now + timeout)
         self.decision = None
-        previous = self.steps.status
-        self.steps.set_status("waiting_review")
-        self.steps.emit("ragline.review.requested", self.pending.model_dump(mode="json"))
+        self._on_change()
+        self._events.emit("ragline.review.requested", self.pending.model_dump(mode="json"))
         try:
             await workflow.wait_condition(lambda: self.decision is not None, timeout=timeout)
             decision = self.decision
         except TimeoutError:
             decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
-        record = {"reason": reason, "detail": detail, "proposed_action": proposed_action, "depth": depth,
-                  "decision": decision.decision, "reviewer": decision.reviewer, "comment": decision.comment,
-                  "instructions": decision.instructions, "extra_depth": decision.extra_depth,
-                  "extra_budget": decision.extra_budget, "decided_at": workflow.now().isoformat()}
+        record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
+                              decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
+                              instructions=decision.instructions, extra_depth=decision.extra_depth,
+                              extra_budget=decision.extra_budget, decided_at=workflow.now())
         self.history.append(record)
         self.pending = None
-        self.steps.emit("ragline.review.decided", record)
-        self.steps.set_status(previous if previous != "waiting_review" else "running")
+        self._on_change()
+        self._events.emit("ragline.review.decided", record.model_dump(mode="json"))
         return decision
+
+    def view(self) -> PendingReview | None:
+        if self.pending is None:
+            return None
+        return PendingReview(**self.pending.model_dump(), rejected_inputs=self.rejected_inputs)
 
     def parse(self, payload: Any) -> ReviewDecision:
         """A decision from a permissive payload, with a message a person can act on when it is wrong."""
@@ -60,14 +68,14 @@ class Reviews:
         try:
             return ReviewDecision.model_validate(payload)
         except ValidationError as exc:
-            raise ApplicationError(f"invalid review: {_short(exc)}", type="InvalidReview") from None
+            raise ApplicationError(f"invalid review: {validation_summary(exc)}", type="InvalidReview") from None
 
     def validate(self, decision: ReviewDecision) -> None:
         if self.pending is None:
             raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
         if decision.extra_depth < 0 or any(v < 0 for v in decision.extra_budget.values()):
             raise ApplicationError("extensions cannot be negative", type="InvalidReview")
-        unknown = set(decision.extra_budget) - {"max_llm_calls", "max_tokens", "max_seconds"}
+        unknown = set(decision.extra_budget) - BUDGET_KEYS
         if unknown:
             raise ApplicationError(f"unknown budget key(s): {', '.join(sorted(unknown))}", type="InvalidReview")
         if not decision.reviewer.strip():
@@ -83,22 +91,20 @@ class Reviews:
             self.validate(decision)
         except (ApplicationError, TypeError) as exc:
             message = exc.message if isinstance(exc, ApplicationError) else str(exc)
-            entry = {"payload": payload, "error": message, "at": workflow.now().isoformat()}
+            entry = RejectedInput(payload=payload, error=message, at=workflow.now())
             self.rejected_inputs.append(entry)
-            self.steps.emit("ragline.review.rejected_input", entry)
+            self._events.emit("ragline.review.rejected_input", entry.model_dump(mode="json"))
             workflow.logger.warning("review signal rejected: %s", message)
             return
         self.decision = decision
 
 
-def _short(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'payload'}: {e['msg']}" for e in exc.errors())
-    return str(exc)
+def validation_summary(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'payload'}: {e['msg']}" for e in exc.errors())
 
 
 class ReviewHandlers:
-    """The `review` Update and Signal, and the `review_request` query, for workflows that use Reviews."""
+    """The `review` Update and Signal, and the `review_request` query, for jobs that may ask a person."""
 
     reviews: Reviews
 
@@ -117,7 +123,5 @@ class ReviewHandlers:
         self.reviews.accept_signal(payload)
 
     @workflow.query(name="review_request")
-    def review_request(self) -> dict | None:
-        if self.reviews.pending is None:
-            return None
-        return {**self.reviews.pending.model_dump(mode="json"), "rejected_inputs": self.reviews.rejected_inputs}
+    def review_request(self) -> PendingReview | None:
+        return self.reviews.view()

@@ -6,7 +6,8 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import SearchInput, SearchOutput
+    from activities.search import SearchActivities
+    from models.ingest import SearchInput, SearchOutput
     from temporal import policies
 
 
@@ -14,5 +15,6 @@ with workflow.unsafe.imports_passed_through():
 class SearchWorkflow:
     @workflow.run
     async def run(self, req: SearchInput) -> SearchOutput:
-        return await workflow.execute_local_activity(
-            "search_chunks", req, result_type=SearchOutput, **policies.local_options("search_chunks"))
+        search = SearchActivities.search_chunks
+        return await workflow.execute_local_activity_method(
+            search, req, **policies.local_options(policies.activity_name(search)))

@@ -5,21 +5,21 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
-from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-from api import jobs
-from api.deps import get_client, get_settings, rpc_timeout
+from api import job_views
+from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
-from api.routes.documents import validate_collection
-from ragline.settings import Settings
-from temporal import policies
+from api.schemas import (
+    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, Accepted, ReviewItem, ReviewList, ReviewResult, error_responses,
+)
+from api.validators import review_timeout_seconds, validate_collection
+from models.agent import AgentInput, Budget
+from models.review import ReviewAck, ReviewDecision
 from temporal import search_attributes as sa
 from workflows.agent import AgentWorkflow
-from workflows.models import AgentInput, Budget, ReviewAck, ReviewDecision
 
 router = APIRouter(tags=["agents"])
 
@@ -37,13 +37,12 @@ class AgentRequest(BaseModel):
     budget: BudgetRequest = BudgetRequest()
 
 
-def review_timeout_seconds(settings: Settings) -> float:
-    return policies.parse_duration(settings.review_timeout).total_seconds()
-
-
-@router.post("/v1/agents", status_code=202, summary="Start an agent; answers at once with a job")
-async def start_agent(req: AgentRequest, request: Request, client: Client = Depends(get_client),
-                      settings: Settings = Depends(get_settings)) -> JSONResponse:
+@router.post("/v1/agents", status_code=202, summary="Start an agent; answers at once with a job",
+             response_description=ACCEPTED,
+             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, over_ceiling",
+                                        503: TEMPORAL_DOWN}))
+async def start_agent(req: AgentRequest, request: Request, client: ClientDep, settings: SettingsDep,
+                      timeout: RpcTimeoutDep) -> Accepted:
     validate_collection(req.collection)
     ceilings = {"max_depth": (req.max_depth, settings.agent_max_depth),
                 "budget.max_llm_calls": (req.budget.max_llm_calls, settings.agent_max_llm_calls),
@@ -58,36 +57,36 @@ async def start_agent(req: AgentRequest, request: Request, client: Client = Depe
         AgentWorkflow.run,
         AgentInput(goal=req.goal, collection=req.collection, max_depth=req.max_depth,
                    budget=Budget(**req.budget.model_dump()), review_timeout_seconds=review_timeout_seconds(settings)),
-        id=job_id, task_queue=settings.task_queue, rpc_timeout=rpc_timeout(settings),
+        id=job_id, task_queue=settings.task_queue, rpc_timeout=timeout,
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
             SearchAttributePair(sa.COLLECTION, req.collection)]))
-    return JSONResponse({"job_id": job_id, "status_url": str(request.url_for("get_job", job_id=job_id)),
-                         "events_url": str(request.url_for("job_events", job_id=job_id))}, status_code=202)
+    return Accepted.for_job(request, job_id)
 
 
-@router.get("/v1/reviews", summary="Everything waiting for a human review")
-async def list_reviews(client: Client = Depends(get_client), settings: Settings = Depends(get_settings)) -> dict:
-    query = f"{jobs.list_query(status='waiting_review')}"
-    executions = await jobs.list_jobs(client, query, 500, rpc_timeout(settings))
+@router.get("/v1/reviews", summary="Everything waiting for a human review",
+            responses=error_responses({503: TEMPORAL_DOWN}))
+async def list_reviews(client: ClientDep, timeout: RpcTimeoutDep) -> ReviewList:
+    query = job_views.list_query(status="waiting_review")
+    executions = await job_views.list_jobs(client, query, 500, timeout)
 
-    async def item(execution) -> dict | None:
+    async def item(execution) -> ReviewItem | None:
         try:
-            request = await client.get_workflow_handle(execution.id).query(
-                "review_request", rpc_timeout=rpc_timeout(settings))
+            request = await client.get_workflow_handle(execution.id).query("review_request", rpc_timeout=timeout)
         except Exception:
             return None
         if not request:
             return None  # decided a moment ago; visibility has not caught up
-        return {"job_id": execution.id, "workflow_id": execution.id,
-                "kind": execution.typed_search_attributes.get(sa.JOB_KIND), **request}
+        return ReviewItem(job_id=execution.id, workflow_id=execution.id,
+                          kind=execution.typed_search_attributes.get(sa.JOB_KIND), **request)
 
-    items = [i for i in await asyncio.gather(*(item(e) for e in executions)) if i]
-    return {"reviews": items}
+    return ReviewList(reviews=[i for i in await asyncio.gather(*(item(e) for e in executions)) if i])
 
 
-@router.post("/v1/jobs/{job_id}/review", summary="Approve, reject or revise what a job waits on")
-async def review_job(job_id: str, decision: ReviewDecision, client: Client = Depends(get_client),
-                     settings: Settings = Depends(get_settings)) -> dict:
-    return await jobs.send_update(client, job_id, "review", decision, ReviewAck, rpc_timeout(settings),
-                                  refused_code="not_waiting_for_review")
+@router.post("/v1/jobs/{job_id}/review", summary="Approve, reject or revise what a job waits on",
+             responses=error_responses({404: "job_not_found", 409: "not_waiting_for_review, job_closed",
+                                        422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+async def review_job(job_id: str, decision: ReviewDecision, client: ClientDep, timeout: RpcTimeoutDep) -> ReviewResult:
+    ack = await job_views.send_update(client, job_id, "review", decision, ReviewAck, timeout,
+                                      refused_code="not_waiting_for_review")
+    return ReviewResult(job_id=job_id, **ack.model_dump())

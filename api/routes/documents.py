@@ -3,47 +3,36 @@
 from __future__ import annotations
 
 import hashlib
-import re
-import unicodedata
+from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import (
     SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy, WorkflowIDReusePolicy,
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from api import jobs
-from api.deps import get_blobs, get_client, get_settings, rpc_timeout
+from api import job_views
+from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
+from api.schemas import (
+    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentsAccepted, DocumentStatus,
+    DocumentView, error_responses,
+)
+from api.validators import display_name, validate_collection
+from models.ingest import DocumentInput, IngestInput, IngestResult
+from models.jobs import JobStatus
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 from ragline.text import sniff_kind
 from temporal import search_attributes as sa
 from workflows.ingest import IngestWorkflow
-from workflows.models import DocumentInput, IngestInput, IngestResult
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"])
 
-COLLECTION_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_FILES_PER_REQUEST = 50
 SNIFF_BYTES = 4096
-
-
-def validate_collection(collection: str) -> str:
-    if not COLLECTION_RE.match(collection):
-        raise ApiError(422, "invalid_collection",
-                       "collection must be 1-64 characters of letters, digits, '_' or '-'", collection=collection)
-    return collection
-
-
-def display_name(filename: str | None) -> str:
-    """A filename for display only; it is never used as a path."""
-    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
-    name = "".join(ch for ch in name if unicodedata.category(ch)[0] != "C").strip()
-    return name[:255] or "unnamed"
 
 
 def document_id(collection: str, sha256: str) -> str:
@@ -75,15 +64,18 @@ async def _store_upload(upload: UploadFile, blobs: BlobStore, settings: Settings
     return {"filename": name, "ref": ref, "sha256": sha, "size": size, "kind": kind}
 
 
-@router.post("", status_code=202, summary="Upload documents; answers at once with an ingestion job")
+@router.post("", status_code=202, summary="Upload documents; answers at once with an ingestion job",
+             response_description=ACCEPTED,
+             responses=error_responses({400: "empty_file", 413: "too_many_files, file_too_large",
+                                        415: "unsupported_file_type", 422: f"{INVALID_REQUEST}, invalid_collection",
+                                        503: TEMPORAL_DOWN}))
 async def upload_documents(
     request: Request,
     files: Annotated[list[UploadFile], File(description="One or more PDF, .txt or .md files")],
+    client: ClientDep, blobs: BlobsDep, settings: SettingsDep, timeout: RpcTimeoutDep,
     collection: Annotated[str, Form()] = "default",
     password: Annotated[str | None, Form(description="Password of encrypted PDFs")] = None,
-    client: Client = Depends(get_client), blobs: BlobStore = Depends(get_blobs),
-    settings: Settings = Depends(get_settings),
-) -> JSONResponse:
+) -> DocumentsAccepted:
     validate_collection(collection)
     if len(files) > MAX_FILES_PER_REQUEST:
         raise ApiError(413, "too_many_files", f"at most {MAX_FILES_PER_REQUEST} files per request")
@@ -96,7 +88,7 @@ async def upload_documents(
             document_id=doc_id, collection=collection, filename=item["filename"], blob_ref=item["ref"],
             sha256=item["sha256"], size=item["size"], kind=item["kind"], password=password or None))
     job_id = ingest_job_id(collection, list(documents))
-    duplicate = await _already_done_or_running(client, job_id, settings)
+    duplicate = await _already_done_or_running(client, job_id, timeout)
     if not duplicate:
         await client.start_workflow(
             IngestWorkflow.run, IngestInput(collection=collection, documents=list(documents.values())),
@@ -109,23 +101,17 @@ async def upload_documents(
                 SearchAttributePair(sa.JOB_STATUS, "queued"),
                 SearchAttributePair(sa.COLLECTION, collection),
             ]),
-            rpc_timeout=rpc_timeout(settings))
-    body = {
-        "job_id": job_id,
-        "status_url": str(request.url_for("get_job", job_id=job_id)),
-        "events_url": str(request.url_for("job_events", job_id=job_id)),
-        "duplicate": duplicate,
-        "documents": [{"document_id": d.document_id, "filename": d.filename, "sha256": d.sha256}
-                      for d in documents.values()],
-    }
-    return JSONResponse(body, status_code=202)
+            rpc_timeout=timeout)
+    return DocumentsAccepted.for_job(request, job_id, duplicate=duplicate, documents=[
+        AcceptedDocument(document_id=d.document_id, filename=d.filename, sha256=d.sha256)
+        for d in documents.values()])
 
 
-async def _already_done_or_running(client: Client, job_id: str, settings: Settings) -> bool:
+async def _already_done_or_running(client: Client, job_id: str, timeout: timedelta) -> bool:
     """True when the same upload is running or has already indexed every document."""
     handle = client.get_workflow_handle(job_id, result_type=IngestResult)
     try:
-        desc = await handle.describe(rpc_timeout=rpc_timeout(settings))
+        desc = await handle.describe(rpc_timeout=timeout)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             return False
@@ -133,28 +119,29 @@ async def _already_done_or_running(client: Client, job_id: str, settings: Settin
     if desc.status == WorkflowExecutionStatus.RUNNING:
         return True
     if desc.status == WorkflowExecutionStatus.COMPLETED:
-        result = await handle.result(rpc_timeout=rpc_timeout(settings))
+        result = await handle.result(rpc_timeout=timeout)
         return result.failed == 0
     return False
 
 
-@router.get("", summary="Documents of a collection with their status and chunk counts")
-async def list_documents(collection: str | None = Query(None), limit: int = Query(200, ge=1, le=1000),
-                         client: Client = Depends(get_client), settings: Settings = Depends(get_settings)) -> dict:
+@router.get("", summary="Documents of a collection with their status and chunk counts",
+            responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection", 503: TEMPORAL_DOWN}))
+async def list_documents(client: ClientDep, timeout: RpcTimeoutDep, collection: str | None = None,
+                         limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> DocumentList:
     extra = {sa.COLLECTION.name: validate_collection(collection)} if collection else None
-    query = jobs.list_query(kind="ingest_document", extra=extra)
-    executions = await jobs.list_jobs(client, query, limit, rpc_timeout(settings))
-    documents = []
-    for e in executions:
-        attrs = e.typed_search_attributes
-        documents.append({
-            "document_id": attrs.get(sa.DOCUMENT_ID), "filename": attrs.get(sa.FILENAME),
-            "collection": attrs.get(sa.COLLECTION), "status": _document_status(jobs.job_status(e)),
-            "chunks": attrs.get(sa.CHUNKS), "pages": attrs.get(sa.PAGES), "job_id": e.id,
-            "created_at": e.start_time, "updated_at": e.close_time or e.start_time,
-        })
-    return {"documents": documents}
+    query = job_views.list_query(kind="ingest_document", extra=extra)
+    executions = await job_views.list_jobs(client, query, limit, timeout)
+    return DocumentList(documents=[_document_view(e) for e in executions])
 
 
-def _document_status(job_status: str) -> str:
-    return {"completed": "indexed"}.get(job_status, job_status)
+def _document_view(execution) -> DocumentView:
+    attrs = execution.typed_search_attributes
+    return DocumentView(
+        document_id=attrs.get(sa.DOCUMENT_ID), filename=attrs.get(sa.FILENAME), collection=attrs.get(sa.COLLECTION),
+        status=_document_status(job_views.job_status(execution)), chunks=attrs.get(sa.CHUNKS),
+        pages=attrs.get(sa.PAGES), job_id=execution.id, created_at=execution.start_time,
+        updated_at=execution.close_time or execution.start_time)
+
+
+def _document_status(job_status: JobStatus) -> DocumentStatus:
+    return "indexed" if job_status == "completed" else job_status

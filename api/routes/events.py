@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import APIRouter, Header, Query
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from temporalio.client import Client
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError, RPCStatusCode
 
-from api.deps import get_client, get_settings, rpc_timeout
+from api.deps import ClientDep, RpcTimeoutDep
 from api.errors import ApiError
-from api.jobs import JOB_KINDS, wait_until_created
-from ragline.settings import Settings
+from api.job_views import accepted_turn, wait_until_created
+from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobEvent, error_responses
+from models.jobs import EVENTS_TOPIC, JOB_KINDS
 from temporal import search_attributes as sa
-from workflows.steps import EVENTS_TOPIC
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -39,32 +40,53 @@ def _start_offset(last_event_id: str | None, from_offset: int | None) -> int:
     return from_offset or 0
 
 
-@router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)")
-async def job_events(job_id: str, last_event_id: str | None = Header(None, alias="Last-Event-ID"),
-                     from_offset: int | None = Query(None, ge=0, description="Resume from this offset"),
-                     client: Client = Depends(get_client), settings: Settings = Depends(get_settings)):
-    await wait_until_created(client, job_id, rpc_timeout(settings))
+# The stream is not JSON, so it is documented here rather than by a response model: each SSE `data`
+# is a JobEvent (the item schema FastAPI writes for its own SSE routes). Errors are JSON as everywhere.
+STREAM_RESPONSES = {
+    200: {"description": "Server-Sent Events: `id` is the event's offset in the job's stream (send it back as "
+                         "Last-Event-ID to resume), `data` a CloudEvent as JSON",
+          "content": {"text/event-stream": {"itemSchema": {
+              "type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string", "contentMediaType": "application/json",
+                                      "contentSchema": JobEvent.model_json_schema()},
+                             "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer", "minimum": 0}}}}}},
+    **error_responses({404: "job_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}),
+}
+
+
+@router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)",
+            response_class=EventSourceResponse, responses=STREAM_RESPONSES)
+async def job_events(job_id: str, client: ClientDep, timeout: RpcTimeoutDep,
+                     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+                     from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
+                     ) -> EventSourceResponse:
     handle = client.get_workflow_handle(job_id)
     try:
-        desc = await handle.describe(rpc_timeout=rpc_timeout(settings))
+        desc = await handle.describe(rpc_timeout=timeout)
+        if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:
+            raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
     except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
-        raise
-    if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:
-        raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
+        # An accepted chat turn whose job its session has not started yet: the stream opens now
+        # and its events follow once the job exists.
+        if exc.status != RPCStatusCode.NOT_FOUND or await accepted_turn(client, job_id, timeout) is None:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
+            raise
     start = _start_offset(last_event_id, from_offset)
-    return EventSourceResponse(_relay(client, job_id, start, settings), ping=KEEPALIVE_SECONDS)
+    return EventSourceResponse(_relay(client, job_id, start, timeout), ping=KEEPALIVE_SECONDS)
 
 
-async def _relay(client: Client, job_id: str, start: int, settings: Settings):
+async def _relay(client: Client, job_id: str, start: int, timeout: timedelta):
+    if not await wait_until_created(client, job_id, timeout):
+        return
     items = WorkflowStreamClient.create(client, job_id).subscribe(EVENTS_TOPIC, from_offset=start).__aiter__()
     next_item = asyncio.ensure_future(items.__anext__())
     try:
         while True:
             done, _ = await asyncio.wait({next_item}, timeout=PROGRESS_AFTER)
             if not done:
-                event = await _progress_event(client, job_id, settings)
+                event = await _progress_event(client, job_id, timeout)
                 if event:
                     yield ServerSentEvent(data=json.dumps(event))
                 continue
@@ -80,10 +102,10 @@ async def _relay(client: Client, job_id: str, start: int, settings: Settings):
         next_item.cancel()
 
 
-async def _progress_event(client: Client, job_id: str, settings: Settings) -> dict | None:
+async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> dict | None:
     """What is still running, from the server's view of pending activities (heartbeat details)."""
     try:
-        desc = await client.get_workflow_handle(job_id).describe(rpc_timeout=rpc_timeout(settings))
+        desc = await client.get_workflow_handle(job_id).describe(rpc_timeout=timeout)
     except RPCError:
         return None
     now = datetime.now(timezone.utc)

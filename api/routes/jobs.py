@@ -1,50 +1,53 @@
-"""GET /v1/jobs, GET /v1/jobs/{job_id}."""
+"""GET /v1/jobs, GET /v1/jobs/{job_id}, POST /v1/jobs/{job_id}/retry and /discard."""
 
 from __future__ import annotations
 
-from typing import Literal
+from datetime import timedelta
+from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Query
+from fastapi import APIRouter, Body, Query
 from temporalio.client import Client
 
-from api import jobs
-from api.deps import get_client, get_settings, rpc_timeout
-from workflows.models import OperatorAck, OperatorRequest
-from ragline.settings import Settings
+from api import job_views
+from api.deps import ClientDep, RpcTimeoutDep
+from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobList, JobView, OperatorResult, error_responses
+from models.jobs import JobKind, JobStatus, OperatorAck, OperatorRequest
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled"]
-JobKind = Literal["ingest", "ingest_document", "chat", "agent"]
+OPERATOR_ERRORS = error_responses({404: "job_not_found", 409: "not_dead_lettered, job_closed",
+                                   422: INVALID_REQUEST, 503: TEMPORAL_DOWN})
 
 
-@router.get("", summary="List jobs (Temporal visibility)")
-async def list_jobs(status: JobStatus | None = None, kind: JobKind | None = None,
-                    limit: int = Query(50, ge=1, le=1000),
-                    client: Client = Depends(get_client), settings: Settings = Depends(get_settings)) -> dict:
-    query = jobs.list_query(status=status, kind=kind)
-    executions = await jobs.list_jobs(client, query, limit, rpc_timeout(settings))
-    return {"jobs": [jobs.summary(e) for e in executions], "query": query}
+@router.get("", summary="List jobs (Temporal visibility)",
+            responses=error_responses({422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+async def list_jobs(client: ClientDep, timeout: RpcTimeoutDep, status: JobStatus | None = None,
+                    kind: JobKind | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> JobList:
+    query = job_views.list_query(status=status, kind=kind)
+    executions = await job_views.list_jobs(client, query, limit, timeout)
+    return JobList(jobs=[job_views.summary(e) for e in executions], query=query)
 
 
-@router.get("/{job_id}", summary="One job: status, steps, result or error")
-async def get_job(job_id: str, client: Client = Depends(get_client),
-                  settings: Settings = Depends(get_settings)) -> dict:
-    return await jobs.describe_job(client, job_id, rpc_timeout(settings))
+@router.get("/{job_id}", summary="One job: status, steps, result or error",
+            responses=error_responses({404: "job_not_found", 503: TEMPORAL_DOWN}))
+async def get_job(job_id: str, client: ClientDep, timeout: RpcTimeoutDep) -> JobView:
+    return await job_views.describe_job(client, job_id, timeout)
 
 
-async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client, settings: Settings) -> dict:
-    return await jobs.send_update(client, job_id, action, req, OperatorAck, rpc_timeout(settings),
-                                  refused_code="not_dead_lettered")
+async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client,
+                    timeout: timedelta) -> OperatorResult:
+    ack = await job_views.send_update(client, job_id, action, req, OperatorAck, timeout,
+                                      refused_code="not_dead_lettered")
+    return OperatorResult(job_id=job_id, **ack.model_dump())
 
 
-@router.post("/{job_id}/retry", summary="Resume a dead-lettered job at its failed step")
-async def retry_job(job_id: str, req: OperatorRequest = Body(default_factory=OperatorRequest),
-                    client: Client = Depends(get_client), settings: Settings = Depends(get_settings)) -> dict:
-    return await _operator("retry", job_id, req, client, settings)
+@router.post("/{job_id}/retry", summary="Resume a dead-lettered job at its failed step", responses=OPERATOR_ERRORS)
+async def retry_job(job_id: str, client: ClientDep, timeout: RpcTimeoutDep,
+                    req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
+    return await _operator("retry", job_id, req, client, timeout)
 
 
-@router.post("/{job_id}/discard", summary="End a dead-lettered job as failed")
-async def discard_job(job_id: str, req: OperatorRequest = Body(default_factory=OperatorRequest),
-                      client: Client = Depends(get_client), settings: Settings = Depends(get_settings)) -> dict:
-    return await _operator("discard", job_id, req, client, settings)
+@router.post("/{job_id}/discard", summary="End a dead-lettered job as failed", responses=OPERATOR_ERRORS)
+async def discard_job(job_id: str, client: ClientDep, timeout: RpcTimeoutDep,
+                      req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
+    return await _operator("discard", job_id, req, client, timeout)

@@ -6,15 +6,14 @@ import asyncio
 import uuid
 from datetime import timedelta
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
-from temporalio.client import Client
 
-from activities.models import SearchInput, SearchOutput
-from api.deps import get_client, get_settings, rpc_timeout
+from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
-from api.routes.documents import validate_collection
-from ragline.settings import Settings
+from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, error_responses
+from api.validators import validate_collection
+from models.ingest import SearchInput, SearchOutput
 from workflows.search import SearchWorkflow
 
 router = APIRouter(prefix="/v1", tags=["search"])
@@ -26,16 +25,17 @@ class SearchRequest(BaseModel):
     top_k: int = Field(5, ge=1, le=50)
 
 
-@router.post("/search", summary="Semantic search over a collection", response_model=SearchOutput)
-async def search(req: SearchRequest, client: Client = Depends(get_client),
-                 settings: Settings = Depends(get_settings)) -> SearchOutput:
+@router.post("/search", summary="Semantic search over a collection",
+             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection",
+                                        503: f"{TEMPORAL_DOWN}, worker_unavailable"}))
+async def search(req: SearchRequest, client: ClientDep, settings: SettingsDep, timeout: RpcTimeoutDep) -> SearchOutput:
     validate_collection(req.collection)
-    timeout = settings.search_timeout
+    seconds = settings.search_timeout
     try:
         return await asyncio.wait_for(client.execute_workflow(
             SearchWorkflow.run, SearchInput(query=req.query, collection=req.collection, top_k=req.top_k),
             id=f"search-{uuid.uuid4().hex}", task_queue=settings.task_queue,
-            execution_timeout=timedelta(seconds=timeout), rpc_timeout=rpc_timeout(settings)), timeout)
+            execution_timeout=timedelta(seconds=seconds), rpc_timeout=timeout), seconds)
     except asyncio.TimeoutError:
         raise ApiError(503, "worker_unavailable",
-                       f"no worker answered the search within {timeout:g} s; is the worker running?") from None
+                       f"no worker answered the search within {seconds:g} s; is the worker running?") from None

@@ -1,4 +1,4 @@
-"""Run everything locally: `python -m ragline.run` (what `make run` calls).
+"""Run everything locally: `python -m devtools.supervisor` (what `make run` calls).
 
 A small supervisor:
   * uses the Temporal server already answering at RAGLINE_TEMPORAL_ADDRESS, or starts the dev server
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ragline.localmodel import LocalModelError, ensure_model, get_model, llama_server_argv, model_file
+from devtools.localmodel import LocalModelError, ensure_model, get_model, llama_server_argv, model_file
 from ragline.settings import Settings, get_settings
-from temporal.devserver import DevServer, DevServerError, port_in_use, tail, temporal_reachable
+from devtools.devserver import DevServer, DevServerError, port_in_use, tail, temporal_reachable
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def api_base_url(settings: Settings) -> str:
 
 def llm_preflight(settings: Settings) -> Preflight:
     """The local llama.cpp server's preflight: port free, llama-cpp-python installed, model file
-    assembled from its chunk packages and verified (ragline.localmodel.ensure_model)."""
+    assembled from its chunk packages and verified (devtools.localmodel.ensure_model)."""
     port_check = port_free("127.0.0.1", settings.llm_port, "RAGLINE_LLM_PORT")
 
     def check() -> str | None:

@@ -14,9 +14,20 @@ In-process (tests)::
     assert llm.count("answer", ok_only=True) == 1
     await llm.stop()
 
+Tests sharing one server keep out of each other's way with a scope: a unique token the test puts in
+its question (or goal, or document text). The scope's scripts, delays and records apply only to
+requests whose messages contain the token; every other request is answered as if it did not exist::
+
+    with llm.scope() as mine:              # mine.token is e.g. "tok3f9a1c2b"; put it in the question
+        mine.script("answer", ["503"] * 4)
+        mine.set_delay(0.2)
+        ...
+        assert mine.count("answer", ok_only=True) == 1
+    # leaving the block removes whatever of its script was not used
+
 As a process (benchmarks)::
 
-    python -m tests.scripted_llm --port 8999 --delay 5
+    python -m devtools.scripted_llm --port 8999 --delay 5
 
 then tune it with `POST /_control` (same knobs as `ScriptedLLM.configure`) and read `GET /_stats`.
 
@@ -43,6 +54,7 @@ import socket
 import struct
 import sys
 import time
+import uuid
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
@@ -275,12 +287,23 @@ class CallRecord:
     step: str | None = None  # X-Ragline-Step header
     idempotency_key: str | None = None  # Idempotency-Key header
     client_disconnected: bool = False
+    scope: str | None = None  # token of the first scope whose token the request contains
+    text: str = field(default="", repr=False)  # every message's text (embeddings: the inputs), for matching
     headers: dict[str, str] = field(default_factory=dict, repr=False)
     request: dict = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.fault is None and not self.client_disconnected
+
+    @property
+    def cut_off(self) -> bool:
+        """The client went away (a killed worker, a timeout) before the whole reply was sent, without the
+        server injecting a fault: the request was interrupted from the client's side."""
+        return self.client_disconnected and self.fault is None
+
+    def contains(self, token: str) -> bool:
+        return token in self.text
 
     @property
     def duration(self) -> float | None:
@@ -335,6 +358,62 @@ class _TruncatedResponse(Response):
         raise ConnectionAbortedError("scripted drop")
 
 
+@dataclass
+class _Scope:
+    """What applies to the requests containing `token`."""
+
+    token: str
+    scripts: dict[str, deque] = field(default_factory=dict)
+    fns: dict[str, Callable[[dict], Any]] = field(default_factory=dict)
+    delay: float = 0.0
+    stream_chunk_delay: float | None = None
+
+
+class ScriptScope:
+    """A test's own part of a shared server: scripts, delays and records of the requests that contain
+    `token` (see `ScriptedLLM.scope`). A context manager; `close()` removes the scope."""
+
+    def __init__(self, llm: ScriptedLLM, token: str) -> None:
+        self.llm = llm
+        self.token = token
+
+    def __enter__(self) -> ScriptScope:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.llm._scopes.pop(self.token, None)
+
+    def script(self, task: str, replies: list | tuple | str | dict) -> None:
+        self.llm.script(task, replies, when=self.token)
+
+    def script_fn(self, task: str, fn: Callable[[dict], Any] | None) -> None:
+        self.llm.script_fn(task, fn, when=self.token)
+
+    def pending(self, task: str) -> int:
+        return self.llm.pending(task, when=self.token)
+
+    def set_delay(self, seconds: float) -> None:
+        """Wait this long before answering each of this scope's chat requests (on top of any other delay)."""
+        self.llm._scope_state(self.token).delay = max(0.0, float(seconds))
+
+    def set_stream_chunk_delay(self, seconds: float | None) -> None:
+        """Pause between the chunks of this scope's streamed replies (None: the server's setting)."""
+        self.llm._scope_state(self.token).stream_chunk_delay = None if seconds is None else max(0.0, float(seconds))
+
+    def calls(self, task: str | None = None, *, step: str | None = None) -> list[CallRecord]:
+        return self.llm.calls_for(task, step=step, containing=self.token)
+
+    def count(self, task: str | None = None, ok_only: bool = False) -> int:
+        return self.llm.count(task, ok_only, containing=self.token)
+
+    async def wait_for_calls(self, n: int = 1, task: str | None = None, *, finished: bool = False,
+                             timeout: float = 10.0) -> list[CallRecord]:
+        return await self.llm.wait_for_calls(n, task, finished=finished, timeout=timeout, containing=self.token)
+
+
 class _InProcessServer(uvicorn.Server):
     """Leaves the process's signal handlers alone (several servers may live in one test process;
     process mode installs its own)."""
@@ -383,6 +462,7 @@ class ScriptedLLM:
         self.hang_seconds = float(self._initial["hang_seconds"])
         self._scripts: dict[str, deque] = {}
         self._script_fns: dict[str, Callable[[dict], Any]] = {}
+        self._scopes: dict[str, _Scope] = {}
         self._fault_rate = 0.0
         self._fault_kinds: tuple[str, ...] = FAULT_KINDS
         self._fault_tasks: frozenset[str] | None = None
@@ -487,35 +567,72 @@ class ScriptedLLM:
 
     # ---- scripting and knobs -------------------------------------------------------------------
 
-    def script(self, task: str, replies: list | tuple | str | dict) -> None:
+    def script(self, task: str, replies: list | tuple | str | dict, *, when: str | None = None) -> None:
         """Queue replies for `task` ("*" = any chat task), consumed in order before the default script.
         Each item: a content string; a fault name ("429", "503", "drop", "hang", "malformed", or any 4xx/5xx
         code); or a dict `{"content": ...}`, `{"tool_calls": [{"name": ..., "arguments": {...}}]}`,
-        `{"fault": ...}`, optionally with `"delay": seconds`. Calling again appends."""
+        `{"fault": ...}`, optionally with `"delay": seconds`. Calling again appends.
+        With `when`, only requests whose messages contain that token consume them (see `scope`); such
+        requests take their scope's replies before the unscoped ones."""
         if isinstance(replies, (str, dict)):
             replies = [replies]
         items = [Reply.of(r) for r in replies]
-        self._scripts.setdefault(task, deque()).extend(items)
+        scripts = self._scripts if when is None else self._scope_state(when).scripts
+        scripts.setdefault(task, deque()).extend(items)
 
-    def script_fn(self, task: str, fn: Callable[[dict], Any] | None) -> None:
+    def script_fn(self, task: str, fn: Callable[[dict], Any] | None, *, when: str | None = None) -> None:
         """Dynamic replies for `task` ("*" = any chat task): `fn(request_json)` returns a reply item (see
-        `script`), or None for the default. May be a coroutine function. `fn=None` removes it."""
+        `script`), or None for the default. May be a coroutine function. `fn=None` removes it. With
+        `when`, only for requests whose messages contain that token."""
+        fns = self._script_fns if when is None else self._scope_state(when).fns
         if fn is None:
-            self._script_fns.pop(task, None)
+            fns.pop(task, None)
         else:
-            self._script_fns[task] = fn
+            fns[task] = fn
 
-    def clear_script(self, task: str | None = None) -> None:
+    def clear_script(self, task: str | None = None, *, when: str | None = None) -> None:
+        """Forget queued replies and script functions: of `task` (or all), unscoped or of scope `when`.
+        `clear_script()` with neither forgets every script, scoped ones included."""
+        if when is not None:
+            state = self._scopes.get(when)
+            if state is not None:
+                for table in (state.scripts, state.fns):
+                    table.clear() if task is None else table.pop(task, None)
+            return
         if task is None:
             self._scripts.clear()
             self._script_fns.clear()
+            self._scopes.clear()
         else:
             self._scripts.pop(task, None)
             self._script_fns.pop(task, None)
 
-    def pending(self, task: str) -> int:
-        """How many scripted replies for `task` are still queued."""
+    def pending(self, task: str, *, when: str | None = None) -> int:
+        """How many scripted replies for `task` are still queued (unscoped, or of scope `when`)."""
+        if when is not None:
+            state = self._scopes.get(when)
+            return len(state.scripts.get(task, ())) if state is not None else 0
         return len(self._scripts.get(task, ()))
+
+    def scope(self, token: str | None = None, *, delay: float = 0.0,
+              stream_chunk_delay: float | None = None) -> ScriptScope:
+        """A scope for the requests whose messages contain `token` (default: a fresh unique one, read it
+        from `.token` and put it in your question). Its scripts come before the unscoped ones, its delay
+        adds to the server's, and `.calls()` / `.count()` see only its requests. Leaving the `with`
+        block (or `.close()`) removes it; requests with the token are then ordinary again."""
+        token = token or f"tok{uuid.uuid4().hex[:10]}"
+        state = self._scope_state(token)
+        state.delay = max(0.0, float(delay))
+        state.stream_chunk_delay = stream_chunk_delay
+        return ScriptScope(self, token)
+
+    def _scope_state(self, token: str) -> _Scope:
+        if not token:
+            raise ValueError("a scope needs a non-empty token")
+        return self._scopes.setdefault(token, _Scope(token))
+
+    def _scopes_of(self, text: str) -> list[_Scope]:
+        return [s for s in self._scopes.values() if s.token in text]
 
     def set_faults(self, rate: float = 0.0, kinds: list[str] | tuple[str, ...] | None = None,
                    seed: int | None = None, *, tasks: list[str] | None = None,
@@ -583,17 +700,22 @@ class ScriptedLLM:
                 "faults": {"rate": self._fault_rate, "kinds": list(self._fault_kinds), "seed": self._fault_seed,
                            "tasks": sorted(self._fault_tasks) if self._fault_tasks is not None else None},
                 "scripted": {task: len(q) for task, q in self._scripts.items() if q},
-                "script_fns": sorted(self._script_fns)}
+                "script_fns": sorted(self._script_fns),
+                "scopes": {s.token: {"scripted": {task: len(q) for task, q in s.scripts.items() if q},
+                                     "script_fns": sorted(s.fns), "delay": s.delay,
+                                     "stream_chunk_delay": s.stream_chunk_delay} for s in self._scopes.values()}}
 
     # ---- accounting ----------------------------------------------------------------------------
 
-    def count(self, task: str | None = None, ok_only: bool = False) -> int:
+    def count(self, task: str | None = None, ok_only: bool = False, *, containing: str | None = None) -> int:
         """Requests received (chat and embeddings; `task="embeddings"` for the latter), optionally only
-        those answered successfully."""
-        return sum(1 for c in self.calls if (task is None or c.task == task) and (not ok_only or c.ok))
+        those answered successfully, or only those whose messages contain the text `containing`."""
+        return sum(1 for c in self.calls_for(task, containing=containing) if not ok_only or c.ok)
 
-    def calls_for(self, task: str | None = None, *, step: str | None = None) -> list[CallRecord]:
-        return [c for c in self.calls if (task is None or c.task == task) and (step is None or c.step == step)]
+    def calls_for(self, task: str | None = None, *, step: str | None = None,
+                  containing: str | None = None) -> list[CallRecord]:
+        return [c for c in self.calls if (task is None or c.task == task) and (step is None or c.step == step)
+                and (containing is None or containing in c.text)]
 
     @property
     def in_flight(self) -> int:
@@ -613,11 +735,13 @@ class ScriptedLLM:
         return best
 
     async def wait_for_calls(self, n: int = 1, task: str | None = None, *, finished: bool = False,
-                             timeout: float = 10.0) -> list[CallRecord]:
-        """Wait until at least `n` requests (of `task`) have arrived (or, with `finished`, completed)."""
+                             timeout: float = 10.0, containing: str | None = None) -> list[CallRecord]:
+        """Wait until at least `n` requests (of `task`, whose messages contain `containing`) have arrived
+        (or, with `finished`, completed)."""
         deadline = time.monotonic() + timeout
         while True:
-            found = [c for c in self.calls_for(task) if not finished or c.finished_at is not None]
+            found = [c for c in self.calls_for(task, containing=containing)
+                     if not finished or c.finished_at is not None]
             if len(found) >= n:
                 return found
             if time.monotonic() > deadline:
@@ -662,17 +786,26 @@ class ScriptedLLM:
         headers = {k.lower(): v for k, v in request.headers.items()}
         user = last_user_message(body.get("messages") or []) if endpoint == "chat" else ""
         question = parse_prompt(user)[1] if user else None
+        if endpoint == "chat":
+            text = "\n".join(message_text(m.get("content")) for m in body.get("messages") or []
+                             if isinstance(m, dict))
+        else:
+            raw = body.get("input")
+            text = raw if isinstance(raw, str) else "\n".join(i for i in raw or [] if isinstance(i, str))
+        scopes = self._scopes_of(text)
         rec = CallRecord(id=self._ids, endpoint=endpoint, task=task, stream=stream, model=body.get("model"),
                          started_at=time.monotonic(), user_message=user,
                          question=question if question is not None else user.strip(),
+                         scope=scopes[0].token if scopes else None, text=text,
                          step=headers.get("x-ragline-step"),
                          idempotency_key=headers.get("idempotency-key") or headers.get("x-idempotency-key"),
                          headers=headers, request=body)
         self.calls.append(rec)
         return rec
 
-    async def _choose(self, task: str, body: dict, chat: bool) -> tuple[Reply | None, bool]:
-        """(reply, scripted). Scripted replies first, then script functions, then random faults."""
+    async def _choose(self, task: str, body: dict, chat: bool, scopes: list[_Scope] = ()) -> tuple[Reply | None, bool]:
+        """(reply, scripted). Scripted replies of the request's scopes first, then their script functions,
+        then unscoped scripted replies and script functions, then random faults."""
         random_fault = None
         eligible = (self._fault_tasks is None and chat) or (self._fault_tasks is not None and task in self._fault_tasks)
         if self._fault_rate > 0 and eligible:
@@ -681,22 +814,31 @@ class ScriptedLLM:
                 random_fault = self._fault_kinds[min(int(u / self._fault_rate * len(self._fault_kinds)),
                                                      len(self._fault_kinds) - 1)]
         keys = (task, ANY_TASK) if chat else (task,)
+        for scripts, fns in [*((s.scripts, s.fns) for s in scopes), (self._scripts, self._script_fns)]:
+            reply = await self._scripted(keys, scripts, fns, body)
+            if reply is not None:
+                return reply, True
+        if random_fault is not None:
+            return Reply(fault=random_fault), False
+        return None, False
+
+    @staticmethod
+    async def _scripted(keys: tuple[str, ...], scripts: dict[str, deque], fns: dict[str, Callable],
+                        body: dict) -> Reply | None:
         for key in keys:
-            queue = self._scripts.get(key)
+            queue = scripts.get(key)
             if queue:
-                return queue.popleft(), True
+                return queue.popleft()
         for key in keys:
-            fn = self._script_fns.get(key)
+            fn = fns.get(key)
             if fn is not None:
                 item = fn(body)
                 if inspect.isawaitable(item):
                     item = await item
                 reply = Reply.of(item)
                 if reply is not None:
-                    return reply, True
-        if random_fault is not None:
-            return Reply(fault=random_fault), False
-        return None, False
+                    return reply
+        return None
 
     async def _wait(self, seconds: float, receive=None) -> str:  # noqa: ANN001
         """Sleep, cut short by server stop or (if `receive` is given) by the client going away.
@@ -769,9 +911,13 @@ class ScriptedLLM:
         task = detect_task(messages)
         stream = bool(body.get("stream"))
         rec = self._record("chat", task, stream, request, body)
+        scopes = self._scopes_of(rec.text)
+        scope_delay = next((s.delay for s in scopes if s.delay), 0.0)
+        chunk_delay = next((s.stream_chunk_delay for s in scopes if s.stream_chunk_delay is not None),
+                           self.stream_chunk_delay)
         streaming = False
         try:
-            reply, scripted = await self._choose(task, body, chat=True)
+            reply, scripted = await self._choose(task, body, chat=True, scopes=scopes)
             rec.scripted = scripted
             if reply is None or (reply.fault is None and reply.content is None and not reply.tool_calls):
                 extra = reply.delay if reply is not None else 0.0
@@ -779,7 +925,7 @@ class ScriptedLLM:
                 assert reply is not None
                 reply.delay += extra
             spread = stream and self.spread_stream
-            wait = reply.delay + (0.0 if spread else self.delay)
+            wait = reply.delay + scope_delay + (0.0 if spread else self.delay)
             if wait > 0:
                 outcome = await self._wait(wait, request.receive)
                 if outcome == "disconnected":
@@ -800,7 +946,7 @@ class ScriptedLLM:
                 streaming = True
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 gen = self._stream(rec, completion_id, model, reply, usage, include_usage,
-                                   self.delay if spread else 0.0)
+                                   self.delay if spread else 0.0, chunk_delay)
                 return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
             message: dict[str, Any] = {"role": "assistant", "content": reply.content if not reply.tool_calls
                                        else (reply.content or None), "refusal": None}
@@ -818,7 +964,7 @@ class ScriptedLLM:
                 rec.finished_at = time.monotonic()
 
     async def _stream(self, rec: CallRecord, completion_id: str, model: str, reply: Reply, usage: dict,
-                      include_usage: bool, spread_delay: float):
+                      include_usage: bool, spread_delay: float, chunk_delay: float | None = None):
         completed = False
 
         def chunk(delta: dict, finish: str | None = None, **extra: Any) -> bytes:
@@ -843,7 +989,8 @@ class ScriptedLLM:
                 deltas = [{"role": "assistant", "content": ""}] + [{"content": p} for p in split_deltas(
                     reply.content or "")]
                 finish = "stop"
-            pause = self.stream_chunk_delay + (spread_delay / max(1, len(deltas) - 1))
+            chunk_pause = self.stream_chunk_delay if chunk_delay is None else chunk_delay
+            pause = chunk_pause + (spread_delay / max(1, len(deltas) - 1))
             for i, delta in enumerate(deltas):
                 if i > 0 and pause > 0:
                     await self._wait(pause)
@@ -865,7 +1012,8 @@ class ScriptedLLM:
             return _error(400, "the body must be a JSON object")
         rec = self._record("embeddings", EMBEDDINGS_TASK, False, request, body)
         try:
-            reply, scripted = await self._choose(EMBEDDINGS_TASK, body, chat=False)
+            reply, scripted = await self._choose(EMBEDDINGS_TASK, body, chat=False,
+                                                 scopes=self._scopes_of(rec.text))
             rec.scripted = scripted
             if reply is not None and reply.delay > 0:
                 if await self._wait(reply.delay, request.receive) == "disconnected":
@@ -1003,7 +1151,7 @@ def embed(text: str, dims: int = EMBED_DIM) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.scripted_llm",
+    parser = argparse.ArgumentParser(prog="python -m devtools.scripted_llm",
                                      description="Scripted OpenAI-compatible server for tests and benchmarks.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8999, help="0 picks a free port (printed at start)")

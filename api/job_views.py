@@ -1,0 +1,218 @@
+"""Jobs as the API shows them, read back from Temporal: status mapping, job views, listing through
+visibility, and the Updates people send to a job."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta, timezone
+from typing import TypeVar
+
+from pydantic import BaseModel
+from temporalio.client import (
+    Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError,
+)
+from temporalio.service import RPCError, RPCStatusCode
+
+from api.errors import ApiError
+from api.schemas import JobError, JobSummary, JobView
+from models.chat import TurnInput, session_of_turn, session_workflow_id
+from models.jobs import JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
+from temporal import search_attributes as sa
+
+# A job's `progress` query needs a worker: without one, the view shows what the server knows, quickly.
+PROGRESS_QUERY_TIMEOUT = timedelta(seconds=2)
+
+Ack = TypeVar("Ack", bound=BaseModel)
+
+
+def job_status(execution: WorkflowExecution) -> JobStatus:
+    status = execution.status
+    if status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW, None):
+        own = execution.typed_search_attributes.get(sa.JOB_STATUS)
+        return own if own in OPEN_STATUSES else "running"
+    if status == WorkflowExecutionStatus.COMPLETED:
+        return "completed"
+    if status == WorkflowExecutionStatus.CANCELED:
+        return "cancelled"
+    return "failed"  # failed, terminated, timed out
+
+
+def status_query(status: JobStatus) -> str:
+    if status == "completed":
+        return "ExecutionStatus = 'Completed'"
+    if status == "cancelled":
+        return "ExecutionStatus = 'Canceled'"
+    if status == "failed":
+        return "ExecutionStatus IN ('Failed', 'Terminated', 'TimedOut')"
+    return f"ExecutionStatus = 'Running' AND {sa.JOB_STATUS.name} = '{status}'"
+
+
+def list_query(*, status: JobStatus | None = None, kind: JobKind | None = None,
+               extra: dict[str, str] | None = None) -> str:
+    kinds = [kind] if kind else list(JOB_KINDS)
+    clauses = [f"{sa.JOB_KIND.name} IN ({', '.join(repr(k) for k in kinds)})"]
+    if status:
+        clauses.append(status_query(status))
+    for key, value in (extra or {}).items():
+        clauses.append(f"{key} = '{value}'")  # values are validated identifiers, never free text
+    return " AND ".join(clauses)
+
+
+def summary(execution: WorkflowExecution) -> JobSummary:
+    attrs = execution.typed_search_attributes
+    return JobSummary(job_id=execution.id, kind=attrs.get(sa.JOB_KIND), status=job_status(execution),
+                      created_at=execution.start_time, updated_at=execution.close_time or execution.start_time,
+                      collection=attrs.get(sa.COLLECTION))
+
+
+async def list_jobs(client: Client, query: str, limit: int, rpc_timeout: timedelta) -> list[WorkflowExecution]:
+    """Latest run of each workflow id matching `query`, newest first."""
+    seen: dict[str, WorkflowExecution] = {}
+    async for execution in client.list_workflows(query, page_size=min(max(limit, 10), 1000), rpc_timeout=rpc_timeout):
+        if execution.id not in seen:
+            seen[execution.id] = execution
+        if len(seen) >= limit:
+            break
+    return list(seen.values())
+
+
+async def exists(client: Client, workflow_id: str, rpc_timeout: timedelta) -> bool:
+    try:
+        await client.get_workflow_handle(workflow_id).describe(rpc_timeout=rpc_timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
+async def accepted_turn(client: Client, job_id: str, rpc_timeout: timedelta) -> TurnInput | None:
+    """A chat turn its session has recorded but whose job does not exist yet (the session starts it
+    when a worker runs it). Read from the session's history on the server, so it needs no worker."""
+    session_id = session_of_turn(job_id)
+    if session_id is None:
+        return None
+    handle = client.get_workflow_handle(session_workflow_id(session_id))
+    try:
+        async for event in handle.fetch_history_events(rpc_timeout=rpc_timeout):
+            if not event.HasField("workflow_execution_signaled_event_attributes"):
+                continue
+            signaled = event.workflow_execution_signaled_event_attributes
+            if signaled.signal_name != "submit" or job_id.encode() not in signaled.SerializeToString():
+                continue  # a cheap pre-check before decoding (the id is in the payload unless encrypted)
+            (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
+            if turn.job_id == job_id:
+                return turn
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise
+    return None
+
+
+async def wait_until_created(client: Client, job_id: str, rpc_timeout: timedelta) -> bool:
+    """Waits while `job_id` is an accepted turn whose job its session has not started yet (no worker,
+    or earlier turns of the session still starting). False when there is no such job at all."""
+    delay = 0.05
+    while not await exists(client, job_id, rpc_timeout):
+        if await accepted_turn(client, job_id, rpc_timeout) is None:
+            return await exists(client, job_id, rpc_timeout)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+    return True
+
+
+async def describe_job(client: Client, job_id: str, rpc_timeout: timedelta) -> JobView:
+    handle = client.get_workflow_handle(job_id)
+    try:
+        desc = await handle.describe(rpc_timeout=rpc_timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            turn = await accepted_turn(client, job_id, rpc_timeout)
+            if turn is not None:
+                now = datetime.now(timezone.utc)
+                return JobView(job_id=job_id, kind="chat", status="queued", created_at=now, updated_at=now,
+                               turn=None, steps=[], result=None, error=None)
+            raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
+        raise
+    if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:
+        raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
+    view = summary(desc)
+    turn = (await desc.memo()).get("turn") if view.kind == "chat" else None
+    # Before a worker has taken its first task there is nothing to ask the workflow.
+    started = desc.raw_description.workflow_execution_info.history_length > 2
+    progress = await _progress(handle, rpc_timeout) if started else None
+    steps = _steps(progress, desc)
+    result = error = None
+    if desc.status == WorkflowExecutionStatus.COMPLETED:
+        result = await handle.result(rpc_timeout=rpc_timeout)
+    elif view.status == "failed":
+        error = await _failure(handle, desc, rpc_timeout)
+    elif progress and progress.dead_letters:
+        letter = progress.dead_letters[0]
+        error = JobError(message=f"step {letter.step} failed {letter.attempts} times: {letter.error}",
+                         type="DeadLettered", details=[d.model_dump(mode="json") for d in progress.dead_letters])
+    step_times = [t for s in steps for t in (s.finished_at, s.started_at) if t]
+    return JobView(job_id=view.job_id, kind=view.kind, status=view.status, created_at=view.created_at,
+                   updated_at=max([view.updated_at, *_aware(step_times)]), turn=turn, steps=steps,
+                   result=result, error=error, operator_decisions=progress.decisions if progress else [])
+
+
+def _aware(values: list[datetime]) -> list[datetime]:
+    return [v if v.tzinfo else v.replace(tzinfo=timezone.utc) for v in values]
+
+
+async def _progress(handle, rpc_timeout: timedelta) -> JobProgress | None:
+    timeout = min(rpc_timeout, PROGRESS_QUERY_TIMEOUT)
+    try:
+        return await asyncio.wait_for(handle.query("progress", result_type=JobProgress, rpc_timeout=timeout),
+                                      timeout=timeout.total_seconds())
+    except Exception:  # no worker to answer the query: show what the server knows
+        return None
+
+
+def _steps(progress: JobProgress | None, desc) -> list[StepState]:
+    steps = [s.model_copy() for s in progress.steps] if progress else []
+    # Live retry information comes from the server's view of activities still pending.
+    by_name = {s.name: s for s in steps}
+    for pending in desc.raw_description.pending_activities:
+        step = by_name.get(pending.activity_type.name)
+        if step is None:
+            continue
+        step.attempts = max(step.attempts, pending.attempt)
+        if pending.HasField("last_failure") and pending.last_failure.message:
+            step.error = pending.last_failure.message
+            step.status = "running"
+    return steps
+
+
+async def _failure(handle, desc, rpc_timeout: timedelta) -> JobError:
+    try:
+        await handle.result(rpc_timeout=rpc_timeout)
+    except WorkflowFailureError as exc:
+        cause = exc.cause
+        details = list(getattr(cause, "details", []) or [])
+        return JobError(message=getattr(cause, "message", None) or str(cause),
+                        type=getattr(cause, "type", None) or type(cause).__name__,
+                        details=details[0] if details else None)
+    except Exception as exc:  # terminated / timed out surface as other errors
+        return JobError(message=str(exc), type=type(exc).__name__)
+    return JobError(message=f"workflow ended {desc.status.name.lower()}", type="Workflow")
+
+
+async def send_update(client: Client, job_id: str, name: str, payload: BaseModel, result_type: type[Ack],
+                      rpc_timeout: timedelta, *, refused_code: str) -> Ack:
+    """A person's decision on a job (operator retry/discard, review), as a validated Update; answers
+    the workflow's acknowledgement. Unknown job: 404; refused by the workflow's validator: 409 with
+    its reason; job ended: 409."""
+    await describe_job(client, job_id, rpc_timeout)
+    try:
+        ack = await client.get_workflow_handle(job_id).execute_update(
+            name, payload, result_type=result_type, rpc_timeout=rpc_timeout)
+    except WorkflowUpdateFailedError as exc:
+        raise ApiError(409, refused_code, getattr(exc.cause, "message", None) or str(exc.cause)) from None
+    except RPCError as exc:
+        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
+            raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
+        raise
+    return ack

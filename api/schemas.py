@@ -1,0 +1,236 @@
+"""What the API answers: one pydantic model per response body, so `/openapi.json` describes reality.
+
+Request bodies live beside their routes; models shared with the workflows come from `models/`.
+Every error answer has the `ErrorBody` shape (built by `api.errors`); `error_responses` documents,
+route by route, which error statuses it really returns and with which codes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal, Self
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_serializer
+
+from models.chat import Citation
+from models.jobs import JobKind, JobStatus, OperatorDecision, StepState
+from models.review import PendingReview
+
+# Times the API reads from Temporal are written as `datetime.isoformat()` ("+00:00"), as they always
+# were; models from the workflows (steps, decisions, reviews) keep pydantic's form ("Z").
+Timestamp = Annotated[datetime, PlainSerializer(datetime.isoformat, return_type=str, when_used="json"),
+                      WithJsonSchema({"type": "string", "format": "date-time"})]
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+class Problem(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorDetail(BaseModel):
+    """`code` is stable and machine-readable; other fields depend on the code (`collection`, `file`,
+    `limits`, `reason`...)."""
+    model_config = ConfigDict(extra="allow")
+
+    code: str = Field(examples=["job_not_found"])
+    message: str
+    problems: list[Problem] | None = Field(None, description="invalid_request only: each invalid field")
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx/5xx answer."""
+    error: ErrorDetail
+
+
+def error_responses(codes: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """`responses=` of a route: each error status it returns with the codes it uses there, and any
+    unexpected error (500 `internal_error`, 502 `temporal_error`) as `default`. Declaring 422 (or
+    `default`) also replaces FastAPI's own validation-error schema, which is not what this API sends."""
+    documented: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorBody, "description": f"error code{'s' if ',' in code else ''}: {code}"}
+        for status, code in codes.items()}
+    documented["default"] = {"model": ErrorBody,
+                             "description": "unexpected error: internal_error (500) or temporal_error (502)"}
+    return documented
+
+
+TEMPORAL_DOWN = "temporal_unavailable"
+ACCEPTED = "Accepted: the job is recorded; follow it at status_url or events_url"
+INVALID_REQUEST = "invalid_request"
+
+
+# -- 202 Accepted ---------------------------------------------------------------------------------
+
+class Accepted(BaseModel):
+    """A job was recorded; follow it at `status_url` (JSON) or `events_url` (Server-Sent Events)."""
+    job_id: str
+    status_url: str
+    events_url: str
+
+    @classmethod
+    def for_job(cls, request: Request, job_id: str, **fields: Any) -> Self:
+        return cls(job_id=job_id, status_url=str(request.url_for("get_job", job_id=job_id)),
+                   events_url=str(request.url_for("job_events", job_id=job_id)), **fields)
+
+
+class AcceptedDocument(BaseModel):
+    document_id: str
+    filename: str
+    sha256: str
+
+
+class DocumentsAccepted(Accepted):
+    duplicate: bool = Field(description="The same files are already indexed or being indexed: no new work")
+    documents: list[AcceptedDocument]
+
+
+class ChatAccepted(Accepted):
+    session_id: str
+    turn: int | None = Field(description="null until the session numbers the turn (see the job)")
+    duplicate: bool = Field(description="The same Idempotency-Key was sent before in this session")
+
+
+# -- jobs ----------------------------------------------------------------------------------------
+
+class JobError(BaseModel):
+    message: str
+    type: str
+    details: Any = None
+
+
+class JobSummary(BaseModel):
+    job_id: str
+    kind: JobKind
+    status: JobStatus
+    created_at: Timestamp
+    updated_at: Timestamp
+    collection: str | None
+
+
+class JobList(BaseModel):
+    jobs: list[JobSummary]
+    query: str = Field(description="The Temporal visibility query that listed them")
+
+
+class JobView(BaseModel):
+    """A job; `turn` and `operator_decisions` are left out where they do not apply."""
+    job_id: str
+    kind: JobKind
+    status: JobStatus
+    created_at: Timestamp
+    updated_at: Timestamp
+    turn: int | None = Field(None, description="Chat jobs only: the turn's number in its session")
+    steps: list[StepState]
+    result: Any = Field(description="The job's result once completed, else null")
+    error: JobError | None
+    operator_decisions: list[OperatorDecision] = Field(
+        [], description="Only when an operator retried or discarded the job")
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler):
+        data = handler(self)
+        if self.kind != "chat":
+            data.pop("turn", None)
+        if not self.operator_decisions:
+            data.pop("operator_decisions", None)
+        return data
+
+
+class OperatorResult(BaseModel):
+    job_id: str
+    action: Literal["retry", "discard"]
+    steps: list[str]
+
+
+class ReviewResult(BaseModel):
+    job_id: str
+    accepted: bool
+    decision: str
+
+
+class ReviewItem(PendingReview):
+    """What a job waits on a person for (`POST /v1/jobs/{job_id}/review` decides it)."""
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+    job_id: str
+    workflow_id: str
+    kind: JobKind
+
+
+class ReviewList(BaseModel):
+    reviews: list[ReviewItem]
+
+
+# -- documents, chats, health --------------------------------------------------------------------
+
+# A document's status is its ingestion job's, with "completed" read as "indexed".
+DocumentStatus = Literal["queued", "running", "waiting_review", "indexed", "failed", "dead_lettered", "cancelled"]
+
+
+class DocumentView(BaseModel):
+    document_id: str | None
+    filename: str | None
+    collection: str | None
+    status: DocumentStatus
+    chunks: int | None
+    pages: int | None
+    job_id: str
+    created_at: Timestamp
+    updated_at: Timestamp
+
+
+class DocumentList(BaseModel):
+    documents: list[DocumentView]
+
+
+class TurnView(BaseModel):
+    """A turn of a session; `model` is left out until the turn is completed."""
+    turn: int | None
+    job_id: str
+    message: str | None
+    status: JobStatus
+    created_at: Timestamp
+    answer: str | None
+    citations: list[Citation]
+    error: str | None
+    model: str | None = Field(None, description="Completed turns only: the model that answered")
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler):
+        data = handler(self)
+        if self.status != "completed":
+            data.pop("model", None)
+        return data
+
+
+class SessionView(BaseModel):
+    session_id: str
+    turns: list[TurnView]
+
+
+class Component(BaseModel):
+    status: Literal["up", "down", "unknown"]
+    address: str | None = None
+    pollers: int | None = None
+    task_queue: str | None = None
+    reason: str | None = None
+
+
+class Health(BaseModel):
+    status: Literal["up", "degraded", "down"]
+    components: dict[str, Component]
+
+
+class JobEvent(BaseModel):
+    """A CloudEvents 1.0 event, the `data` of each Server-Sent Event of `GET /v1/jobs/{job_id}/events`."""
+    specversion: Literal["1.0"]
+    id: str
+    source: str
+    type: str = Field(examples=["ragline.step.completed", "ragline.job.completed", "ragline.step.progress"])
+    time: str
+    subject: str
+    datacontenttype: Literal["application/json"]
+    data: dict[str, Any]

@@ -1,0 +1,99 @@
+"""Agents: goal, budget, the tree of sub-agents, and the planning step's inputs and outputs."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from models.jobs import StepResult
+from models.review import ReviewRecord
+
+
+class Budget(BaseModel):
+    max_llm_calls: int = 50
+    max_tokens: int = 200_000
+    max_seconds: float = 3600
+
+
+class Spend(BaseModel):
+    llm_calls: int = 0
+    tokens: int = 0
+
+    def add(self, other: "Spend") -> None:
+        self.llm_calls += other.llm_calls
+        self.tokens += other.tokens
+
+
+class AgentInput(BaseModel):
+    goal: str
+    collection: str = "default"
+    depth: int = 0
+    max_depth: int = 3
+    budget: Budget = Budget()
+    # Wall-clock end of the whole tree's time budget (set by the root).
+    deadline: datetime | None = None
+    ancestors: list[str] = []
+    # Sub-goals a reviewer rejected anywhere above: never proposed again in this tree.
+    rejected: list[str] = []
+    review_timeout_seconds: float = 86400
+
+
+class AgentNode(BaseModel):
+    goal: str
+    depth: int
+    job_id: str
+    status: str
+    answer: str = ""
+    children: list["AgentNode"] = []
+
+
+class AgentResult(BaseModel):
+    answer: str
+    status: Literal["finished", "stopped"]
+    tree: AgentNode
+    llm_calls: int
+    tokens: int
+    decisions: list[ReviewRecord] = []
+    # Sub-goals rejected by a reviewer in this subtree (the parent stops proposing them too).
+    rejected: list[str] = []
+
+
+def agent_workflow_id(parent_id: str, index: int) -> str:
+    return f"{parent_id}.{index}"
+
+
+# -- the planning step ---------------------------------------------------------------------------------
+
+class ToolCall(BaseModel):
+    name: str
+    arguments: dict[str, Any] = {}
+    # Set when the model asked for something outside the allowlist or with bad arguments: the agent
+    # sees it as a tool error and carries on.
+    error: str | None = None
+
+
+class PlanInput(BaseModel):
+    goal: str
+    instructions: str = ""
+    observations: list[str] = []
+    depth: int
+    max_depth: int
+
+
+class PlanOutput(StepResult):
+    calls: list[ToolCall]
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class SearchDocumentsInput(BaseModel):
+    query: str
+    collection: str
+    top_k: int = 3
+
+
+class SearchDocumentsOutput(StepResult):
+    observation: str

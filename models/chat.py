@@ -1,0 +1,169 @@
+"""Chat: a question in a session, the turn that answers it, and the chain's step inputs and outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from pydantic import BaseModel, Field
+
+from models.jobs import StepResult
+from models.review import ReviewRecord
+
+
+class ChatQuestion(BaseModel):
+    """What a person asks. `POST /v1/chats` takes this (plus a session id); the turn carries it as is."""
+    message: str = Field(min_length=1, max_length=8000)
+    collection: str = "default"
+    top_k: int = Field(5, ge=1, le=20)
+    require_review: bool = Field(False, description="Hold the answer until a reviewer approves it")
+
+
+class TurnInput(BaseModel):
+    """A turn as the API hands it to the session (signal `submit`) and as its job runs it."""
+    job_id: str
+    session_id: str
+    question: ChatQuestion
+    # Server policy at acceptance: hold answers without a supporting citation; how long a review waits.
+    review_unsupported: bool = False
+    review_timeout_seconds: float = 86400
+    # Numbered by the session when it takes the turn, in acceptance order (0 until then).
+    turn: int = 0
+
+
+class HistoryItem(BaseModel):
+    question: str
+    answer: str
+
+
+class TurnContext(BaseModel):
+    """Sent by the session when it is this turn's go: the recent turns to answer in context."""
+    history: list[HistoryItem] = []
+
+
+class TurnOutcome(BaseModel):
+    """What the session keeps of a finished turn: its answer, or None when the turn failed."""
+    answer: str | None = None
+
+
+class SessionState(BaseModel):
+    """Everything a session carries through continue-as-new."""
+    session_id: str
+    next_turn: int = 1
+    # Job ids of recent turns, oldest first (bounded): a resent request is not queued twice.
+    seen: list[str] = []
+    # Accepted turns whose go has not come yet; their jobs exist already (started at acceptance).
+    pending: list[TurnInput] = []
+    history: list[HistoryItem] = []
+    # Continue-as-new after this many turns even if the server does not ask (tests make it small).
+    turns_per_run: int = 100
+
+
+class Citation(BaseModel):
+    document_id: str
+    filename: str
+    page: int
+    chunk_id: str
+    score: float
+
+
+class Entity(BaseModel):
+    text: str
+    type: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def __add__(self, other: "Usage") -> "Usage":
+        return Usage(prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+                     completion_tokens=self.completion_tokens + other.completion_tokens)
+
+
+class TurnResult(BaseModel):
+    session_id: str
+    turn: int
+    question: str
+    answer: str
+    citations: list[Citation]
+    summary: str
+    entities: list[Entity]
+    model: str
+    usage: Usage
+    warnings: list[str] = []
+    review: ReviewRecord | None = None
+
+
+SESSION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_TURN_JOB_ID = re.compile(r"^chat-(?P<session>[A-Za-z0-9_-]{1,64})\.(?P<digest>[0-9a-f]{20})$")
+
+
+def session_workflow_id(session_id: str) -> str:
+    return f"session-{session_id}"
+
+
+def turn_job_id(session_id: str, request_key: str) -> str:
+    """A turn's job id, known without asking any workflow: the same session and Idempotency-Key give the
+    same job (a resent request is not run twice), and a fresh key a fresh job for the life of the id."""
+    digest = hashlib.sha256(f"{session_id}\n{request_key}".encode()).hexdigest()[:20]
+    return f"chat-{session_id}.{digest}"
+
+
+def session_of_turn(job_id: str) -> str | None:
+    """The session id inside a turn's job id, or None when `job_id` is not a turn's."""
+    match = _TURN_JOB_ID.match(job_id)
+    return match["session"] if match else None
+
+
+# -- the chain's steps -----------------------------------------------------------------------------
+
+class RetrieveInput(BaseModel):
+    question: str
+    collection: str
+    top_k: int
+
+
+class RetrieveOutput(StepResult):
+    # Passages (with their text) live in the blob store; only the reference travels.
+    context_ref: str
+    passages: int
+    citations: list[Citation]
+    # False when the passages exceed the model's context budget: the answer then works from a summary.
+    fits: bool = True
+
+
+class ContextInput(BaseModel):
+    question: str
+    context_ref: str
+
+
+class SummaryOutput(StepResult):
+    summary: str
+    usage: Usage = Usage()
+
+
+class EntitiesOutput(StepResult):
+    entities: list[Entity]
+    warnings: list[str] = []
+    usage: Usage = Usage()
+
+
+class GenerateInput(BaseModel):
+    question: str
+    context_ref: str
+    # Only when the passages did not fit the context budget: the answer works from this instead.
+    summary: str | None = None
+    history: list[HistoryItem] = []
+
+
+class GenerateOutput(StepResult):
+    answer: str
+    # 1-based numbers of the passages the answer relies on.
+    cited: list[int]
+    model: str
+    usage: Usage = Usage()
+
+
+class AwaitTurnInput(BaseModel):
+    workflow_id: str

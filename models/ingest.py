@@ -1,0 +1,144 @@
+"""Ingestion: documents, the DAG's step inputs and outputs, and search over what was indexed.
+Large data (bytes, page texts, chunks, vectors) never travels here: only blob references do."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from models.jobs import StepResult
+
+DocumentKind = Literal["pdf", "text"]
+
+
+class DocumentInput(BaseModel):
+    document_id: str
+    collection: str
+    filename: str
+    blob_ref: str
+    sha256: str
+    size: int
+    kind: DocumentKind
+    password: str | None = None
+
+
+class DocumentOutcome(BaseModel):
+    document_id: str
+    filename: str = ""
+    status: Literal["indexed", "failed"]
+    job_id: str
+    pages: int = 0
+    chunks: int = 0
+    error: str | None = None
+
+    @classmethod
+    def failed_from(cls, workflow_id: str, error: str, filename: str = "") -> "DocumentOutcome":
+        return cls(document_id=workflow_id.removeprefix("doc-"), filename=filename, status="failed",
+                   job_id=workflow_id, error=error)
+
+
+class IngestInput(BaseModel):
+    collection: str
+    documents: list[DocumentInput]
+
+
+class IngestResult(BaseModel):
+    collection: str
+    indexed: int
+    failed: int
+    documents: list[DocumentOutcome]
+
+
+def document_workflow_id(document_id: str) -> str:
+    return f"doc-{document_id}"
+
+
+# -- the DAG's steps -------------------------------------------------------------------------------
+
+class ExtractInput(BaseModel):
+    document_id: str
+    blob_ref: str
+    filename: str
+    kind: DocumentKind
+    password: str | None = None
+
+
+class ExtractOutput(StepResult):
+    pages_ref: str
+    pages: int
+    chars: int
+
+
+class ChunkInput(BaseModel):
+    document_id: str
+    pages_ref: str
+
+
+class ChunkOutput(StepResult):
+    chunks_ref: str
+    chunks: int
+    # Chosen by the activity from settings and recorded in history, so replays plan the same batches.
+    batch_size: int
+    parallelism: int
+
+
+class EmbedInput(BaseModel):
+    chunks_ref: str
+    start: int
+    end: int
+
+
+class EmbedOutput(StepResult):
+    vectors_ref: str
+    count: int
+    model: str
+
+
+class IndexInput(BaseModel):
+    document_id: str
+    collection: str
+    filename: str
+    chunks_ref: str
+    vectors_ref: str
+    start: int
+    end: int
+
+
+class IndexOutput(StepResult):
+    points: int
+
+
+class PruneInput(BaseModel):
+    document_id: str
+    collection: str
+    keep_chunks: int
+
+
+class PruneOutput(StepResult):
+    points: int
+
+
+class AwaitDocumentInput(BaseModel):
+    workflow_id: str
+
+
+# -- search ------------------------------------------------------------------------------------------
+
+class SearchInput(BaseModel):
+    query: str
+    collection: str
+    top_k: int = 5
+
+
+class SearchHit(BaseModel):
+    text: str
+    document_id: str
+    filename: str
+    page: int
+    chunk: int
+    score: float
+
+
+class SearchOutput(BaseModel):
+    hits: list[SearchHit]

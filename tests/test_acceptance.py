@@ -1,0 +1,120 @@
+"""Acceptance is one durable write: POSTs answer 202 with no worker running, jobs show `queued`, and
+once a worker is back they run, chat turns in the order they were accepted. Chat job ids are derived
+from the session and the Idempotency-Key, so they stay unique for the life of a session id."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import uuid
+
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+from models.chat import SessionState, session_workflow_id
+from ragline.vectorstore import open_index
+from temporal import search_attributes as sa
+from tests.conftest import running_stack
+from worker import build_worker
+from workflows.chat import ChatSessionWorkflow
+
+
+def _answer_questions(llm, tag: str) -> list[str]:
+    """The questions the model was asked to answer, in the order it was asked, for this test's tag."""
+    return [c["question"] for c in llm.calls if c["task"] == "answer" and tag in (c["question"] or "")]
+
+
+async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_starts(temporal_env, scripted_llm,
+                                                                                  tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False,
+                             task_queue=f"no-worker-{tag}") as stack:
+        upload = await stack.upload((f"{tag}.txt", f"The {tag} lighthouse is painted red and white.".encode()),
+                                    collection=tag)
+        session = f"s-{tag}"
+        questions = [f"Question {i} about the {tag} lighthouse?" for i in range(1, 4)]
+        turns = [await stack.chat(q, session_id=session, collection=tag) for q in questions]
+        keyed = [await stack.chat(f"Keyed question about {tag}?", session_id=session, collection=tag,
+                                  idempotency_key="same") for _ in range(2)]
+        r = await stack.http.post("/v1/agents", json={"goal": f"Describe the {tag} lighthouse", "collection": tag})
+        assert r.status_code == 202, r.text
+        agent = r.json()
+
+        assert keyed[0]["job_id"] == keyed[1]["job_id"]
+        job_ids = [upload["job_id"], *(t["job_id"] for t in turns), keyed[0]["job_id"], agent["job_id"]]
+        for job_id in job_ids:
+            r = await stack.http.get(f"/v1/jobs/{job_id}")
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] == "queued", r.json()
+        assert (await stack.http.get(f"/v1/jobs/chat-{session}.{'0' * 20}")).status_code == 404
+
+        # A worker comes: everything accepted runs, the session's turns in acceptance order.
+        index = open_index(stack.settings)
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+        try:
+            async with build_worker(stack.client, stack.settings, index, executor):
+                done = [await stack.wait_done(job_id, timeout=120) for job_id in job_ids]
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            index.close()
+    assert all(job["status"] == "completed" for job in done), done
+    chat_jobs = done[1:5]
+    assert [job["turn"] for job in chat_jobs] == [1, 2, 3, 4]
+    assert [job["result"]["question"] for job in chat_jobs] == [*questions, f"Keyed question about {tag}?"]
+    # One turn ran at a time, in that order; the keyed request sent twice ran once.
+    for earlier, later in zip(chat_jobs, chat_jobs[1:]):
+        assert max(s["finished_at"] for s in earlier["steps"]) <= min(s["started_at"] for s in later["steps"])
+    listed = await stack.client.count_workflows(f"{sa.SESSION.name} = '{session}' AND {sa.JOB_KIND.name} = 'chat'")
+    assert listed.count == 4
+
+
+async def test_a_session_id_used_again_after_its_workflow_ended_answers_the_new_message(stack):
+    tag = uuid.uuid4().hex[:8]
+    seed = await stack.upload((f"{tag}.txt", f"The {tag} ferry leaves at nine. It returns at five.".encode()),
+                              collection=tag)
+    await stack.wait_job(seed["job_id"])
+    session = f"reused-{tag}"
+    first = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
+                             idempotency_key="first")
+    assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
+    await stack.client.get_workflow_handle(session_workflow_id(session)).terminate("session closed by an operator")
+
+    second = await stack.chat(f"When does the {tag} ferry return?", session_id=session, collection=tag)
+    assert second["job_id"] != first["job_id"]
+    job = await stack.wait_job(second["job_id"])
+    assert job["status"] == "completed" and job["result"]["question"] == f"When does the {tag} ferry return?"
+    assert job["turn"] == 1  # a new session run numbers from 1 again; the job id stays unique
+    # The first request, resent with its key, still names its own job and its own answer.
+    again = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
+                             idempotency_key="first")
+    assert again["job_id"] == first["job_id"] and again["duplicate"] is True
+
+
+async def test_continue_as_new_carries_the_turns_still_waiting(stack):
+    tag = uuid.uuid4().hex[:8]
+    seed = await stack.upload((f"{tag}.txt", f"The {tag} tower has ninety steps.".encode()), collection=tag)
+    await stack.wait_job(seed["job_id"])
+    session = f"can-{tag}"
+    # A session that continues as new after every two turns (production: 100, or when the server asks).
+    await stack.client.start_workflow(
+        ChatSessionWorkflow.run, SessionState(session_id=session, turns_per_run=2),
+        id=session_workflow_id(session), task_queue=stack.settings.task_queue,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                 SearchAttributePair(sa.SESSION, session)]))
+    questions = [f"Step question {i} on the {tag} tower?" for i in range(1, 6)]
+    accepted = [await stack.chat(q, session_id=session, collection=tag) for q in questions]
+    jobs = [await stack.wait_job(a["job_id"], timeout=120) for a in accepted]
+    assert all(j["status"] == "completed" for j in jobs), jobs
+    assert [j["turn"] for j in jobs] == [1, 2, 3, 4, 5]
+    assert _answer_questions(stack.llm, tag) == questions
+
+    # The session did continue as new with turns still waiting, and they were not lost or repeated.
+    carried = []
+    async for execution in stack.client.list_workflows(f"WorkflowId = '{session_workflow_id(session)}'"):
+        handle = stack.client.get_workflow_handle(session_workflow_id(session), run_id=execution.run_id)
+        async for event in handle.fetch_history_events():
+            if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+                payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
+                (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
+                carried.append(len(state.pending))
+    assert len(carried) >= 2 and any(carried), carried

@@ -1,0 +1,476 @@
+"""The DAGs alone: the real workflows on the time-skipping test server, with fake activities registered
+under the real activities' names (the way the Temporal samples test workflows). No model, no Qdrant,
+no embedder: each test says what every step returns and checks what the workflow does with it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from temporalio import activity
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+import worker
+from models.agent import AgentInput, AgentResult, PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, \
+    ToolCall
+from models.chat import (
+    AwaitTurnInput, ChatQuestion, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
+    HistoryItem, RetrieveInput, RetrieveOutput, SessionState, SummaryOutput, TurnContext, TurnInput, TurnOutcome,
+    TurnResult, Usage, session_workflow_id, turn_job_id,
+)
+from models.ingest import (
+    AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
+    ExtractInput, ExtractOutput, IndexInput, IndexOutput, IngestInput, IngestResult, PruneInput, PruneOutput,
+    SearchInput, SearchOutput, document_workflow_id,
+)
+from ragline.blobstore import BlobStore
+from temporal import policies, queues
+from temporal.converter import build_data_converter
+from tests.helpers import time_skipping_server_binary
+from workflows.agent import AgentWorkflow
+from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+
+FAST_POLICIES = Path(__file__).resolve().parent / "fast_policies.toml"
+DOC_STEPS = ["extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks"]
+
+# Each test loads the policies for its fake worker; the session's in-process worker gets its own back.
+pytestmark = pytest.mark.usefixtures("restore_policies")
+
+
+# -- fake activities ---------------------------------------------------------------------------------
+
+@dataclass
+class Call:
+    name: str
+    arg: Any
+    queue: str
+    attempt: int
+    started: int
+    finished: int | None = None
+
+
+@dataclass
+class Fakes:
+    """Every activity the worker registers, faked, recording each call in order (`started`/`finished`
+    are positions on one counter, so "A finished before B started" is `a.finished < b.started`)."""
+
+    fits: bool = True
+    cited: list[int] = field(default_factory=lambda: [1, 3, 9])
+    extract_fails: dict[str, ApplicationError] = field(default_factory=dict)
+    embed_fails_once: bool = False
+    plan: Callable[[PlanInput], PlanOutput] | None = None
+    side_step_seconds: float = 0.2
+    calls: list[Call] = field(default_factory=list)
+    _clock: itertools.count = field(default_factory=itertools.count)
+
+    def _start(self, name: str, arg: Any) -> Call:
+        info = activity.info()
+        call = Call(name, arg, info.task_queue, info.attempt, next(self._clock))
+        self.calls.append(call)
+        return call
+
+    def _end(self, call: Call) -> None:
+        call.finished = next(self._clock)
+
+    def named(self, name: str) -> list[Call]:
+        return [c for c in self.calls if c.name == name]
+
+    def one(self, name: str) -> Call:
+        [call] = self.named(name)
+        return call
+
+    # ingestion
+    @activity.defn(name="extract_text")
+    async def extract_text(self, req: ExtractInput) -> ExtractOutput:
+        call = self._start("extract_text", req)
+        self._end(call)
+        if req.filename in self.extract_fails:
+            raise self.extract_fails[req.filename]
+        return ExtractOutput(pages_ref=f"pages:{req.document_id}", pages=2, chars=100, attempt=call.attempt)
+
+    @activity.defn(name="chunk_text")
+    async def chunk_text(self, req: ChunkInput) -> ChunkOutput:
+        call = self._start("chunk_text", req)
+        self._end(call)
+        return ChunkOutput(chunks_ref=f"chunks:{req.document_id}", chunks=5, batch_size=2, parallelism=2,
+                           attempt=call.attempt)
+
+    @activity.defn(name="embed_chunks")
+    async def embed_chunks(self, req: EmbedInput) -> EmbedOutput:
+        call = self._start("embed_chunks", req)
+        self._end(call)
+        if self.embed_fails_once and call.attempt == 1 and req.start == 0:
+            raise ApplicationError("embedder busy", type="TransientError")
+        return EmbedOutput(vectors_ref=f"vectors:{req.chunks_ref}:{req.start}", count=req.end - req.start,
+                           model="fake", attempt=call.attempt)
+
+    @activity.defn(name="index_chunks")
+    async def index_chunks(self, req: IndexInput) -> IndexOutput:
+        call = self._start("index_chunks", req)
+        self._end(call)
+        return IndexOutput(points=req.end - req.start, attempt=call.attempt)
+
+    @activity.defn(name="prune_stale_chunks")
+    async def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
+        call = self._start("prune_stale_chunks", req)
+        self._end(call)
+        return PruneOutput(points=req.keep_chunks, attempt=call.attempt)
+
+    @activity.defn(name="search_chunks")
+    async def search_chunks(self, req: SearchInput) -> SearchOutput:
+        self._end(self._start("search_chunks", req))
+        return SearchOutput(hits=[])
+
+    @activity.defn(name="await_document")
+    async def await_document(self, req: AwaitDocumentInput) -> DocumentOutcome:
+        self._end(self._start("await_document", req))
+        return DocumentOutcome.failed_from(req.workflow_id, "not expected in these tests")
+
+    @activity.defn(name="await_turn")
+    async def await_turn(self, req: AwaitTurnInput) -> TurnOutcome:
+        self._end(self._start("await_turn", req))
+        return TurnOutcome(answer=None)
+
+    # chat
+    @activity.defn(name="retrieve_context")
+    async def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
+        call = self._start("retrieve_context", req)
+        self._end(call)
+        return RetrieveOutput(context_ref=f"ctx:{req.question}", passages=3, fits=self.fits, attempt=call.attempt,
+                              citations=[citation(i) for i in (1, 2, 3)])
+
+    @activity.defn(name="summarize_context")
+    async def summarize_context(self, req: ContextInput) -> SummaryOutput:
+        call = self._start("summarize_context", req)
+        await asyncio.sleep(self.side_step_seconds)
+        self._end(call)
+        return SummaryOutput(summary=f"summary of {req.context_ref}", usage=Usage(prompt_tokens=1, completion_tokens=2))
+
+    @activity.defn(name="generate_answer")
+    async def generate_answer(self, req: GenerateInput) -> GenerateOutput:
+        call = self._start("generate_answer", req)
+        self._end(call)
+        return GenerateOutput(answer=f"answer to {req.question}", cited=self.cited, model="fake-model",
+                              usage=Usage(prompt_tokens=10, completion_tokens=20))
+
+    @activity.defn(name="extract_entities")
+    async def extract_entities(self, req: ContextInput) -> EntitiesOutput:
+        call = self._start("extract_entities", req)
+        await asyncio.sleep(self.side_step_seconds)
+        self._end(call)
+        return EntitiesOutput(entities=[Entity(text="Mara", type="PLACE")], warnings=["a warning"],
+                              usage=Usage(prompt_tokens=100, completion_tokens=200))
+
+    # agents
+    @activity.defn(name="agent_plan")
+    async def agent_plan(self, req: PlanInput) -> PlanOutput:
+        call = self._start("agent_plan", req)
+        self._end(call)
+        assert self.plan is not None, "this test did not say how the agent plans"
+        return self.plan(req)
+
+    @activity.defn(name="search_documents")
+    async def search_documents(self, req: SearchDocumentsInput) -> SearchDocumentsOutput:
+        self._end(self._start("search_documents", req))
+        return SearchDocumentsOutput(observation=f"found nothing about {req.query}")
+
+    def all(self) -> list:
+        return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks,
+                self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
+                self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
+                self.search_documents]
+
+
+def citation(i: int) -> Citation:
+    return Citation(document_id=f"doc{i}", filename=f"file{i}.pdf", page=i * 10, chunk_id=f"doc{i}:0",
+                    score=1 - i / 10)
+
+
+def finish(answer: str, tokens: int = 15) -> PlanOutput:
+    return PlanOutput(calls=[ToolCall(name="finish", arguments={"answer": answer})],
+                      prompt_tokens=tokens - 5, completion_tokens=5)
+
+
+# -- the environment -----------------------------------------------------------------------------------
+
+@pytest_asyncio.fixture(scope="module")
+async def env(tmp_path_factory):
+    converter = build_data_converter(BlobStore(tmp_path_factory.mktemp("workflow-blobs")))
+    env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=time_skipping_server_binary(),
+                                                        data_converter=converter)
+    yield env
+    await env.shutdown()
+
+
+@asynccontextmanager
+async def fake_worker(env: WorkflowEnvironment, fakes: Fakes):
+    """The real workflows and the fakes on a fresh task queue and its -cpu and -llm queues, as the
+    worker runs them, under the test policy file loaded for the fakes' names."""
+    queue = f"wf-{uuid.uuid4().hex[:8]}"
+    activities = fakes.all()
+    policies.load(FAST_POLICIES, [policies.activity_name(a) for a in activities])
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(Worker(env.client, task_queue=queue, workflows=worker.WORKFLOWS,
+                                               activities=activities))
+        for kind in ("cpu", "llm"):
+            await stack.enter_async_context(Worker(env.client, task_queue=queues.queue_name(queue, kind),
+                                                   activities=activities))
+        yield queue
+
+
+def test_the_fakes_stand_for_every_registered_activity():
+    names = [policies.activity_name(a) for a in Fakes().all()]
+    assert sorted(names) == sorted(worker.activity_names())
+
+
+# -- ingestion -----------------------------------------------------------------------------------------
+
+def document(filename: str, collection: str) -> DocumentInput:
+    return DocumentInput(document_id=f"{collection}-{uuid.uuid4().hex[:12]}", collection=collection,
+                         filename=filename, blob_ref=f"blob:{filename}", sha256="0" * 64, size=10, kind="text")
+
+
+async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(env):
+    fakes = Fakes(extract_fails={"locked.pdf": ApplicationError("encrypted: password required", type="InputError",
+                                                               non_retryable=True)},
+                  embed_fails_once=True)
+    docs = [document("a.txt", "c1"), document("locked.pdf", "c1"), document("b.txt", "c1")]
+    async with fake_worker(env, fakes) as queue:
+        job_id = f"ingest-{uuid.uuid4().hex[:8]}"
+        result = await env.client.execute_workflow(IngestWorkflow.run, IngestInput(collection="c1", documents=docs),
+                                                   id=job_id, task_queue=queue)
+        assert isinstance(result, IngestResult)
+        assert (result.indexed, result.failed) == (2, 1)
+        outcomes = {o.filename: o for o in result.documents}
+        assert [o.filename for o in result.documents] == ["a.txt", "locked.pdf", "b.txt"]  # the upload's order
+        for name, doc in (("a.txt", docs[0]), ("b.txt", docs[2])):
+            assert outcomes[name].status == "indexed" and (outcomes[name].pages, outcomes[name].chunks) == (2, 5)
+            assert outcomes[name].job_id == document_workflow_id(doc.document_id)
+        locked = outcomes["locked.pdf"]
+        assert locked.status == "failed" and locked.error == "encrypted: password required"
+        assert locked.job_id == document_workflow_id(docs[1].document_id)
+
+        # Bad input is not retried, and nothing after extraction ran for it.
+        locked_calls = [c for c in fakes.calls if getattr(c.arg, "document_id", None) == docs[1].document_id]
+        assert [(c.name, c.attempt) for c in locked_calls] == [("extract_text", 1)]
+
+        # Every good document: extract -> chunk -> each batch embedded then indexed, once -> prune last.
+        for doc in (docs[0], docs[2]):
+            chunks_ref = f"chunks:{doc.document_id}"
+            mine = [c for c in fakes.calls if getattr(c.arg, "document_id", None) == doc.document_id
+                    or getattr(c.arg, "chunks_ref", None) == chunks_ref]
+            extract, chunk, prune = (next(c for c in mine if c.name == n)
+                                     for n in ("extract_text", "chunk_text", "prune_stale_chunks"))
+            embeds = [c for c in mine if c.name == "embed_chunks" and c.finished is not None]
+            indexes = [c for c in mine if c.name == "index_chunks"]
+            assert extract.finished < chunk.started
+            ok_embeds = {(c.arg.start, c.arg.end): c for c in embeds if not (c.attempt == 1 and c.arg.start == 0)}
+            assert sorted(ok_embeds) == [(0, 2), (2, 4), (4, 5)]
+            assert sorted((c.arg.start, c.arg.end) for c in indexes) == [(0, 2), (2, 4), (4, 5)]
+            for index in indexes:
+                embed = ok_embeds[(index.arg.start, index.arg.end)]
+                assert embed.finished < index.started
+                assert index.arg.vectors_ref == f"vectors:{chunks_ref}:{index.arg.start}"
+            assert all(c.finished < prune.started for c in [chunk, *embeds, *indexes])
+            assert prune.arg.keep_chunks == 5
+
+        # The policy file routes the ingestion steps to the cpu queue.
+        assert {c.queue for c in fakes.calls} == {queues.queue_name(queue, "cpu")}
+
+        # Each document's own job shows the five steps, with the retried batch's attempts.
+        good = await env.client.get_workflow_handle(document_workflow_id(docs[0].document_id)).query(
+            IngestDocumentWorkflow.progress)
+        assert [s.name for s in good.steps] == DOC_STEPS
+        assert all(s.status == "completed" and s.started_at <= s.finished_at for s in good.steps)
+        steps = {s.name: s for s in good.steps}
+        assert steps["embed_chunks"].attempts == 2 and steps["embed_chunks"].detail == "3/3 batches"
+        assert steps["index_chunks"].detail == "3/3 batches" and steps["chunk_text"].attempts == 1
+        bad = await env.client.get_workflow_handle(document_workflow_id(docs[1].document_id)).query(
+            IngestDocumentWorkflow.progress)
+        assert [(s.name, s.status) for s in bad.steps] == [("extract_text", "failed")] + [
+            (name, "skipped") for name in DOC_STEPS[1:]]
+        assert bad.steps[0].error == "encrypted: password required"
+
+        parent = await env.client.get_workflow_handle(job_id).query(IngestWorkflow.progress)
+        assert {s.name: s.status for s in parent.steps} == {
+            "document:a.txt": "completed", "document:locked.pdf": "failed", "document:b.txt": "completed"}
+
+
+async def test_ingest_with_no_good_document_fails_with_every_reason(env):
+    bad = ApplicationError("no extractable text", type="InputError", non_retryable=True)
+    fakes = Fakes(extract_fails={"scan.pdf": bad, "scan2.pdf": bad})
+    docs = [document("scan.pdf", "c2"), document("scan2.pdf", "c2")]
+    async with fake_worker(env, fakes) as queue:
+        with pytest.raises(WorkflowFailureError) as failure:
+            await env.client.execute_workflow(IngestWorkflow.run, IngestInput(collection="c2", documents=docs),
+                                              id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InputError" and cause.non_retryable
+    assert cause.message == ("no document could be ingested: scan.pdf: no extractable text; "
+                             "scan2.pdf: no extractable text")
+    assert [c.name for c in fakes.calls] == ["extract_text", "extract_text"]
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+
+def turn(session: str, message: str, *, key: str | None = None) -> TurnInput:
+    return TurnInput(job_id=turn_job_id(session, key or uuid.uuid4().hex), session_id=session,
+                     question=ChatQuestion(message=message, collection="chat", top_k=3))
+
+
+async def _history_events(handle) -> list[int]:
+    return [e.event_type for e in (await handle.fetch_history()).events]
+
+
+async def test_chat_turn_waits_for_its_go_then_answers_before_the_side_steps(env):
+    fakes = Fakes(fits=True)
+    async with fake_worker(env, fakes) as queue:
+        inp = turn("s1", "When do zebras cross?")
+        handle = await env.client.start_workflow(ChatTurnWorkflow.run, inp, id=inp.job_id, task_queue=queue)
+        # Queued until the session says go: the query is answered, and no activity has been scheduled.
+        progress = await handle.query(ChatTurnWorkflow.progress)
+        assert progress.status == "queued"
+        assert [(s.name, s.status) for s in progress.steps] == [
+            ("retrieve_context", "pending"), ("generate_answer", "pending"), ("summarize_context", "pending"),
+            ("extract_entities", "pending")]
+        assert EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED not in await _history_events(handle)
+        assert fakes.calls == []
+
+        history = [HistoryItem(question="Where?", answer="In the Mara.")]
+        await handle.signal(ChatTurnWorkflow.proceed, TurnContext(history=history))
+        result = await handle.result()
+
+    retrieve, generate = fakes.one("retrieve_context"), fakes.one("generate_answer")
+    summarize, entities = fakes.one("summarize_context"), fakes.one("extract_entities")
+    # The answer waits for nothing but retrieval; the side steps start after it, side by side.
+    assert retrieve.finished < generate.started
+    assert generate.finished < summarize.started and generate.finished < entities.started
+    assert summarize.started < entities.finished and entities.started < summarize.finished
+    # What each step was given.
+    assert retrieve.arg == RetrieveInput(question="When do zebras cross?", collection="chat", top_k=3)
+    assert generate.arg.context_ref == "ctx:When do zebras cross?" and generate.arg.summary is None
+    assert generate.arg.history == history
+    assert summarize.arg == entities.arg == ContextInput(question="When do zebras cross?",
+                                                        context_ref="ctx:When do zebras cross?")
+    # Model calls go to the llm queue, retrieval to the cpu queue.
+    assert {c.name: c.queue for c in fakes.calls} == {
+        "retrieve_context": queues.queue_name(queue, "cpu"), "generate_answer": queues.queue_name(queue, "llm"),
+        "summarize_context": queues.queue_name(queue, "llm"), "extract_entities": queues.queue_name(queue, "llm")}
+
+    assert isinstance(result, TurnResult)
+    assert result.answer == "answer to When do zebras cross?" and result.model == "fake-model"
+    # Cited passages 1 and 3 map to the first and third retrieved passages, in that order; 9 does not exist.
+    assert result.citations == [citation(1), citation(3)]
+    assert result.summary == "summary of ctx:When do zebras cross?"
+    assert result.entities == [Entity(text="Mara", type="PLACE")] and result.warnings == ["a warning"]
+    assert result.usage == Usage(prompt_tokens=111, completion_tokens=222)
+    assert (result.session_id, result.question) == ("s1", "When do zebras cross?")
+
+
+async def test_chat_turn_summarizes_first_when_the_passages_do_not_fit(env):
+    fakes = Fakes(fits=False, cited=[])
+    async with fake_worker(env, fakes) as queue:
+        inp = turn("s2", "Tell me everything.")
+        handle = await env.client.start_workflow(ChatTurnWorkflow.run, inp, id=inp.job_id, task_queue=queue)
+        await handle.signal(ChatTurnWorkflow.proceed, TurnContext())
+        result = await handle.result()
+    retrieve, summarize = fakes.one("retrieve_context"), fakes.one("summarize_context")
+    generate, entities = fakes.one("generate_answer"), fakes.one("extract_entities")
+    assert retrieve.finished < summarize.started and summarize.finished < generate.started
+    assert generate.finished < entities.started
+    # The answer works from the summary, which is not asked for twice.
+    assert generate.arg.summary == "summary of ctx:Tell me everything." == result.summary
+    assert result.citations == []
+    assert result.usage == Usage(prompt_tokens=111, completion_tokens=222)
+
+
+async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_resent_turn(env):
+    fakes = Fakes(side_step_seconds=0)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(
+            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id(session),
+            task_queue=queue, start_signal="submit", start_signal_args=[first])
+        await handle.signal(ChatSessionWorkflow.submit, second)
+        await handle.signal(ChatSessionWorkflow.submit, first)  # the same request again
+        results = [await env.client.get_workflow_handle(t.job_id, result_type=TurnResult).result()
+                   for t in (first, second)]
+        # Both turns are done; a third one after them shows the resent first one was not queued again.
+        third = turn(session, "Third question?")
+        await handle.signal(ChatSessionWorkflow.submit, third)
+        await env.client.get_workflow_handle(third.job_id, result_type=TurnResult).result()
+        assert await handle.query(ChatSessionWorkflow.pending_turns) == []
+        await handle.terminate("test over")
+    assert [r.turn for r in results] == [1, 2]
+    generates = fakes.named("generate_answer")
+    assert [c.arg.question for c in generates] == ["First question?", "Second question?", "Third question?"]
+    # Turn 2 started only after turn 1 had finished, and answers in its context.
+    first_calls = [c for c in fakes.calls if getattr(c.arg, "question", None) == "First question?"]
+    second_calls = [c for c in fakes.calls if getattr(c.arg, "question", None) == "Second question?"]
+    assert max(c.finished for c in first_calls) < min(c.started for c in second_calls)
+    assert generates[0].arg.history == []
+    assert generates[1].arg.history == [HistoryItem(question="First question?", answer="answer to First question?")]
+    assert len(generates[2].arg.history) == 2
+
+
+# -- agents --------------------------------------------------------------------------------------------
+
+async def test_agent_that_finishes_at_once(env):
+    fakes = Fakes(plan=lambda req: finish(f"done: {req.goal}", tokens=15))
+    async with fake_worker(env, fakes) as queue:
+        job_id = f"agent-{uuid.uuid4().hex[:8]}"
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=2),
+                                                   id=job_id, task_queue=queue)
+        progress = await env.client.get_workflow_handle(job_id).query(AgentWorkflow.progress)
+    assert isinstance(result, AgentResult)
+    assert result.answer == "done: Count the ships" and result.status == "finished"
+    assert (result.llm_calls, result.tokens) == (1, 15)
+    assert result.tree.children == [] and result.tree.job_id == job_id and result.tree.status == "finished"
+    [plan] = fakes.calls
+    assert plan.name == "agent_plan" and plan.queue == queues.queue_name(queue, "llm")
+    assert (plan.arg.depth, plan.arg.max_depth, plan.arg.observations) == (0, 2, [])
+    assert [(s.name, s.status) for s in progress.steps] == [("plan 1", "completed")]
+
+
+async def test_agent_that_delegates_once_runs_a_child_workflow(env):
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth == 1:
+            return finish("12 ships", tokens=20)
+        if not req.observations:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})],
+                              prompt_tokens=5, completion_tokens=5)
+        return finish(f"root saw: {req.observations[-1]}", tokens=30)
+
+    fakes = Fakes(plan=plan)
+    async with fake_worker(env, fakes) as queue:
+        job_id = f"agent-{uuid.uuid4().hex[:8]}"
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=2),
+                                                   id=job_id, task_queue=queue)
+        child = await env.client.get_workflow_handle(f"{job_id}.1").describe()
+    assert result.status == "finished"
+    assert result.answer == "root saw: sub-agent on 'Count the ships in the north': 12 ships"
+    # The tree's spend includes the child's.
+    assert (result.llm_calls, result.tokens) == (3, 10 + 20 + 30)
+    [node] = result.tree.children
+    assert (node.goal, node.depth, node.job_id, node.status, node.answer) == (
+        "Count the ships in the north", 1, f"{job_id}.1", "finished", "12 ships")
+    assert child.workflow_type == "AgentWorkflow" and child.status == WorkflowExecutionStatus.COMPLETED
+    assert child.parent_id == job_id
+    plans = fakes.named("agent_plan")
+    assert [(p.arg.goal, p.arg.depth) for p in plans] == [
+        ("Count the ships", 0), ("Count the ships in the north", 1), ("Count the ships", 0)]
+    assert plans[1].finished < plans[2].started

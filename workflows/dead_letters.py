@@ -1,0 +1,87 @@
+"""Dead letters: a step whose activity exhausts its retry policy on a retryable error parks the job
+as `dead_lettered` until an operator sends the `retry` or `discard` Update (API, Web UI or CLI), or
+until the dead-letter TTL ends it as failed. Retry resumes at the parked step; completed steps stay
+done. Non-retryable failures (bad input) never park: they fail the job at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from models.jobs import DeadLetter, OperatorAck, OperatorDecision, OperatorRequest
+    from temporal import policies
+    from workflows.events import JobEvents
+
+
+class DeadLetters:
+    def __init__(self, events: JobEvents, on_change: Callable[[], None]) -> None:
+        self._events = events
+        self._on_change = on_change
+        self.parked: dict[str, DeadLetter] = {}
+        self.decisions: list[OperatorDecision] = []
+        self._releases = 0
+        self._discard: OperatorRequest | None = None
+
+    async def park(self, step: str, *, attempts: int, reason: str, error_type: str | None) -> None:
+        """Wait for an operator. Returns when they retry; raises a non-retryable ApplicationError when
+        they discard or nobody decides within the TTL."""
+        ttl = policies.dead_letter_ttl()
+        now = workflow.now()
+        letter = DeadLetter(step=step, attempts=attempts, error=reason, error_type=error_type,
+                            parked_at=now, expires_at=now + ttl)
+        self.parked[step] = letter
+        self._on_change()
+        self._events.emit("ragline.job.dead_lettered", letter.model_dump(mode="json"))
+        release = self._releases
+        try:
+            await workflow.wait_condition(lambda: self._releases != release or self._discard is not None,
+                                          timeout=ttl)
+        except asyncio.TimeoutError:
+            self._unpark(step)
+            raise ApplicationError(
+                f"dead-lettered {_human(ttl)} ago and nobody decided (RAGLINE_DEAD_LETTER_TTL); "
+                f"step {step} last failed with: {reason}", type="DeadLetterExpired", non_retryable=True) from None
+        self._unpark(step)
+        if self._discard is not None:
+            who = self._discard.operator or "an operator"
+            why = f": {self._discard.reason}" if self._discard.reason else ""
+            raise ApplicationError(f"discarded by {who}{why} (step {step} last failed with: {reason})",
+                                   type="Discarded", non_retryable=True)
+        self._events.emit("ragline.step.retrying", {"step": step, "by": "operator"})
+
+    def _unpark(self, step: str) -> None:
+        self.parked.pop(step, None)
+        self._on_change()
+
+    # -- what an operator may do -------------------------------------------------------------------
+    def validate(self, status: str) -> None:
+        if not self.parked:
+            raise ApplicationError(f"the job is {status}, not dead_lettered: nothing to retry or discard",
+                                   type="NotDeadLettered")
+
+    def retry(self, req: OperatorRequest) -> OperatorAck:
+        self._releases += 1
+        return self._record("retry", req)
+
+    def discard(self, req: OperatorRequest) -> OperatorAck:
+        self._discard = req
+        return self._record("discard", req)
+
+    def _record(self, action, req: OperatorRequest) -> OperatorAck:
+        steps = sorted(self.parked)
+        self.decisions.append(OperatorDecision(action=action, operator=req.operator, reason=req.reason,
+                                               steps=steps, at=workflow.now()))
+        return OperatorAck(action=action, steps=steps)
+
+
+def _human(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

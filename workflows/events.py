@@ -1,0 +1,41 @@
+"""A job's live events: CloudEvents 1.0 objects on its durable stream
+(`temporalio.contrib.workflow_streams`), which the API relays as Server-Sent Events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from temporalio import workflow
+from temporalio.contrib.workflow_streams import WorkflowStream
+
+with workflow.unsafe.imports_passed_through():
+    from models.jobs import EVENTS_TOPIC
+
+
+class JobEvents:
+    def __init__(self) -> None:
+        self.stream = WorkflowStream()
+        self._topic = self.stream.topic(EVENTS_TOPIC)
+        self._published = 0
+        # Merged into every event's data (an agent adds its depth).
+        self.context: dict[str, Any] = {}
+
+    def emit(self, type_: str, data: dict[str, Any] | None = None) -> None:
+        info = workflow.info()
+        self._published += 1
+        self._topic.publish({
+            "specversion": "1.0",
+            "id": f"{info.workflow_id}/{info.run_id[:8]}/{self._published}",
+            "source": f"ragline/{info.workflow_type}",
+            "type": type_,
+            "time": workflow.now().isoformat(),
+            "subject": info.workflow_id,
+            "datacontenttype": "application/json",
+            "data": {**self.context, **(data or {})},
+        })
+
+    async def close(self, type_: str, data: dict[str, Any] | None = None) -> None:
+        """Publish the terminal event, release subscribers and let handlers drain before the run ends."""
+        self.emit(type_, data)
+        self.stream.detach_pollers()
+        await workflow.wait_condition(workflow.all_handlers_finished)

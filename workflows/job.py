@@ -1,0 +1,141 @@
+"""The skeleton every job workflow shares.
+
+A job workflow subclasses `JobWorkflow` and writes only its DAG: `await self.step(Activities.method,
+input)` runs one activity as one step, with its timeout and retry policy taken from the policy file by
+the activity's name. The base class gives every job the same parts, each with one job:
+
+  JobEvents    the CloudEvents stream the API relays as SSE        (workflows/events.py)
+  StepLog      the steps `GET /v1/jobs/{id}` shows                 (workflows/steps.py)
+  DeadLetters  parking an exhausted step for an operator           (workflows/dead_letters.py)
+  Reviews      waiting for a person's decision                     (workflows/review.py)
+
+and the same surface: the `progress` query, the `retry`/`discard` Updates, the RaglineStatus search
+attribute, and `run_job`, which emits accepted/completed/failed and turns an exhausted or rejected
+step into a failed job with a reason a person can act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, TypeVar
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest
+    from temporal import policies
+    from temporal import search_attributes as sa
+    from workflows.dead_letters import DeadLetters
+    from workflows.events import JobEvents
+    from workflows.failures import exhausted_retries, failure_reason, failure_type
+    from workflows.review import Reviews
+    from workflows.steps import StepLog
+
+R = TypeVar("R")
+
+
+class JobWorkflow:
+    # The activities this job runs, shown as pending steps from the start (in DAG order).
+    PLANNED: ClassVar[tuple[Callable[..., Any], ...]] = ()
+
+    def __init__(self) -> None:
+        self.events = JobEvents()
+        self.steps = StepLog(self.events, self._sync_status, [policies.activity_name(a) for a in self.PLANNED])
+        self.dead_letters = DeadLetters(self.events, self._sync_status)
+        self.reviews = Reviews(self.events, self._sync_status)
+        self._running = False
+        self._status: JobStatus = "queued"
+
+    # -- the run skeleton ------------------------------------------------------------------------
+    async def run_job(self, work: Callable[[], Awaitable[R]], accepted: dict[str, Any]) -> R:
+        """Run the job's DAG between its `accepted` and its terminal event."""
+        self.events.emit("ragline.job.accepted", accepted)
+        try:
+            result = await work()
+        except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
+            self.steps.skip_pending()
+            reason = failure_reason(exc)
+            await self.events.close("ragline.job.failed", {"error": reason})
+            # The step already exhausted its retry policy (or failed non-retryably): fail the job with
+            # the reason, and do not retry the workflow itself.
+            details = exc.details if isinstance(exc, ApplicationError) else ()
+            raise ApplicationError(reason, *details, type=failure_type(exc), non_retryable=True) from exc
+        await self.events.close("ragline.job.completed", result.model_dump(mode="json"))
+        return result
+
+    def begin(self) -> None:
+        """The job is under way even before its first step (it waits on children, say)."""
+        self._running = True
+        self._sync_status()
+
+    async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None) -> Any:
+        """One activity as one step of the DAG: started, retried by its policy, parked when its retries
+        are used up, completed with the attempt that succeeded."""
+        name = name or policies.activity_name(activity)
+        self.steps.start(name)
+        result = await self.call(activity, arg, step=name)
+        self.steps.complete(name, attempts=getattr(result, "attempt", 1))
+        return result
+
+    async def call(self, activity: Callable[..., Any], arg: Any, *, step: str) -> Any:
+        """Run an activity under its policy; for steps whose bookkeeping the caller does (batches).
+        When the activity exhausts its retries the job parks until an operator retries or discards it."""
+        name = policies.activity_name(activity)
+        while True:
+            try:
+                return await workflow.execute_activity_method(activity, arg, **policies.options(name))
+            except ActivityError as exc:
+                reason = failure_reason(exc)
+                if not exhausted_retries(exc):
+                    self.steps.fail(step, reason)
+                    raise
+                attempts = policies.policy(name).retry.maximum_attempts
+                self.steps.failed_attempts(step, attempts=attempts, error=reason)
+                try:
+                    await self.dead_letters.park(step, attempts=attempts, reason=reason,
+                                                 error_type=failure_type(exc))
+                except ApplicationError:
+                    self.steps.fail(step, reason)
+                    raise
+
+    # -- status ----------------------------------------------------------------------------------
+    def status(self) -> JobStatus:
+        if self.dead_letters.parked:
+            return "dead_lettered"
+        if self.reviews.pending is not None:
+            return "waiting_review"
+        return "running" if self._running or self.steps.started else "queued"
+
+    def _sync_status(self) -> None:
+        status = self.status()
+        if status == self._status:
+            return
+        self._status = status
+        # Jobs started by Ragline carry its search attributes; one started by hand (or on a server
+        # without them, like the time-skipping test server) keeps its status in the query only.
+        if workflow.info().typed_search_attributes.get(sa.JOB_KIND) is not None:
+            workflow.upsert_search_attributes([sa.JOB_STATUS.value_set(status)])
+
+    # -- what every job answers --------------------------------------------------------------------
+    @workflow.query
+    def progress(self) -> JobProgress:
+        return JobProgress(status=self.status(), steps=self.steps.view(),
+                           dead_letters=list(self.dead_letters.parked.values()),
+                           decisions=list(self.dead_letters.decisions), reviews=list(self.reviews.history))
+
+    @workflow.update(name="retry")
+    def retry(self, req: OperatorRequest) -> OperatorAck:
+        return self.dead_letters.retry(req)
+
+    @retry.validator
+    def _validate_retry(self, req: OperatorRequest) -> None:
+        self.dead_letters.validate(self.status())
+
+    @workflow.update(name="discard")
+    def discard(self, req: OperatorRequest) -> OperatorAck:
+        return self.dead_letters.discard(req)
+
+    @discard.validator
+    def _validate_discard(self, req: OperatorRequest) -> None:
+        self.dead_letters.validate(self.status())
