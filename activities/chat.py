@@ -31,7 +31,9 @@ log = structlog.get_logger("ragline.chat")
 
 ENTITY_TYPES = {"PERSON", "ORG", "PLACE", "DATE", "PRODUCT", "OTHER"}
 _CITATION = re.compile(r"\[(\d{1,2})\]")
-_WORD = re.compile(r"[^\W_]{4,}|[\u4e00-\u9fff]{2}", re.UNICODE)
+# Content words: runs of 4+ letters or digits outside CJK, and every overlapping pair of CJK
+# characters (Chinese has no spaces, so bigrams stand in for words).
+_WORD = re.compile(r"(?:(?![\u4e00-\u9fff])[^\W_]){4,}|(?=([\u4e00-\u9fff]{2}))", re.UNICODE)
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # An uncited answer is attributed to the passages sharing at least this share of its content words.
 SUPPORT_THRESHOLD = 0.35
@@ -200,17 +202,21 @@ def parse_entities(text: str) -> list[Entity] | None:
     return entities[:10]
 
 
+def content_words(text: str) -> set[str]:
+    return {(m.group(1) or m.group(0)).lower() for m in _WORD.finditer(text) if m.group(1) or m.group(0)}
+
+
 def cited_passages(answer: str, passages: list[SearchHit]) -> list[int]:
     """Passages the answer cites as [n]; for an answer without markers, those that share enough of its words."""
     numbers = sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= len(passages)})
     if numbers:
         return numbers
-    words = {w.lower() for w in _WORD.findall(answer)}
+    words = content_words(answer)
     if not words:
         return []
     supported = []
     for i, passage in enumerate(passages, 1):
-        overlap = len(words & {w.lower() for w in _WORD.findall(passage.text)}) / len(words)
+        overlap = len(words & content_words(passage.text)) / len(words)
         if overlap >= SUPPORT_THRESHOLD:
             supported.append(i)
     return supported

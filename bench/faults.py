@@ -18,8 +18,9 @@ from datetime import datetime
 
 import httpx
 
-from bench import report
+from bench import config, report
 from bench.measure import percentile
+from bench.procs import ROOT
 
 SESSIONS = 10
 KINDS = ["429", "503", "drop", "hang", "malformed"]
@@ -160,10 +161,36 @@ async def run_one(stack, rate: float, n_chats: int, n_ingests: int, deadline_s: 
     return out
 
 
+MODEL_STEPS = ("generate_answer", "summarize_context", "extract_entities")
+
+
+def model_step_policies(settings) -> dict:  # noqa: ANN001 - ragline.settings.Settings
+    """The retry policies of the chat turn's model steps, from the policy file the worker loads."""
+    import worker
+    from temporal import policies
+
+    path = settings.policies or policies.DEFAULT_FILE
+    loaded = policies.parse(path.read_text(), worker.activity_names(), str(path))
+    out = {}
+    for name in MODEL_STEPS:
+        p = loaded[name]
+        out[name] = {"attempts": p.retry.maximum_attempts, "initial": p.retry.initial_interval.total_seconds(),
+                     "backoff": p.retry.backoff_coefficient,
+                     "max_interval": p.retry.maximum_interval.total_seconds() if p.retry.maximum_interval else None,
+                     "start_to_close": p.start_to_close.total_seconds()}
+    try:
+        shown = str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        shown = str(path)
+    return {"file": shown, "env": config.env_name("policies"), "steps": out}
+
+
 async def measure(stack, args, question: str, collection: str, terminal: tuple[str, ...], log) -> dict:  # noqa: ANN001
-    """Restart the worker with RAGLINE_LLM_TIMEOUT=3, then the workload at 0 and at --fault-rate."""
-    log(f"fault bench: restarting the worker with RAGLINE_LLM_TIMEOUT={LLM_TIMEOUT}")
-    await stack.restart_worker({"RAGLINE_LLM_TIMEOUT": str(LLM_TIMEOUT)})
+    """Restart the worker with a short model timeout (LLM_TIMEOUT), then the workload at 0 and at --fault-rate."""
+    timeout_env = config.env_name("llm_timeout")
+    log(f"fault bench: restarting the worker with {timeout_env}={LLM_TIMEOUT}")
+    await stack.restart_worker({timeout_env: str(LLM_TIMEOUT)})
+    worker_settings = stack.worker_settings
     await stack.llm_control(delay=args.fault_delay)
     runs = []
     for rate in (0.0, args.fault_rate):
@@ -173,7 +200,32 @@ async def measure(stack, args, question: str, collection: str, terminal: tuple[s
                                   question, collection, terminal, log))
     return {"params": {"chats": args.fault_chats, "ingests": args.fault_ingests, "rate": args.fault_rate,
                        "delay": args.fault_delay, "deadline": args.fault_deadline, "sessions": SESSIONS,
-                       "kinds": KINDS, "seed": SEED, "llm_timeout": LLM_TIMEOUT}, "runs": runs}
+                       "kinds": KINDS, "seed": SEED, "llm_timeout": worker_settings.llm_timeout,
+                       "llm_timeout_name": timeout_env, "policies": model_step_policies(worker_settings)},
+            "runs": runs}
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "none"
+    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
+def _policy_text(pol: dict) -> str:
+    """`temporal/policies.toml` (model steps: 6 attempts, backoff from 1s, x2, at most 1m apart), from the file."""
+    kinds = {(v["attempts"], v["initial"], v["backoff"], v["max_interval"]) for v in pol["steps"].values()}
+    parts = []
+    for attempts, initial, backoff, max_interval in sorted(kinds, key=str):
+        names = [k for k, v in pol["steps"].items()
+                 if (v["attempts"], v["initial"], v["backoff"], v["max_interval"]) == (attempts, initial, backoff,
+                                                                                        max_interval)]
+        who = "model steps" if len(kinds) == 1 else ", ".join(f"`{n}`" for n in names)
+        parts.append(f"{who}: {attempts or 'unlimited'} attempts, backoff from {_dur(initial)}, ×{backoff:g}, "
+                     f"at most {_dur(max_interval)} apart")
+    return f"the policy file `{pol['file']}` ({'; '.join(parts)})"
 
 
 def _pct(a: int, b: int) -> str:
@@ -194,8 +246,8 @@ def render(r: dict, machine: dict) -> str:
         f"submitted at once. The scripted model answers each chat completion after {p['delay']:g} s; with faults "
         f"on, each chat completion fails with that probability (kinds {', '.join(p['kinds'])}, uniformly, "
         f"seed {p['seed']}; 429 carries `Retry-After: 1`; embeddings run in-process and see no faults). The worker "
-        f"runs with `RAGLINE_LLM_TIMEOUT={p['llm_timeout']}` (a hang costs {p['llm_timeout']} s) and the shipped "
-        f"`temporal/policies.toml` (model steps: 6 attempts, backoff from 1 s, ×2). Latency is per job, from its "
+        f"runs with `{p['llm_timeout_name']}={p['llm_timeout']:g}` (a hang costs {p['llm_timeout']:g} s) and "
+        f"{_policy_text(p['policies'])}. Latency is per job, from its "
         f"acceptance to its workflow's close (`created_at` → `updated_at` of `GET /v1/jobs/{{id}}`), completed jobs "
         f"only, nearest-rank percentiles; deadline {p['deadline']:.0f} s per rate.")
     lines.append("")

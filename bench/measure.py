@@ -102,16 +102,54 @@ async def burst(name: str, n: int, call: Call, timeout: float) -> Burst:
     return Burst(name, list(samples), max(ends) if ends else 0.0)
 
 
+SessionCall = Callable[[int, int], Awaitable[tuple[bool, int | None, Any]]]
+
+
+async def sequences(name: str, sessions: int, per_session: int, call: SessionCall, timeout: float) -> Burst:
+    """`sessions` clients at once, each sending `per_session` calls one after another (the next once the
+    previous one has answered): `call(s, j)` is session s's j-th call. Sample index s * per_session + j."""
+    go = asyncio.Event()
+    t0 = 0.0
+
+    async def session(s: int) -> list[Sample]:
+        await go.wait()
+        out = []
+        for j in range(per_session):
+            i = s * per_session + j
+            wall = time.time()
+            start = time.perf_counter()
+            try:
+                ok, status, body = await asyncio.wait_for(call(s, j), timeout)
+                out.append(Sample(i, start - t0, time.perf_counter() - start, ok, status,
+                                  None if ok else _describe(status, body), body, wall))
+            except asyncio.TimeoutError:
+                out.append(Sample(i, start - t0, time.perf_counter() - start, False, None,
+                                  f"timeout after {timeout:.0f} s", None, wall))
+            except Exception as exc:  # noqa: BLE001 - every failure is a data point
+                out.append(Sample(i, start - t0, time.perf_counter() - start, False, None,
+                                  f"{type(exc).__name__}: {str(exc)[:120]}", None, wall))
+        return out
+
+    tasks = [asyncio.create_task(session(s)) for s in range(sessions)]
+    await asyncio.sleep(0)
+    t0 = time.perf_counter()
+    go.set()
+    samples = sorted((x for group in await asyncio.gather(*tasks) for x in group), key=lambda x: x.index)
+    ends = [x.started + x.latency for x in samples]
+    return Burst(name, samples, max(ends) if ends else 0.0)
+
+
 @dataclass
 class Drain:
     """Ragline's end to end: when each recorded chat job reached a terminal status. `acked` are the jobs
-    answered 202; `unacked` the job ids the requests that failed would have had: one that shows up
-    anyway is a turn recorded (and run) although its client was told it failed."""
+    answered 202; `unacked` the sessions of the requests that failed (one turn per session): a job of
+    such a session that shows up anyway is a turn recorded (and run) although its client was told it failed."""
     acked: set[str]
     unacked: set[str]
     seen: dict[str, dict] = field(default_factory=dict)       # job_id -> latest summary, recorded jobs only
     done: dict[str, dict] = field(default_factory=dict)       # job_id -> job summary (terminal)
     e2e: dict[str, float] = field(default_factory=dict)       # job_id -> seconds from its POST to its close
+    recorded_unacked: set[str] = field(default_factory=set)   # job ids of failed requests, recorded anyway
     observed_all_at: float | None = None                      # seconds after the burst started (by polling)
     timed_out: bool = False
     poll_errors: int = 0
@@ -119,7 +157,7 @@ class Drain:
 
     @property
     def recorded(self) -> set[str]:
-        return self.acked | (self.unacked & set(self.seen))
+        return self.acked | self.recorded_unacked
 
     def statuses(self) -> dict[str, int]:
         return dict(Counter(j["status"] for j in self.done.values()))

@@ -24,6 +24,10 @@ def secs(seconds: float | None) -> str:
     return "–" if seconds is None else (f"{seconds:.1f} s" if seconds >= 1 else ms(seconds))
 
 
+def _g(x: float | None) -> str:
+    return "?" if x is None else f"{x:g}"
+
+
 def ratio(a: float | None, b: float | None) -> str:
     if not a or not b:
         return "–"
@@ -77,10 +81,11 @@ def render(r: dict) -> str:
     lines.append("")
     lines.append(f"| target | answers with | ok / errors | p50 | p99 | max | wall time, all {n} |")
     lines.append("| --- | --- | --- | --- | --- | --- | --- |")
-    lines.append(_row("Ragline `POST /v1/chats` (uvicorn, 1 worker process; distinct sessions)",
-                      "202 + job id, before any model call", rl))
+    lines.append(_row("Ragline `POST /v1/chats` (uvicorn, 1 worker process; distinct sessions, no "
+                      "`Idempotency-Key`)", "202 + job id, before any model call", rl))
+    threads = r.get("sync_threads")
     lines.append(_row("plain sync FastAPI `def` endpoint, `bench/sync_app.py` (uvicorn, 1 worker process, "
-                      "40 threads)", f"200 + the answer, after its {delay:g} s model call", sy))
+                      f"{threads or '?'} threads)", f"200 + the answer, after its {delay:g} s model call", sy))
     lines.append(_row("floor: bare `client.start_workflow(\"BenchNoop\")` from Python, same Temporal server",
                       "workflow started (task queue nobody polls)", fl))
     lines.append("")
@@ -114,12 +119,18 @@ def render(r: dict) -> str:
     lines.append("")
 
     notes = []
+    st = r.get("settings") or {}
+    waves = f"⌈{n}/{threads}⌉ = {-(-n // threads)} wave(s)" if threads else "waves"
     notes.append(f"With a {delay:g} s model the sync app answers each HTTP request only after its model call: "
-                 f"40 threadpool threads serve {n} requests in ⌈{n}/40⌉ = {-(-n // 40)} wave(s) of {delay:g} s. "
-                 f"Ragline answers `202` once the session workflow has numbered the turn and started its job, "
-                 f"before any model call, so its acceptance latency does not depend on the model; it depends on "
-                 f"Temporal and on the worker, which must run each session's `submit` update before the API "
-                 f"can answer. (`bench/sync_app.py` declares no return type on purpose: with one, FastAPI "
+                 f"{threads or '?'} threadpool threads (anyio's limiter, as the app reports it) serve {n} requests "
+                 f"in {waves} of {delay:g} s. "
+                 f"Ragline answers `202` after one signal-with-start of the session workflow (the turn's job id "
+                 f"is derived from the session and a key; no worker in the path), bounded by "
+                 f"`{st.get('rpc_timeout_name', '?')}` = {_g(st.get('rpc_timeout'))} s; the session numbers the "
+                 f"turn and starts its job later. So its acceptance latency does not depend on the model; it "
+                 f"depends on the API process and on the Temporal server, which the worker's background work "
+                 f"(the turns already accepted) shares the 2 CPUs with. (`bench/sync_app.py` declares no return "
+                 f"type on purpose: with one, FastAPI "
                  f"validates each response in the same thread pool, behind every request still waiting for a "
                  f"thread, and no answer leaves before the last model call ends.)")
     for name, s in (("Ragline", rl), ("sync app", sy), ("floor", fl)):
@@ -128,12 +139,12 @@ def render(r: dict) -> str:
             notes.append(f"**{name} errors: {kinds}**, answered after {ms(s['error_first'])} … "
                          f"{ms(s['error_last'])}; the {s['ok']} successful requests alone: p50 {ms(s['ok_p50'])}, "
                          f"p99 {ms(s['ok_p99'])}, max {ms(s['ok_max'])}.")
-    limit = r.get("api_deadline")
+    limit = st.get("rpc_timeout")
     late = [x for x in (rl.get("ok_latencies") or []) if limit and x > limit + 0.5]
     if late:
         notes.append(f"**{len(late)} Ragline requests got their `202` after more than the API's own {limit:g} s "
-                     f"limit** (`RAGLINE_TEMPORAL_RPC_TIMEOUT`, after which `POST /v1/chats` should answer 503): "
-                     f"up to {ms(max(late))}.")
+                     f"limit** (`{st['rpc_timeout_name']}`, the settings the API ran with; after it "
+                     f"`POST /v1/chats` should answer 503): up to {ms(max(late))}.")
     if e2e and e2e["recorded_despite_error"]:
         notes.append(f"**{e2e['recorded_despite_error']} of the {rl['errors']} Ragline requests that got an error "
                      f"were recorded anyway**: their turn jobs (`chat-<session>-1`) exist and ran to the end "
@@ -158,26 +169,24 @@ def render(r: dict) -> str:
         calls = _chat_calls(rlu)
         conc = rlu.get("max_concurrency") or 0
         if calls and conc:
-            slots = r.get("worker_io_slots")
+            slots = st.get("llm_slots")
             least = (f"{calls} calls × {delay:g} s / {conc} = {calls * delay / conc:.0f} s is the least time for "
                      f"them at that concurrency (measured {secs(e2e['last_done_after'])})")
             if slots and conc >= slots:
-                notes.append(f"Ragline's end to end is capped by the worker's activity slots "
-                             f"(`RAGLINE_WORKER_IO_CONCURRENCY` = {slots}): {conc} model calls were in flight at "
-                             f"most, so {least}.")
+                notes.append(f"Ragline's end to end is capped by the worker's slots for model calls "
+                             f"({st['llm_slots_text']}): {conc} model calls were in flight at most, so {least}.")
             else:
                 notes.append(f"At most {conc} Ragline model calls were in flight at once"
-                             + (f" (the worker has {slots} activity slots for them)" if slots else "")
+                             + (f" (the worker has {slots} slots for them: {st['llm_slots_text']})" if slots else "")
                              + f"; {least}.")
             notes[-1] += f" The sync app had {slu.get('max_concurrency')} calls in flight (its thread pool)."
         order = r.get("ragline_call_order") or {}
-        if order.get("answers") and order["answers_before_last_prep"] <= order["answers"] // 4:
-            notes.append(
-                f"Most turns finish late (first after {secs(e2e['first_done_after'])}, p50 {secs(e2e['p50'])}): "
-                f"activity tasks are handed out roughly first come first served, so the summarize and "
-                f"extract_entities calls of nearly every turn run before the answers "
-                f"({order['answers_before_last_prep']} of {order['answers']} answer calls started before the "
-                f"last of them, {secs(order['last_prep_started_after'])} in).")
+        if order.get("answers"):
+            notes.append(f"Model calls are handed out first come first served: the {order['answers']} answer calls "
+                         f"started {secs(order['answers_from'])} … {secs(order['answers_to'])} after the first "
+                         f"model call, the {order['side']} side-step calls (summarize, extract_entities) "
+                         f"{secs(order['side_from'])} … {secs(order['side_to'])}; first turn done after "
+                         f"{secs(e2e['first_done_after'])}, p50 {secs(e2e['p50'])}.")
     if ver:
         notes.append(f"Checked every recorded Ragline job with `GET /v1/jobs/{{id}}`: {ver['completed']}/"
                      f"{ver['checked']} completed, {ver['model_answers']} with an answer from the model (retrieval "
@@ -188,19 +197,272 @@ def render(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str, heading: str = HEADING) -> None:
-    """Create `path`, or replace the section under `heading` (up to the next `## ` heading) and keep the rest."""
+def write_section(path: Path, section: str, heading: str = HEADING, after: str | None = None) -> None:
+    """Create `path`, or replace the section under `heading` (up to the next `## ` heading) and keep the rest.
+    A new section goes right after the section under `after` if there is one, else at the end."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
-    if start is None:
+
+    def find(h: str) -> tuple[int, int] | None:
+        start = next((i for i, line in enumerate(lines) if line.rstrip() == h), None)
+        if start is None:
+            return None
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        return start, end
+
+    here = find(heading)
+    if here is None and after is not None and find(after) is not None:
+        end = find(after)[1]
+        here = (end, end)
+    if here is None:
         new = text.rstrip("\n") + "\n\n" + section
     else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        start, end = here
+        head = "".join(lines[:start])
+        if head and not head.endswith("\n\n"):
+            head = head.rstrip("\n") + "\n\n"
         tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
+        new = head + section + ("\n" + tail if tail else "")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".benchmarks-", suffix=".md")
     with os.fdopen(fd, "w") as f:
         f.write(new)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ragline against its floors (issue 9): bench/ratios.py
+
+RATIOS_HEADING = "## Ragline against its floors (make bench)"
+# The targets of issue 9, as ratios to a floor measured in the same run.
+TARGETS = {"accept_p50": 1.2, "accept_p99": 1.5, "first_delta": 1.3, "overhead": 3.0}
+
+
+def _r(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _against(value: float | None, target: float) -> str:
+    if value is None:
+        return "–"
+    return f"{ratio(value, 1.0)} ({'met' if value <= target else '**missed**'})"
+
+
+def _bold_if(text: str, cond: bool) -> str:
+    return f"**{text}**" if cond else text
+
+
+def render_ratios(r: dict) -> str:
+    p, m, st = r["params"], r["machine"], r.get("settings") or {}
+    rt = r.get("ratios") or {}
+    delay = p["delay"]
+    lines = [RATIOS_HEADING, ""]
+    argv = " ".join(p.get("argv") or [])
+    lines.append(
+        f"Measured {m['date']} on {m['nproc']} CPUs, in the same run and on the same stack as the sections "
+        f"around it (commit `{m['commit'] or '?'}`); command `python -m bench{(' ' + argv) if argv else ''}`"
+        f"{'' if argv else ' (`make bench`)'}. Each ratio divides Ragline's number by a floor measured minutes "
+        f"apart on the same machine; targets are issue 9's. Percentiles are nearest-rank. "
+        f"Settings in force, read from `ragline.settings.Settings` built with the environment the API and the "
+        f"worker were started with (\"default\": the bench leaves it unset): {'; '.join(st.get('lines') or [])}; "
+        f"model calls in flight: {st.get('llm_slots_text', '?')}.")
+    lines.append("")
+
+    # -- acceptance -----------------------------------------------------------------------------
+    lines.append(f"**Acceptance** (scripted model answering after {delay:g} s; Ragline: `POST /v1/chats` → `202`, "
+                 f"no `Idempotency-Key`; floor: bare `client.start_workflow` of a no-op workflow type on a task "
+                 f"queue nobody polls, same server, same concurrency; sync app: the answer, after its model call).")
+    lines.append("")
+    lines.append(f"| workload | Ragline p50 / p99 | floor p50 / p99 | sync app p50 / p99 | Ragline / floor p50 "
+                 f"(≤ {TARGETS['accept_p50']:g}) | Ragline / floor p99 (≤ {TARGETS['accept_p99']:g}) | "
+                 f"Ragline / sync p50 / p99 | Ragline 5xx | turns numbered in send order |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    accept_rows = []
+    if r.get("ragline"):
+        rl, fl, sy = r["ragline"], r["floor"], r["sync"]
+        n5 = sum(v for k, v in (rl.get("error_kinds") or {}).items() if k.startswith("HTTP 5"))
+        accept_rows.append((f"{rl['n']} at once, {rl['n']} sessions", rl, fl, sy, n5,
+                            "– (one turn per session)"))
+    else:
+        lines.append(f"| {p['requests']} at once, {p['requests']} sessions | not run (`accept` not in --phases) "
+                     f"| | | | | | | |")
+    order = rt.get("order")
+    if order:
+        o = order["order"]
+        kept = (f"{o['in_order']}/{o['sessions']} sessions ({o['contiguous']} numbered exactly 1…"
+                f"{order['per_session']}); {o['numbered']}/{order['requests']} turns numbered")
+        accept_rows.append((f"{order['requests']} over {order['sessions']} sessions, each session's "
+                            f"{order['per_session']} one after another", order["ragline"], order["floor"],
+                            order["sync"], order["http_5xx"], _bold_if(kept, o["in_order"] < o["sessions"])))
+    elif "order" not in (p.get("phases") or []):
+        lines.append(f"| {p['seq_requests']} over {p['seq_sessions']} sessions in order | not run | | | | | | | |")
+    for label, rl, fl, sy, n5, kept in accept_rows:
+        lines.append(
+            f"| {label} | {ms(rl['p50'])} / {ms(rl['p99'])} | {ms(fl['p50'])} / {ms(fl['p99'])} | "
+            f"{ms(sy['p50'])} / {ms(sy['p99'])} | {_against(_r(rl['p50'], fl['p50']), TARGETS['accept_p50'])} | "
+            f"{_against(_r(rl['p99'], fl['p99']), TARGETS['accept_p99'])} | "
+            f"{ratio(rl['p50'], sy['p50'])} / {ratio(rl['p99'], sy['p99'])} | {_bold_if(str(n5), n5 > 0)} | {kept} |")
+    lines.append("")
+
+    # -- first answer delta -----------------------------------------------------------------------
+    lines.append("**Time to the first answer delta** (sequential turns, each in a fresh session; Ragline: from "
+                 "sending `POST /v1/chats` to reading the first `ragline.answer.delta` on "
+                 "`GET /v1/jobs/{id}/events`; floor: one bare streamed chat completion with the `openai` client, "
+                 "the same messages the turn's answer step sent, the same model server and parameters, to its "
+                 "first content piece; turn and bare call alternate which goes first).")
+    lines.append("")
+    lines.append(f"| model | turns | Ragline first delta p50 / max | bare call TTFT p50 / max | Ragline / bare p50 "
+                 f"(≤ {TARGETS['first_delta']:g}) | difference p50 | turn done (p50) | turns completed |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    ttfd = rt.get("ttfd")
+    if ttfd:
+        lines.append(_ttfd_row(f"scripted (`devtools/scripted_llm.py`: reply after {p['ttfd_delay']:g} s, "
+                               f"{p['ttfd_chunk_delay']:g} s between pieces)", ttfd))
+    else:
+        lines.append("| scripted | not run (`ttfd` not in --phases) | | | | | | |")
+    local = rt.get("local")
+    if local and local.get("skipped"):
+        lines.append(f"| local `{local['model']}` | **skipped: {local['skipped']}** | | | | | | |")
+    elif local:
+        ws = local.get("worker_settings") or {}
+        lines.append(_ttfd_row(f"local `{local['model']}` (llama.cpp through llama-cpp-python, worker with "
+                               f"{ws.get('llm_slots_text', '?')})", local))
+    else:
+        lines.append("| local | not run (`local` not in --phases) | | | | | | |")
+    lines.append("")
+
+    # -- burst ----------------------------------------------------------------------------------------
+    b = rt.get("burst")
+    sync = r.get("sync")
+    lines.append(f"**A burst of chats** ({p['burst_chats']} at once, distinct sessions, scripted model answering "
+                 f"after {delay:g} s; each client POSTs, then reads its job's events to the end; the sync app's "
+                 f"numbers are those of the acceptance burst above, same model delay, same run).")
+    lines.append("")
+    lines.append("| target | completed | POST → 202 p50 | POST → first delta p50 / p99 | sync app response p50 "
+                 "| first delta / sync p50 | POST → `ragline.job.completed` p50 / max |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    if b:
+        fd, sy50 = b["first_delta"], (sync or {}).get("p50")
+        rr = _r(fd["p50"], sy50)
+        verdict = "–" if rr is None else f"{ratio(fd['p50'], sy50)} ({'below' if rr < 1 else '**not below**'})"
+        done = f"{b['completed']}/{b['n']}"
+        lines.append(f"| Ragline, {b['n']} chats | {_bold_if(done, b['completed'] < b['n'])} | {ms(b['accept']['p50'])} "
+                     f"| {secs(fd['p50'])} / {secs(fd['p99'])} | {secs(sy50)} | {verdict} | "
+                     f"{secs(b['terminal']['p50'])} / {secs(b['terminal']['max'])} |")
+    else:
+        lines.append("| Ragline | not run (`burst` not in --phases) | | | | | |")
+    lines.append("")
+
+    # -- orchestration cost -----------------------------------------------------------------------
+    o = rt.get("overhead")
+    lines.append("**The orchestration's own cost** (scripted model answering at once, no pause between pieces; "
+                 "sequential, alternating; Ragline: a turn in a fresh session from sending `POST /v1/chats` to "
+                 "reading `ragline.job.completed` on its event stream; floor: `client.execute_workflow` of a bare "
+                 "workflow that runs one activity, `bench/floor_worker.py`, its own worker process and task queue, "
+                 "same server, start to result).")
+    lines.append("")
+    if o:
+        rr = _r(o["ragline"]["p50"], o["bare"]["p50"])
+        lines.append(f"| measured | n | p50 | p90 | max | ratio p50 (≤ {TARGETS['overhead']:g}) |")
+        lines.append("| --- | --- | --- | --- | --- | --- |")
+        lines.append(f"| Ragline chat turn, POST → `ragline.job.completed` | {o['ragline']['n']} | "
+                     f"{ms(o['ragline']['p50'])} | {ms(o['ragline']['p90'])} | {ms(o['ragline']['max'])} | "
+                     f"{_against(rr, TARGETS['overhead'])} |")
+        lines.append(f"| bare workflow, one activity, start → result | {o['bare']['n']} | {ms(o['bare']['p50'])} | "
+                     f"{ms(o['bare']['p90'])} | {ms(o['bare']['max'])} | 1 |")
+        lines.append("")
+        lines.extend(_overhead_breakdown(o, m))
+    else:
+        lines.append("Not run (`overhead` not in --phases).")
+        lines.append("")
+
+    notes = _ratio_notes(r)
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _ttfd_row(label: str, t: dict) -> str:
+    rl, bare = t["ragline"], t["bare"]
+    rr = _r(rl["p50"], bare["p50"])
+    diff = (rl["p50"] - bare["p50"]) if rl["p50"] is not None and bare["p50"] is not None else None
+    done = f"{t['completed']}/{t['turns']}"
+    return (f"| {label} | {t['turns']} | {ms(rl['p50'])} / {ms(rl['max'])} | {ms(bare['p50'])} / {ms(bare['max'])} | "
+            f"{_against(rr, TARGETS['first_delta'])} | {ms(diff)} | {secs(t['turn_total']['p50'])} | "
+            f"{_bold_if(done, t['completed'] < t['turns'])} |")
+
+
+def _overhead_breakdown(o: dict, m: dict) -> list[str]:
+    from bench.timeline import BARE_SEGMENTS, TURN_SEGMENTS
+
+    lines = [f"Where a turn's time goes at a 0 s model (p50 of each segment over the {o['ragline']['n']} turns, "
+             f"from the Temporal histories of the turn's job and its session; each segment ends at the moment "
+             f"named and starts where the one before ended, the first at the POST):", "",
+             "| segment (ends when …) | p50 | p90 | share of the p50 turn |", "| --- | --- | --- | --- |"]
+    total = o["ragline"]["p50"] or 0
+    for name, what in TURN_SEGMENTS:
+        seg = o["turn_segments"].get(name) or {}
+        share = f"{seg['p50'] / total:.0%}" if seg.get("p50") is not None and total else "–"
+        lines.append(f"| {what} | {ms(seg.get('p50'))} | {ms(seg.get('p90'))} | {share} |")
+    lines.append("")
+    bare = ", ".join(f"{what.split(' (')[0]} {ms((o['bare_segments'].get(name) or {}).get('p50'))}"
+                     for name, what in BARE_SEGMENTS)
+    h = o.get("history") or {}
+    t, s_, bw = h.get("turn") or {}, h.get("session") or {}, h.get("bare") or {}
+    lines.append(f"The bare workflow's segments (p50): {bare}. History per turn (p50): the turn's job "
+                 f"{t.get('events')} events, {t.get('workflow_tasks')} workflow tasks, {t.get('signals')} signals "
+                 f"(answer deltas and `proceed`), {t.get('updates')} accepted Updates (event-stream polls), "
+                 f"{t.get('activities')} activities; its session {s_.get('events')} events, "
+                 f"{s_.get('workflow_tasks')} workflow tasks; the bare workflow {bw.get('events')} events, "
+                 f"{bw.get('workflow_tasks')} workflow tasks.")
+    cpu = o.get("cpu") or {}
+    n = (o.get("turns") or 0) + (o.get("warm") or 0)
+    if cpu and n:
+        used = ", ".join(f"{k} {v / n * 1000:.0f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])
+                         if v >= 0.05)
+        lines.append("")
+        lines.append(f"CPU per round (one turn + one bare workflow, {n} rounds incl. warm-up), ms by process: {used}.")
+    lines.append("")
+    return lines
+
+
+def _ratio_notes(r: dict) -> list[str]:
+    rt, st = r.get("ratios") or {}, r.get("settings") or {}
+    notes = []
+    order = rt.get("order")
+    if order:
+        rl = order["ragline"]
+        kinds = ", ".join(f"{k} × {v}" for k, v in sorted(order["statuses"].items()))
+        notes.append(f"In order: Ragline answered {kinds} (wall {secs(rl['wall'])} for all "
+                     f"{order['requests']}); {order['terminated']} workflows of that phase were terminated "
+                     f"afterwards (their turns would have kept the model busy for minutes)."
+                     + (f" Problems: {'; '.join(order['order']['problems'])}." if order["order"]["problems"] else ""))
+        limit = st.get("rpc_timeout")
+        late = [x for x in (rl.get("ok_latencies") or []) if limit and x > limit]
+        if late:
+            notes.append(f"**{len(late)} in-order requests took longer than `{st['rpc_timeout_name']}` = "
+                         f"{limit:g} s** and still got their `202`.")
+    b = rt.get("burst")
+    if b:
+        if b["errors"]:
+            notes.append(f"**Burst problems:** {'; '.join(str(e) for e in b['errors'])}.")
+        cpu = b.get("cpu") or {}
+        if cpu:
+            notes.append("Burst, CPU seconds by process: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+                + f" (over {secs(b['wall'])}).")
+        llm = b.get("llm") or {}
+        if llm.get("max_concurrency"):
+            notes.append(f"Burst: at most {llm['max_concurrency']} model calls in flight "
+                         f"({st.get('llm_slots_text', '?')}); {b['no_delta']} turns saw no answer delta.")
+    for key in ("ttfd", "local"):
+        t = rt.get(key)
+        if t and not t.get("skipped") and t["completed"] < t["turns"]:
+            bad = [row["turn"].get("error") or row["turn"].get("terminal_type") for row in t["rows"]
+                   if row["turn"].get("terminal_type") != "ragline.job.completed"]
+            notes.append(f"**{key}: {t['turns'] - t['completed']} turns did not complete:** {'; '.join(map(str, bad[:3]))}.")
+    local = rt.get("local")
+    if local and not local.get("skipped"):
+        notes.append(f"Local model: llama.cpp started as `{local.get('llama_argv', '?')}`; before each measured "
+                     f"turn and bare call a 1-token call with another prompt empties llama.cpp's prompt cache, so "
+                     f"neither reuses the other's evaluated prompt.")
+    return notes

@@ -1,20 +1,27 @@
 """`make bench`: chat acceptance latency of Ragline next to a plain synchronous FastAPI app and the
 bare Temporal `start_workflow` floor, with a scripted model that answers every chat completion after
-`--delay` seconds. Everything runs on loopback in one run, on free ports and a temporary data folder:
+`--delay` seconds, then Ragline against its floors (bench/ratios.py). Everything runs on loopback in
+one run, on free ports and a temporary data folder:
 
   scripted model   python -m devtools.scripted_llm --port L --delay D        (shared by both apps)
   Temporal         devtools.devserver.DevServer (SQLite in the temp folder, WAL)
   Ragline worker   python worker.py                                       (RAGLINE_* env)
-  Ragline API      python -m uvicorn api.app:app --workers 1
+  Ragline API      python -m uvicorn api.app:app --workers 1               (the same RAGLINE_* env)
   sync baseline    python -m uvicorn bench.sync_app:app --workers 1
+  floor worker     python -m bench.floor_worker (a bare workflow with one activity, own task queue)
+  local model      llama.cpp (devtools.localmodel), only for the `local` phase, if installed
 
 Phases, in this order: setup + ingest one small document into collection "bench" (so every chat turn
-retrieves a passage and really calls the model: summarize, extract_entities, answer), warm-up with the
+retrieves a passage and really calls the model: answer, summarize, extract_entities), warm-up with the
 model delay at 0, then with the delay at D: (1) N concurrent bare start_workflow calls, (2) N concurrent
 POST /v1/chats to the sync app, (3) N concurrent POST /v1/chats to Ragline, then wait until Ragline's N
 jobs are done (GET /v1/jobs every --poll-interval s) and check every one (GET /v1/jobs/{id}).
-Then, on the same stack with the worker restarted with RAGLINE_LLM_TIMEOUT=3, completion under injected
-model faults (bench/faults.py; --skip-faults leaves it out).
+Then (bench/ratios.py): `burst` (N chats at once, each followed on its SSE stream), `order`
+(--seq-requests over --seq-sessions sessions, each session's in order, for Ragline, the floor and the
+sync app), `ttfd` (first answer delta against a bare streamed call, scripted model), `overhead` (a
+turn at a 0 s model against a bare one-activity workflow), `local` (first answer delta with the local
+model). Last, on the same stack with the worker restarted with RAGLINE_LLM_TIMEOUT=3, completion under
+injected model faults (bench/faults.py). --phases picks a subset (for development).
 """
 
 from __future__ import annotations
@@ -38,15 +45,18 @@ from typing import Any
 
 import httpx
 
-from bench import report
+from bench import config, floor_worker, ratios, report
 from bench.measure import Burst, Drain, burst, percentile
 from bench.procs import LOOPBACK, ROOT, Proc, child_env, free_port, http_ok, temporal_ports
-from workflows.models import turn_job_id
+from bench.sse import chat_turn
+from models.chat import session_of_turn
 
 TERMINAL = ("completed", "failed", "cancelled", "dead_lettered")
 COLLECTION = "bench"
 NOOP_WORKFLOW = "BenchNoop"
 NOOP_QUEUE = "bench-noop-unpolled"
+FLOOR_QUEUE = "bench-one-step"
+PHASES = ("accept", "burst", "order", "ttfd", "overhead", "local", "faults")
 QUESTION = "Which company runs the Lisbon data centre, and what does it use for cooling?"
 DOCUMENT = """\
 Northwind Analytics opened its Lisbon data centre in March 2024. The building is cooled with sea water
@@ -72,6 +82,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md", help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the results, do not touch BENCHMARKS.md")
     p.add_argument("--keep-data", action="store_true", help="keep the temp data folder and logs")
+    r = p.add_argument_group("Ragline against its floors (bench/ratios.py)")
+    r.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated subset of {','.join(PHASES)} (default: all; the report notes what "
+                        f"was left out)")
+    r.add_argument("--burst-chats", type=int, default=200,
+                   help="chats at once in `burst`, each followed on its SSE stream, at --delay (default 200)")
+    r.add_argument("--seq-requests", type=int, default=1000, help="POST /v1/chats in `order` (default 1000)")
+    r.add_argument("--seq-sessions", type=int, default=50,
+                   help="sessions in `order`, each sending its share one after another (default 50)")
+    r.add_argument("--ttfd-turns", type=int, default=10, help="sequential turns in `ttfd` (default 10)")
+    r.add_argument("--ttfd-delay", type=float, default=0.5,
+                   help="scripted model: seconds before a reply starts in `ttfd` (default 0.5)")
+    r.add_argument("--ttfd-chunk-delay", type=float, default=0.02,
+                   help="scripted model: seconds between streamed pieces in `ttfd` (default 0.02)")
+    r.add_argument("--overhead-turns", type=int, default=30,
+                   help="sequential turns (and bare workflows) in `overhead`, after 3 of each to warm up (default 30)")
+    r.add_argument("--local-turns", type=int, default=5, help="sequential turns with the local model (default 5)")
+    r.add_argument("--local-model", default=None,
+                   help="local model key (default: the RAGLINE_LOCAL_MODEL default of ragline.settings)")
     f = p.add_argument_group("completion under injected faults (after the acceptance benchmark)")
     f.add_argument("--fault-chats", type=int, default=40, help="chat turns per fault rate, over 10 sessions (default 40)")
     f.add_argument("--fault-ingests", type=int, default=5, help="small text documents ingested per fault rate (default 5)")
@@ -79,14 +108,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="share of model calls that fail in the second run (default 0.12; the first runs at 0)")
     f.add_argument("--fault-delay", type=float, default=0.5, help="model delay during the fault runs (default 0.5 s)")
     f.add_argument("--fault-deadline", type=float, default=600.0, help="max seconds per fault rate (default 600)")
-    f.add_argument("--skip-faults", action="store_true", help="only the acceptance benchmark")
+    f.add_argument("--skip-faults", action="store_true", help="leave out the fault phase (same as leaving "
+                                                               "`faults` out of --phases)")
     args = p.parse_args(argv)
+    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    unknown = [x for x in args.phases if x not in PHASES]
+    if unknown:
+        p.error(f"unknown phase(s) {', '.join(unknown)}; known: {', '.join(PHASES)}")
+    if args.skip_faults and "faults" in args.phases:
+        args.phases.remove("faults")
     if not 0 < args.fault_rate <= 1 or args.fault_chats < 0 or args.fault_ingests < 0 or args.fault_delay < 0:
         p.error("--fault-rate must be within (0, 1], --fault-chats, --fault-ingests and --fault-delay >= 0")
-    if not 1 <= args.requests <= 1000:
-        p.error("--requests must be within 1..1000 (the load stays bounded)")
-    if args.delay < 0 or args.poll_interval <= 0:
-        p.error("--delay must be >= 0 and --poll-interval > 0")
+    if not 1 <= args.requests <= 1000 or not 1 <= args.burst_chats <= 1000:
+        p.error("--requests and --burst-chats must be within 1..1000 (the load stays bounded)")
+    if not 1 <= args.seq_sessions <= args.seq_requests <= 5000 or args.seq_requests % args.seq_sessions:
+        p.error("--seq-requests must be a multiple of --seq-sessions, at most 5000")
+    if min(args.ttfd_turns, args.overhead_turns, args.local_turns) < 1:
+        p.error("--ttfd-turns, --overhead-turns and --local-turns must be >= 1")
+    if args.delay < 0 or args.poll_interval <= 0 or args.ttfd_delay < 0 or args.ttfd_chunk_delay < 0:
+        p.error("--delay, --ttfd-delay and --ttfd-chunk-delay must be >= 0 and --poll-interval > 0")
     return args
 
 
@@ -111,11 +151,20 @@ class Stack:
         self.temporal = None  # DevServer
         self.llm_url = self.api_url = self.sync_url = ""
         self.temporal_address = ""
-        self.api_deadline = 0.0  # the API's RAGLINE_TEMPORAL_RPC_TIMEOUT
-        self.env: dict[str, str] = {}  # the worker's and the API's RAGLINE_* settings
+        self.env: dict[str, str] = {}         # the RAGLINE_* environment of the API (and of the worker)
+        self.worker_env: dict[str, str] = {}  # the worker's, as it runs now (restarts may add to it)
+        self.sync_threads: int | None = None  # the sync app's thread pool (it reports it)
+
+    @property
+    def settings(self):  # noqa: ANN201 - ragline.settings.Settings
+        """The settings the benchmarked API runs with: built from the environment it was started with."""
+        return config.settings_from_env(self.env)
+
+    @property
+    def worker_settings(self):  # noqa: ANN201
+        return config.settings_from_env(self.worker_env)
 
     async def start(self, delay: float) -> None:
-        from ragline.settings import Settings
         from devtools.devserver import DevServer
 
         py = sys.executable
@@ -131,22 +180,22 @@ class Stack:
                                            str(llm_port), "--delay", str(delay)], {})
         await llm.wait_ready(http_ok(f"{self.llm_url}/v1/models"), 30)
 
+        # The children get no RAGLINE_* of ours besides these (procs.child_env): everything else is the
+        # default of ragline.settings, and the report reads every limit from Settings built from this.
+        env = {"RAGLINE_DATA_DIR": str(self.data_dir), "RAGLINE_TEMPORAL_ADDRESS": self.temporal_address,
+               "RAGLINE_TEMPORAL_UI_PORT": str(ui_port), "RAGLINE_TASK_QUEUE": "ragline",
+               "RAGLINE_LLM_BASE_URL": f"{self.llm_url}/v1", "RAGLINE_LLM_MODEL": "scripted",
+               "RAGLINE_LLM_API_KEY": "unused", "RAGLINE_API_HOST": LOOPBACK, "RAGLINE_API_PORT": str(api_port)}
+        self.env = dict(env)
+        self.worker_env = dict(env)
+        settings = self.settings
         log(f"Temporal dev server on {self.temporal_address} (data in {self.data_dir})")
-        settings = Settings(data_dir=self.data_dir, temporal_address=self.temporal_address,
-                            temporal_ui_port=ui_port, temporal_namespace="default", task_queue="ragline")
-        # The children get no RAGLINE_* of ours besides the ones below: the API runs with the default.
-        self.api_deadline = Settings.model_fields["temporal_rpc_timeout"].default
         self.temporal = DevServer(settings, startup_timeout=60)
         await self.temporal.start()
         server = self.temporal
         atexit.register(lambda: server.running() and os.killpg(server.pid, signal.SIGKILL))
 
-        env = {"RAGLINE_DATA_DIR": str(self.data_dir), "RAGLINE_TEMPORAL_ADDRESS": self.temporal_address,
-               "RAGLINE_TEMPORAL_UI_PORT": str(ui_port), "RAGLINE_TASK_QUEUE": "ragline",
-               "RAGLINE_LLM_BASE_URL": f"{self.llm_url}/v1", "RAGLINE_LLM_MODEL": "scripted",
-               "RAGLINE_LLM_API_KEY": "unused", "RAGLINE_API_HOST": LOOPBACK, "RAGLINE_API_PORT": str(api_port)}
         log("Ragline worker (python worker.py)")
-        self.env = env
         worker = self._spawn("worker", [py, "worker.py"], env)
         log(f"Ragline API on {self.api_url} (uvicorn, 1 worker)")
         api = self._spawn("api", [py, "-m", "uvicorn", "api.app:app", "--host", LOOPBACK, "--port", str(api_port),
@@ -155,23 +204,36 @@ class Stack:
         sync = self._spawn("sync-app", [py, "-m", "uvicorn", "bench.sync_app:app", "--host", LOOPBACK, "--port",
                                         str(sync_port), "--workers", "1", "--no-access-log", "--log-level", "warning"],
                            {"BENCH_LLM_BASE_URL": f"{self.llm_url}/v1", "BENCH_LLM_MODEL": "scripted"})
+        log(f"floor worker (python -m bench.floor_worker, task queue {FLOOR_QUEUE})")
+        floor = self._spawn("floor-worker", [py, "-m", "bench.floor_worker", "--address", self.temporal_address,
+                                             "--task-queue", FLOOR_QUEUE], {})
         await sync.wait_ready(http_ok(f"{self.sync_url}/healthz"), 60)
+        try:
+            async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
+                self.sync_threads = (await c.get(f"{self.sync_url}/limits")).json().get("threads")
+        except (httpx.HTTPError, ValueError):
+            self.sync_threads = None
         # /healthz says "up" only once the worker polls the task queue.
         await api.wait_ready(http_ok(f"{self.api_url}/healthz", body_check=lambda r: r.json()["status"] == "up"), 120)
+        await floor.wait_ready(self._logged(floor, floor_worker.READY_LINE), 60)
         if not worker.alive():
             raise RuntimeError(f"the worker exited:\n{worker.log_tail()}")
 
-    async def restart_worker(self, extra_env: dict[str, str]) -> None:
-        """Stop the worker and start another one with `extra_env` added; ready once it logs `worker polling`."""
+    @staticmethod
+    def _logged(proc: Proc, line: str):  # noqa: ANN205
+        async def check() -> bool:
+            return proc.log_path.exists() and line in proc.log_path.read_text(errors="replace")
+        return check
+
+    async def restart_worker(self, extra_env: dict[str, str], name: str = "worker-faults") -> None:
+        """Stop the worker and start another one with `extra_env` added to the API's environment; ready
+        once it logs `worker polling`."""
         old = next(p for p in reversed(self.procs) if p.name.startswith("worker"))
         await old.stop()
         self.procs.remove(old)
-        worker = self._spawn("worker-faults", [sys.executable, "worker.py"], {**self.env, **extra_env})
-
-        async def polling() -> bool:
-            return worker.log_path.exists() and "worker polling" in worker.log_path.read_text(errors="replace")
-
-        await worker.wait_ready(polling, 120)
+        self.worker_env = {**self.env, **extra_env}
+        worker = self._spawn(name, [sys.executable, "worker.py"], self.worker_env)
+        await worker.wait_ready(self._logged(worker, "worker polling"), 120)
 
     def _spawn(self, name: str, argv: list[str], extra_env: dict[str, str]) -> Proc:
         proc = Proc(name, argv, child_env(extra_env), self.log_dir)
@@ -262,6 +324,14 @@ async def warm_up(stack: Stack, client) -> None:  # noqa: ANN001
             r.raise_for_status()
     await asyncio.gather(*(client.start_workflow(NOOP_WORKFLOW, id=f"bench-noop-warm-{run}-{i}", task_queue=NOOP_QUEUE)
                            for i in range(5)))
+    # The event stream (SSE) path and the floor worker, once each.
+    async with httpx.AsyncClient(base_url=stack.api_url, timeout=60, trust_env=False) as http:
+        t = await chat_turn(http, chat_body(0, f"warm-sse-{run}"), 60)
+        if not t.completed or t.first_delta is None:
+            raise RuntimeError(f"warm-up chat on its event stream: {t.as_dict()}")
+    for i in range(3):
+        await client.execute_workflow(floor_worker.WORKFLOW, "warm", id=f"bench-one-step-warm-{run}-{i}",
+                                      task_queue=FLOOR_QUEUE, result_type=str)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,13 +361,13 @@ async def http_burst(name: str, base_url: str, n: int, expect: int, timeout: flo
         return await burst(name, n, call, timeout)
 
 
-async def drain(api_url: str, d: Drain, submitted: dict[str, float], timeout: float, interval: float,
+async def drain(api_url: str, d: Drain, posted: dict[str, float], timeout: float, interval: float,
                 t0_wall: float) -> Drain:
     """Poll GET /v1/jobs?kind=chat (one visibility query per poll, no load on the worker) until every
-    recorded job is terminal; each job's end-to-end time is its close time minus its POST time."""
+    recorded job is terminal; each job's end-to-end time is its close time minus its POST time.
+    `posted`: session id -> time the POST was sent (one turn per session)."""
     start = time.monotonic()
     next_note = start + 15
-    watched = d.acked | d.unacked
     async with httpx.AsyncClient(base_url=api_url, timeout=30, trust_env=False) as http:
         while True:
             d.polls += 1
@@ -306,13 +376,18 @@ async def drain(api_url: str, d: Drain, submitted: dict[str, float], timeout: fl
                 if r.status_code == 200:
                     for job in r.json()["jobs"]:
                         jid = job["job_id"]
-                        if jid not in watched or jid in d.done:
+                        session = session_of_turn(jid)
+                        if session not in posted or jid in d.done:
                             continue
+                        if jid not in d.acked:
+                            if session not in d.unacked:
+                                continue
+                            d.recorded_unacked.add(jid)
                         d.seen[jid] = job
                         if job["status"] in TERMINAL:
                             d.done[jid] = job
                             closed = datetime.fromisoformat(job["updated_at"]).timestamp()
-                            d.e2e[jid] = closed - submitted[jid]
+                            d.e2e[jid] = closed - posted[session]
                 else:
                     d.poll_errors += 1
             except httpx.HTTPError:
@@ -408,17 +483,16 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
 
 
 def call_order(stats: dict) -> dict:
-    """From the model server's call records: how many `answer` calls started before the last
-    summarize/extract_entities call started (FIFO activity dispatch puts almost all of them after)."""
+    """From the model server's call records: when the answer calls and the side-step calls (summarize,
+    extract_entities) started, in seconds after the first model call."""
     calls = stats.get("calls") or []
-    prep = [c["started_at"] for c in calls if c.get("task") in ("summarize", "extract_entities")]
+    side = [c["started_at"] for c in calls if c.get("task") in ("summarize", "extract_entities")]
     answers = [c["started_at"] for c in calls if c.get("task") == "answer"]
-    if not prep or not answers:
+    if not side or not answers:
         return {}
-    last_prep = max(prep)
     first = min(c["started_at"] for c in calls)
-    return {"answers": len(answers), "answers_before_last_prep": sum(1 for a in answers if a < last_prep),
-            "last_prep_started_after": round(last_prep - first, 1)}
+    return {"answers": len(answers), "answers_from": min(answers) - first, "answers_to": max(answers) - first,
+            "side": len(side), "side_from": min(side) - first, "side_to": max(side) - first}
 
 
 def machine_facts() -> dict:
@@ -452,18 +526,143 @@ def machine_facts() -> dict:
             "dirty": _dirty(cmd(["git", "status", "--porcelain", "--untracked-files=no"]))}
 
 
-def _worker_io_slots() -> int | None:
-    """The worker's activity slots for model calls, if this version of the settings has the knob."""
-    from ragline.settings import Settings
-
-    field = Settings.model_fields.get("worker_io_concurrency")
-    return field.default if field is not None else None
-
-
 def _dirty(porcelain: str) -> list[str]:
     """Tracked files with uncommitted changes that the measured code may include (not bench/ nor docs)."""
     paths = [line[3:].strip() for line in porcelain.splitlines() if len(line) > 3]
     return sorted(p for p in paths if p.endswith((".py", ".toml")) and not p.startswith(("tests/", "bench/")))
+
+
+SETTINGS_SHOWN = ("temporal_rpc_timeout", "llm_concurrency", "llm_requests_per_second", "llm_timeout",
+                  "llm_max_tokens", "worker_io_concurrency", "worker_cpu_concurrency")
+
+
+def settings_digest(env: dict[str, str]) -> dict:
+    """What the report says about limits, all read from the Settings the process builds from `env`."""
+    s = config.settings_from_env(env)
+    return {"lines": config.describe(s, env, SETTINGS_SHOWN),
+            "rpc_timeout": s.temporal_rpc_timeout, "rpc_timeout_name": config.env_name("temporal_rpc_timeout"),
+            "llm_slots": config.llm_slots(s), "llm_slots_text": config.llm_slots_text(s, env),
+            "llm_timeout": s.llm_timeout, "llm_timeout_name": config.env_name("llm_timeout"),
+            "llm_max_tokens": s.llm_max_tokens, "llm_model": s.llm_model,
+            "env": {k: v for k, v in sorted(env.items()) if k not in ("RAGLINE_LLM_API_KEY",)}}
+
+
+async def acceptance(stack: Stack, client, args: argparse.Namespace, results: dict) -> None:  # noqa: ANN001
+    """The three bursts of N concurrent requests, and Ragline's end to end (the first section)."""
+    n = args.requests
+    cpu: dict[str, dict] = results.setdefault("cpu_seconds", {})
+    await stack.llm_control(delay=args.delay, clear_calls=True)
+    log(f"[1/3] floor: {n} concurrent start_workflow('{NOOP_WORKFLOW}') on an unpolled task queue")
+    before = cpu_snapshot(stack)
+    floor = await floor_burst(client, n, args.request_timeout)
+    cpu["floor"] = cpu_delta(before, cpu_snapshot(stack))
+    log(f"      p50 {report.ms(floor.summary()['p50'])}, errors {len(floor.errors)}")
+    await asyncio.sleep(1)
+
+    log(f"[2/3] sync app: {n} concurrent POST /v1/chats (each waits for the {args.delay:g} s model)")
+    await stack.llm_control(clear_calls=True)
+    before = cpu_snapshot(stack)
+    sync = await http_burst("sync", stack.sync_url, n, 200, args.request_timeout, f"sync-{uuid.uuid4().hex[:8]}")
+    cpu["sync"] = cpu_delta(before, cpu_snapshot(stack))
+    sync_llm = await stack.llm_stats()
+    log(f"      p50 {report.ms(sync.summary()['p50'])}, wall {sync.wall:.1f} s, errors {len(sync.errors)}")
+    await asyncio.sleep(1)
+
+    log(f"[3/3] Ragline: {n} concurrent POST /v1/chats (distinct sessions)")
+    await stack.llm_control(clear_calls=True)
+    tag = f"rl-{uuid.uuid4().hex[:8]}"
+    before = cpu_snapshot(stack)
+    ragline = await http_burst("ragline", stack.api_url, n, 202, args.request_timeout, tag)
+    after_burst = cpu_snapshot(stack)
+    cpu["ragline"] = cpu_delta(before, after_burst)
+    log(f"      p50 {report.ms(ragline.summary()['p50'])}, wall {ragline.wall:.2f} s, errors {len(ragline.errors)}")
+    posted = {f"{tag}-{x.index}": x.wall_start for x in ragline.samples}
+    acked = {x.body["job_id"] for x in ragline.ok}
+    t0_wall = min(x.wall_start for x in ragline.samples)
+    d = Drain(acked=acked, unacked={f"{tag}-{x.index}" for x in ragline.errors})
+    e2e: Drain | None = None
+    checked: dict | None = None
+    if args.e2e_timeout > 0:
+        log(f"waiting for Ragline's chat jobs (3 model calls each; polling GET /v1/jobs every "
+            f"{args.poll_interval:g} s, at most {args.e2e_timeout:.0f} s)")
+        e2e = await drain(stack.api_url, d, posted, args.e2e_timeout, args.poll_interval, t0_wall)
+        cpu["ragline_drain"] = cpu_delta(after_burst, cpu_snapshot(stack))
+        log(f"checking every recorded job with GET /v1/jobs/{{id}} ({len(e2e.recorded)})")
+        checked = await verify(stack.api_url, sorted(e2e.recorded))
+    ragline_stats = await stack.llm_stats(calls=True)
+    results.update({"floor": floor.summary(), "sync": sync.summary(), "ragline": ragline.summary(),
+                    "sync_llm": _llm_digest(sync_llm), "ragline_llm": _llm_digest(ragline_stats),
+                    "ragline_call_order": call_order(ragline_stats),
+                    "e2e": _e2e_digest(e2e, posted, t0_wall) if e2e else None, "verify": checked})
+
+
+async def scripted_prompt(stack: Stack) -> list[dict] | None:
+    """The messages the answer step sends for QUESTION in a fresh session, from the scripted model's records
+    (one turn at the current model knobs)."""
+    await stack.llm_control(clear_calls=True)
+    async with httpx.AsyncClient(base_url=stack.api_url, timeout=120, trust_env=False) as http:
+        t = await chat_turn(http, {"message": QUESTION, "collection": COLLECTION,
+                                   "session_id": f"prompt-{uuid.uuid4().hex[:8]}"}, 120)
+    if not t.completed:
+        raise RuntimeError(f"the turn that records the answer prompt did not complete: {t.as_dict()}")
+    return ratios.recorded_prompt(await stack.llm_stats(calls=True), QUESTION)
+
+
+async def local_phase(stack: Stack, args: argparse.Namespace, messages: list[dict]) -> dict:
+    """First answer delta with the local llama.cpp model: the worker restarted against it."""
+    from devtools.localmodel import LocalModelError, ensure_model, llama_server_argv
+    from ragline.settings import Settings
+
+    key = args.local_model or Settings.model_fields["local_model"].default
+    folder, why = ratios.local_model_file(ROOT, key)
+    if folder is None:
+        log(f"[local] skipped: {why}")
+        return {"skipped": why, "model": key}
+    port = free_port()
+    llm_settings = config.settings_from_env({config.env_name("local_model"): key,
+                                             config.env_name("llm_port"): str(port)})
+    try:
+        model_path = ensure_model(llm_settings, models_dir=folder, log=log)
+    except LocalModelError as exc:
+        log(f"[local] skipped: {exc}")
+        return {"skipped": str(exc), "model": key}
+    log(f"[local] llama.cpp with {model_path.name} on port {port}")
+    llama = stack._spawn("llama", llama_server_argv(llm_settings, model_path), {})
+    base_url = llm_settings.effective_llm_base_url
+    try:
+        await llama.wait_ready(http_ok(f"{base_url}/models"), 300)
+        # What `make run` gives the worker for the local server: its base URL, and the llm slots that
+        # ragline.settings gives a local llama.cpp server (RAGLINE_LLM_BASE_URL unset).
+        local_slots = config.settings_from_env({}).effective_llm_concurrency
+        model_name = Settings.model_fields["llm_model"].default
+        extra = {config.env_name("llm_base_url"): base_url, config.env_name("llm_model"): model_name,
+                 config.env_name("llm_concurrency"): str(local_slots)}
+        log(f"[local] restarting the worker against it ({', '.join(f'{k}={v}' for k, v in extra.items())})")
+        await stack.restart_worker(extra, name="worker-local")
+        worker = stack.worker_settings
+        log("[local] warm-up: one bare call and one turn")
+        from openai import AsyncOpenAI
+        oai = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.request_timeout)
+        try:
+            await ratios.bare_stream(oai, worker.llm_model, messages, worker.llm_max_tokens)
+        finally:
+            await oai.close()
+        async with httpx.AsyncClient(base_url=stack.api_url, timeout=300, trust_env=False) as http:
+            t = await chat_turn(http, {"message": QUESTION, "collection": COLLECTION,
+                                       "session_id": f"local-warm-{uuid.uuid4().hex[:6]}"}, 300)
+        if not t.completed:
+            log(f"[local] warm-up turn did not complete: {t.error or t.terminal_type}")
+        log(f"[local] {args.local_turns} sequential turns and bare streamed calls (a 1-token call to another "
+            f"prompt before each, so llama.cpp's prompt cache helps neither)")
+        out = await ratios.first_delta(stack.api_url, base_url, worker.llm_model, worker.llm_max_tokens, messages,
+                                       args.local_turns, QUESTION, COLLECTION, 300, log, flush=True)
+        out.update(model=key, llama_argv=" ".join(Path(a).name if a.startswith("/") else a
+                                                   for a in llama_server_argv(llm_settings, model_path)[1:]),
+                   worker_settings=settings_digest(stack.worker_env))
+        return out
+    finally:
+        await llama.stop()
+        stack.procs.remove(llama)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -476,6 +675,7 @@ async def run(args: argparse.Namespace) -> int:
     stack = Stack(data_dir)
     ok = interrupted = False
     n = args.requests
+    phases = args.phases
     t_begin = time.monotonic()
     try:
         await stack.start(args.delay)
@@ -484,74 +684,87 @@ async def run(args: argparse.Namespace) -> int:
 
         from temporalio.client import Client
         client = await Client.connect(stack.temporal_address, namespace="default")
-        log("warm-up with the model delay at 0 (3 Ragline chats end to end, 5 sync requests, 5 bare starts)")
+        log("warm-up with the model delay at 0 (Ragline chats end to end, sync requests, bare starts)")
         await warm_up(stack, client)
         await stack.llm_control(delay=args.delay, clear_calls=True)
         await asyncio.sleep(1)
 
-        cpu: dict[str, dict] = {}
-        log(f"[1/3] floor: {n} concurrent start_workflow('{NOOP_WORKFLOW}') on an unpolled task queue")
-        before = cpu_snapshot(stack)
-        floor = await floor_burst(client, n, args.request_timeout)
-        cpu["floor"] = cpu_delta(before, cpu_snapshot(stack))
-        log(f"      p50 {report.ms(floor.summary()['p50'])}, errors {len(floor.errors)}")
-        await asyncio.sleep(1)
+        results: dict[str, Any] = {
+            "params": {"requests": n, "delay": args.delay, "poll_interval": args.poll_interval,
+                       "e2e_timeout": args.e2e_timeout, "phases": phases, "burst_chats": args.burst_chats,
+                       "seq_requests": args.seq_requests, "seq_sessions": args.seq_sessions,
+                       "ttfd_turns": args.ttfd_turns, "ttfd_delay": args.ttfd_delay,
+                       "ttfd_chunk_delay": args.ttfd_chunk_delay, "overhead_turns": args.overhead_turns,
+                       "local_turns": args.local_turns, "argv": sys.argv[1:]},
+            "machine": machine_facts(), "settings": settings_digest(stack.env),
+            "sync_threads": stack.sync_threads, "cpu_seconds": {}, "bench_seconds": None}
+        rt: dict[str, Any] = {}
+        results["ratios"] = rt
+        if "accept" in phases:
+            await acceptance(stack, client, args, results)
+        if "burst" in phases:
+            log(f"[burst] {args.burst_chats} chats at once, model delay {args.delay:g} s, each POST followed by "
+                f"its event stream (SSE) to the end")
+            await stack.llm_control(delay=args.delay, stream_chunk_delay=0, clear_calls=True)
+            before = cpu_snapshot(stack)
+            rt["burst"] = await ratios.burst_stream(stack.api_url, args.burst_chats, max(args.e2e_timeout, 60),
+                                                    QUESTION, COLLECTION, log)
+            rt["burst"]["cpu"] = cpu_delta(before, cpu_snapshot(stack))
+            rt["burst"]["llm"] = _llm_digest(await stack.llm_stats())
+            await asyncio.sleep(1)
+        if "order" in phases:
+            await stack.llm_control(delay=args.delay, stream_chunk_delay=0, clear_calls=True)
+            rt["order"] = await ratios.in_order(
+                stack, client, sessions=args.seq_sessions, per_session=args.seq_requests // args.seq_sessions,
+                timeout=args.request_timeout, question=QUESTION, collection=COLLECTION,
+                noop_workflow=NOOP_WORKFLOW, noop_queue=NOOP_QUEUE, log=log)
+        prompt: list[dict] | None = None
+        if "ttfd" in phases:
+            await stack.llm_control(delay=args.ttfd_delay, stream_chunk_delay=args.ttfd_chunk_delay)
+            prompt = await scripted_prompt(stack)
+            if prompt is None:
+                raise RuntimeError("no recorded answer prompt for the bare streamed call")
+            log(f"[ttfd] {args.ttfd_turns} sequential turns and bare streamed calls, scripted model "
+                f"(reply after {args.ttfd_delay:g} s, {args.ttfd_chunk_delay:g} s between pieces)")
+            ws = stack.worker_settings
+            rt["ttfd"] = await ratios.first_delta(stack.api_url, f"{stack.llm_url}/v1", ws.llm_model,
+                                                  ws.llm_max_tokens, prompt, args.ttfd_turns, QUESTION, COLLECTION,
+                                                  120, log)
+            rt["ttfd"]["prompt_chars"] = sum(len(m["content"]) for m in prompt)
+        if "overhead" in phases:
+            await stack.llm_control(delay=0, stream_chunk_delay=0, clear_calls=True)
+            log(f"[overhead] {args.overhead_turns} sequential turns with a 0 s model, and as many bare "
+                f"'{floor_worker.WORKFLOW}' workflows (one activity), alternating")
+            before = cpu_snapshot(stack)
+            rt["overhead"] = await ratios.overhead(stack.api_url, client, turns=args.overhead_turns, warm=3,
+                                                   floor_workflow=floor_worker.WORKFLOW, floor_queue=FLOOR_QUEUE,
+                                                   question=QUESTION, collection=COLLECTION, timeout=120, log=log)
+            rt["overhead"]["cpu"] = cpu_delta(before, cpu_snapshot(stack))
+            rt["overhead"]["llm"] = _llm_digest(await stack.llm_stats())
+        if "local" in phases:
+            await stack.llm_control(delay=0, stream_chunk_delay=0)
+            if prompt is None:
+                prompt = await scripted_prompt(stack)
+            rt["local"] = await local_phase(stack, args, prompt)
 
-        log(f"[2/3] sync app: {n} concurrent POST /v1/chats (each waits for the {args.delay:g} s model)")
-        await stack.llm_control(clear_calls=True)
-        before = cpu_snapshot(stack)
-        sync = await http_burst("sync", stack.sync_url, n, 200, args.request_timeout, f"sync-{uuid.uuid4().hex[:8]}")
-        cpu["sync"] = cpu_delta(before, cpu_snapshot(stack))
-        sync_llm = await stack.llm_stats()
-        log(f"      p50 {report.ms(sync.summary()['p50'])}, wall {sync.wall:.1f} s, errors {len(sync.errors)}")
-        await asyncio.sleep(1)
-
-        log(f"[3/3] Ragline: {n} concurrent POST /v1/chats (distinct sessions)")
-        await stack.llm_control(clear_calls=True)
-        tag = f"rl-{uuid.uuid4().hex[:8]}"
-        before = cpu_snapshot(stack)
-        ragline = await http_burst("ragline", stack.api_url, n, 202, args.request_timeout, tag)
-        after_burst = cpu_snapshot(stack)
-        cpu["ragline"] = cpu_delta(before, after_burst)
-        log(f"      p50 {report.ms(ragline.summary()['p50'])}, wall {ragline.wall:.2f} s, errors {len(ragline.errors)}")
-        submitted = {turn_job_id(f"{tag}-{s.index}", 1): s.wall_start for s in ragline.samples}
-        acked = {s.body["job_id"] for s in ragline.ok}
-        submitted.update({s.body["job_id"]: s.wall_start for s in ragline.ok})
-        t0_wall = min(s.wall_start for s in ragline.samples)
-        d = Drain(acked=acked, unacked=set(submitted) - acked)
-        e2e: Drain | None = None
-        checked: dict | None = None
-        if args.e2e_timeout > 0:
-            log(f"waiting for Ragline's chat jobs (3 model calls each; polling GET /v1/jobs every "
-                f"{args.poll_interval:g} s, at most {args.e2e_timeout:.0f} s)")
-            e2e = await drain(stack.api_url, d, submitted, args.e2e_timeout, args.poll_interval, t0_wall)
-            cpu["ragline_drain"] = cpu_delta(after_burst, cpu_snapshot(stack))
-            log(f"checking every recorded job with GET /v1/jobs/{{id}} ({len(e2e.recorded)})")
-            checked = await verify(stack.api_url, sorted(e2e.recorded))
-        ragline_stats = await stack.llm_stats(calls=True)
-
-        results = {"params": {"requests": n, "delay": args.delay, "poll_interval": args.poll_interval,
-                              "e2e_timeout": args.e2e_timeout},
-                   "machine": machine_facts(),
-                   "floor": floor.summary(), "sync": sync.summary(), "ragline": ragline.summary(),
-                   "sync_llm": _llm_digest(sync_llm), "ragline_llm": _llm_digest(ragline_stats),
-                   "ragline_call_order": call_order(ragline_stats), "cpu_seconds": cpu,
-                   "e2e": _e2e_digest(e2e, submitted, t0_wall) if e2e else None, "verify": checked,
-                   "api_deadline": stack.api_deadline, "worker_io_slots": _worker_io_slots(),
-                   "bench_seconds": None}
         results["bench_seconds"] = round(time.monotonic() - t_begin, 1)
-        text = report.render(results)
-        print()
-        print(text)
         out_dir = ROOT / "bench" / "results"
         out_dir.mkdir(exist_ok=True)
         raw = out_dir / f"chat-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
         raw.write_text(json.dumps(results, indent=2, default=str))
         log(f"raw results in {raw.relative_to(ROOT)}")
-        if not args.no_write:
-            report.write_section(args.output, text)
-            log(f"updated section '{report.HEADING}' in {args.output}")
-        if not args.skip_faults:
+        sections = []
+        if "accept" in phases:
+            sections.append((report.HEADING, report.render(results)))
+        if rt:
+            sections.append((report.RATIOS_HEADING, report.render_ratios(results)))
+        for heading, text in sections:
+            print()
+            print(text)
+            if not args.no_write:
+                report.write_section(args.output, text, heading, after=report.HEADING)
+                log(f"updated section '{heading}' in {args.output}")
+        if "faults" in phases:
             from bench import faults
             fr = await faults.measure(stack, args, QUESTION, COLLECTION, TERMINAL, log)
             text = faults.render(fr, results["machine"])
@@ -582,12 +795,12 @@ def _llm_digest(stats: dict) -> dict:
             "max_concurrency": stats.get("max_concurrency"), "faults": stats.get("faults")}
 
 
-def _e2e_digest(d: Drain, submitted: dict[str, float], t0_wall: float) -> dict:
+def _e2e_digest(d: Drain, posted: dict[str, float], t0_wall: float) -> dict:
     lat = sorted(d.e2e.values())
-    closes = [submitted[j] + d.e2e[j] for j in d.e2e]
+    closes = [posted[session_of_turn(j)] + d.e2e[j] for j in d.e2e]
     recorded = d.recorded
-    return {"requests": len(submitted), "acked": len(d.acked), "recorded": len(recorded),
-            "recorded_despite_error": len(recorded - d.acked), "done": len(d.done), "statuses": d.statuses(),
+    return {"requests": len(posted), "acked": len(d.acked), "recorded": len(recorded),
+            "recorded_despite_error": len(d.recorded_unacked), "done": len(d.done), "statuses": d.statuses(),
             "timed_out": d.timed_out,
             "all_done_after": (max(closes) - t0_wall) if closes and not d.timed_out else None,
             "last_done_after": (max(closes) - t0_wall) if closes else None,

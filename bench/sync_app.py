@@ -50,3 +50,11 @@ def post_chat(req: ChatRequest):  # noqa: ANN201
 @app.get("/healthz")
 def healthz():  # noqa: ANN201
     return {"status": "up"}
+
+
+@app.get("/limits")
+async def limits():  # noqa: ANN201
+    """The thread pool the `def` endpoints run in (anyio's default limiter), for the report."""
+    import anyio.to_thread
+
+    return {"threads": anyio.to_thread.current_default_thread_limiter().total_tokens}

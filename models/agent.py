@@ -66,6 +66,11 @@ def agent_workflow_id(parent_id: str, index: int) -> str:
 
 # -- the planning step ---------------------------------------------------------------------------------
 
+# The agent's tools, as named in its allowlist (`[[agent.tools]]` in ragline/prompts.toml).
+TOOL_SEARCH = "search_documents"
+TOOL_DELEGATE = "delegate"
+TOOL_FINISH = "finish"
+
 class ToolCall(BaseModel):
     name: str
     arguments: dict[str, Any] = {}

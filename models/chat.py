@@ -19,6 +19,16 @@ class ChatQuestion(BaseModel):
     require_review: bool = Field(False, description="Hold the answer until a reviewer approves it")
 
 
+class HistoryItem(BaseModel):
+    question: str
+    answer: str
+
+
+class TurnContext(BaseModel):
+    """Sent by the session when it is this turn's go: the recent turns to answer in context."""
+    history: list[HistoryItem] = []
+
+
 class TurnInput(BaseModel):
     """A turn as the API hands it to the session (signal `submit`) and as its job runs it."""
     job_id: str
@@ -29,16 +39,8 @@ class TurnInput(BaseModel):
     review_timeout_seconds: float = 86400
     # Numbered by the session when it takes the turn, in acceptance order (0 until then).
     turn: int = 0
-
-
-class HistoryItem(BaseModel):
-    question: str
-    answer: str
-
-
-class TurnContext(BaseModel):
-    """Sent by the session when it is this turn's go: the recent turns to answer in context."""
-    history: list[HistoryItem] = []
+    # Set by the session when nothing runs before this turn: its go comes with its start, no signal.
+    context: TurnContext | None = None
 
 
 class TurnOutcome(BaseModel):

@@ -22,9 +22,6 @@ class Settings(BaseSettings):
     task_queue: str = "ragline"
     # Seconds an API call to Temporal may take before the API answers 503.
     temporal_rpc_timeout: float = 10.0
-    # Seconds POST /v1/chats waits for its session to confirm the turn before answering 503. Under a
-    # burst the confirmation can take seconds; a slow 202 beats a 503 for a turn that then runs anyway.
-    accept_timeout: float = 30.0
     # Seconds a search may take (it runs in the worker) before the API answers 503.
     search_timeout: float = 30.0
 

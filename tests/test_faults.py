@@ -153,8 +153,7 @@ async def test_temporal_restart_mid_run(scripted_llm, tmp_path):
     await server.start()
     try:
         async with running_stack(server_settings.temporal_address, scripted_llm, tmp_path / "stack",
-                                 task_queue="ragline-restart", temporal_rpc_timeout=3,
-                                 accept_timeout=3) as stack:
+                                 task_queue="ragline-restart", temporal_rpc_timeout=3) as stack:
             scripted_llm.reset()
             scripted_llm.set_delay(0.5)
             ingest = await stack.upload(*[(f"r{n}.pdf", _doc(n)) for n in range(3)], collection="restart")

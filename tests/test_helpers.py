@@ -96,8 +96,6 @@ def test_an_uncited_answer_is_attributed_by_shared_words():
                           PASSAGES) == [1, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="bug in activities/chat.py: _WORD takes a run of 4+ CJK characters as "
-                                       "one word, so Chinese answers share no 'word' with a passage")
 def test_an_uncited_chinese_answer_is_attributed_by_shared_words():
     chinese = [passage("斑马每年七月渡过马拉河。", "zebra"), passage("纸鹤是用一张正方形的纸折成的。", "paper")]
     assert cited_passages("斑马七月渡过马拉河", chinese) == [1]

@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from temporalio import activity
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -37,8 +39,9 @@ from models.ingest import (
 )
 from ragline.blobstore import BlobStore
 from temporal import policies, queues
+from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
-from tests.helpers import time_skipping_server_binary
+from tests.helpers import eventually, time_skipping_server_binary
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
@@ -206,11 +209,29 @@ def finish(answer: str, tokens: int = 15) -> PlanOutput:
 
 # -- the environment -----------------------------------------------------------------------------------
 
+async def _time_skipping_env(tmp_path_factory) -> WorkflowEnvironment:
+    converter = build_data_converter(BlobStore(tmp_path_factory.mktemp("workflow-blobs")))
+    return await WorkflowEnvironment.start_time_skipping(test_server_existing_path=time_skipping_server_binary(),
+                                                         data_converter=converter)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def bare_env(tmp_path_factory):
+    """A time-skipping server as it comes: without Ragline's search attributes. Jobs started without
+    them keep their status in the `progress` query only."""
+    env = await _time_skipping_env(tmp_path_factory)
+    yield env
+    await env.shutdown()
+
+
 @pytest_asyncio.fixture(scope="module")
 async def env(tmp_path_factory):
-    converter = build_data_converter(BlobStore(tmp_path_factory.mktemp("workflow-blobs")))
-    env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=time_skipping_server_binary(),
-                                                        data_converter=converter)
+    """A time-skipping server with Ragline's search attributes added (it implements AddSearchAttributes,
+    though not ListSearchAttributes): the workflows that start child jobs give them these attributes,
+    and the test server never starts a child whose attributes it does not know."""
+    env = await _time_skipping_env(tmp_path_factory)
+    await env.client.operator_service.add_search_attributes(AddSearchAttributesRequest(
+        namespace=env.client.namespace, search_attributes={k.name: k.indexed_value_type for k in sa.ALL}))
     yield env
     await env.shutdown()
 
@@ -309,6 +330,25 @@ async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(
             "document:a.txt": "completed", "document:locked.pdf": "failed", "document:b.txt": "completed"}
 
 
+async def test_document_job_tolerates_a_server_without_ragline_search_attributes(bare_env):
+    fakes = Fakes()
+    doc = document("a.txt", "bare")
+    async with fake_worker(bare_env, fakes) as queue:
+        handle = await bare_env.client.start_workflow(IngestDocumentWorkflow.run, doc,
+                                                      id=document_workflow_id(doc.document_id), task_queue=queue)
+
+        async def ended_or_stuck():
+            history = (await handle.fetch_history()).events
+            failed = [e.workflow_task_failed_event_attributes.cause for e in history
+                      if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+            done = history[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED
+            return (done, failed) if done or failed else None
+
+        done, failed = await eventually(ended_or_stuck, timeout=20, what="the document job ending")
+    assert WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_BAD_SEARCH_ATTRIBUTES not in failed
+    assert done
+
+
 async def test_ingest_with_no_good_document_fails_with_every_reason(env):
     bad = ApplicationError("no extractable text", type="InputError", non_retryable=True)
     fakes = Fakes(extract_fails={"scan.pdf": bad, "scan2.pdf": bad})
@@ -331,11 +371,27 @@ def turn(session: str, message: str, *, key: str | None = None) -> TurnInput:
                      question=ChatQuestion(message=message, collection="chat", top_k=3))
 
 
+async def turn_result(env: WorkflowEnvironment, job_id: str) -> TurnResult:
+    """The result of a turn's job, which its session starts on its own time."""
+    handle = env.client.get_workflow_handle(job_id, result_type=TurnResult)
+
+    async def started() -> bool:
+        try:
+            await handle.describe()
+        except RPCError:
+            return False
+        return True
+
+    await eventually(started, timeout=20, what=f"the session starting {job_id}")
+    return await handle.result()
+
+
 async def _history_events(handle) -> list[int]:
     return [e.event_type for e in (await handle.fetch_history()).events]
 
 
-async def test_chat_turn_waits_for_its_go_then_answers_before_the_side_steps(env):
+async def test_chat_turn_waits_for_its_go_then_answers_before_the_side_steps(bare_env):
+    env = bare_env
     fakes = Fakes(fits=True)
     async with fake_worker(env, fakes) as queue:
         inp = turn("s1", "When do zebras cross?")
@@ -380,7 +436,8 @@ async def test_chat_turn_waits_for_its_go_then_answers_before_the_side_steps(env
     assert (result.session_id, result.question) == ("s1", "When do zebras cross?")
 
 
-async def test_chat_turn_summarizes_first_when_the_passages_do_not_fit(env):
+async def test_chat_turn_summarizes_first_when_the_passages_do_not_fit(bare_env):
+    env = bare_env
     fakes = Fakes(fits=False, cited=[])
     async with fake_worker(env, fakes) as queue:
         inp = turn("s2", "Tell me everything.")
@@ -407,15 +464,19 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
             task_queue=queue, start_signal="submit", start_signal_args=[first])
         await handle.signal(ChatSessionWorkflow.submit, second)
         await handle.signal(ChatSessionWorkflow.submit, first)  # the same request again
-        results = [await env.client.get_workflow_handle(t.job_id, result_type=TurnResult).result()
-                   for t in (first, second)]
-        # Both turns are done; a third one after them shows the resent first one was not queued again.
+        results = [await turn_result(env, t.job_id) for t in (first, second)]
+        # A third turn after them is numbered 3: the resent first one was not taken as a turn of its own.
         third = turn(session, "Third question?")
         await handle.signal(ChatSessionWorkflow.submit, third)
-        await env.client.get_workflow_handle(third.job_id, result_type=TurnResult).result()
-        assert await handle.query(ChatSessionWorkflow.pending_turns) == []
+        results.append(await turn_result(env, third.job_id))
+
+        async def idle() -> bool:
+            return await handle.query(ChatSessionWorkflow.pending_turns) == []
+
+        await eventually(idle, timeout=10, what="the session's queue emptying")
         await handle.terminate("test over")
-    assert [r.turn for r in results] == [1, 2]
+    assert [r.turn for r in results] == [1, 2, 3]
+    assert fakes.named("await_turn") == []
     generates = fakes.named("generate_answer")
     assert [c.arg.question for c in generates] == ["First question?", "Second question?", "Third question?"]
     # Turn 2 started only after turn 1 had finished, and answers in its context.
@@ -429,7 +490,8 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
 
 # -- agents --------------------------------------------------------------------------------------------
 
-async def test_agent_that_finishes_at_once(env):
+async def test_agent_that_finishes_at_once(bare_env):
+    env = bare_env
     fakes = Fakes(plan=lambda req: finish(f"done: {req.goal}", tokens=15))
     async with fake_worker(env, fakes) as queue:
         job_id = f"agent-{uuid.uuid4().hex[:8]}"

@@ -23,7 +23,8 @@ from temporalio.exceptions import ChildWorkflowError
 with workflow.unsafe.imports_passed_through():
     from activities.agent import AgentActivities
     from models.agent import (
-        AgentInput, AgentNode, AgentResult, Budget, PlanInput, SearchDocumentsInput, Spend, agent_workflow_id,
+        TOOL_DELEGATE, TOOL_FINISH, TOOL_SEARCH, AgentInput, AgentNode, AgentResult, Budget, PlanInput,
+        SearchDocumentsInput, Spend, agent_workflow_id,
     )
     from models.review import ReviewDecision, ReviewRecord
     from temporal import search_attributes as sa
@@ -104,13 +105,13 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             for call in plan.calls:
                 if call.error:
                     self.observations.append(f"tool error: {call.error}")
-                elif call.name == "finish":
+                elif call.name == TOOL_FINISH:
                     return call.arguments["answer"]
-                elif call.name == "search_documents":
+                elif call.name == TOOL_SEARCH:
                     found = await self.step(AgentActivities.search_documents, SearchDocumentsInput(
                         query=call.arguments["query"], collection=inp.collection), name=f"search {turn}")
                     self.observations.append(found.observation)
-                elif call.name == "delegate":
+                elif call.name == TOOL_DELEGATE:
                     subgoals.append(call.arguments["subgoal"])
             if subgoals:
                 await self._delegate(subgoals)

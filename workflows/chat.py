@@ -58,6 +58,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                   accepted={"session_id": turn.session_id, "turn": turn.turn})
 
     async def _answer(self, turn: TurnInput) -> TurnResult:
+        self.context = self.context or turn.context
         await workflow.wait_condition(lambda: self.context is not None)
         result = await self._chain(turn)
         if turn.question.require_review or (turn.review_unsupported and not result.citations):
@@ -111,6 +112,7 @@ class ChatSessionWorkflow:
         self.seen: deque[str] = deque(state.seen, maxlen=MAX_SEEN)
         self.starts: dict[str, asyncio.Future[workflow.ChildWorkflowHandle | None]] = {}
         self.turns_this_run = 0
+        self.busy = False  # a turn is running: later turns wait for their go
 
     @workflow.signal
     def submit(self, turn: TurnInput) -> None:
@@ -118,6 +120,9 @@ class ChatSessionWorkflow:
             return  # the same request, resent
         self.seen.append(turn.job_id)
         turn = turn.model_copy(update={"turn": self.state.next_turn})
+        if not self.busy and not self.queue:
+            # Nothing runs before it: the go travels with the start, one signal round trip less.
+            turn.context = TurnContext(history=self.state.history[-HISTORY_TURNS:])
         self.state.next_turn += 1
         self.queue.append(turn)
         self.starts[turn.job_id] = asyncio.ensure_future(self._start(turn))
@@ -153,7 +158,9 @@ class ChatSessionWorkflow:
                 workflow.continue_as_new(self.state.model_copy(update={
                     "pending": list(self.queue), "seen": list(self.seen)}))
             head = self.queue[0]
+            self.busy = True
             answer = await self._run_turn(head)
+            self.busy = False
             if answer is not None:
                 self.state.history.append(HistoryItem(question=head.question.message[:HISTORY_ANSWER_CHARS],
                                                       answer=answer[:HISTORY_ANSWER_CHARS]))
@@ -167,7 +174,8 @@ class ChatSessionWorkflow:
         start = self.starts.pop(head.job_id, None)
         child = await start if start is not None else None
         if child is not None:
-            await child.signal(ChatTurnWorkflow.proceed, context)
+            if head.context is None:
+                await child.signal(ChatTurnWorkflow.proceed, context)
             try:
                 return (await child).answer
             except ChildWorkflowError:

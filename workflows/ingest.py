@@ -52,7 +52,7 @@ class IngestDocumentWorkflow(JobWorkflow):
         await self._embed_and_index(doc, chunked)
         await self.step(IngestActivities.prune_stale_chunks, PruneInput(
             document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks))
-        workflow.upsert_search_attributes([sa.CHUNKS.value_set(chunked.chunks), sa.PAGES.value_set(extracted.pages)])
+        self.upsert_attributes(sa.CHUNKS.value_set(chunked.chunks), sa.PAGES.value_set(extracted.pages))
         return DocumentOutcome(document_id=doc.document_id, filename=doc.filename, status="indexed",
                                job_id=workflow.info().workflow_id, pages=extracted.pages, chunks=chunked.chunks)
 

@@ -112,10 +112,13 @@ class JobWorkflow:
         if status == self._status:
             return
         self._status = status
-        # Jobs started by Ragline carry its search attributes; one started by hand (or on a server
-        # without them, like the time-skipping test server) keeps its status in the query only.
+        self.upsert_attributes(sa.JOB_STATUS.value_set(status))
+
+    def upsert_attributes(self, *updates: Any) -> None:
+        """Set Ragline search attributes. Jobs started by Ragline carry them; one started by hand (or on a
+        server without them, like the time-skipping test server) keeps its state in the query only."""
         if workflow.info().typed_search_attributes.get(sa.JOB_KIND) is not None:
-            workflow.upsert_search_attributes([sa.JOB_STATUS.value_set(status)])
+            workflow.upsert_search_attributes(list(updates))
 
     # -- what every job answers --------------------------------------------------------------------
     @workflow.query
