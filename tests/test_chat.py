@@ -1,14 +1,22 @@
 """Chat chains through the real stack; the language model is the scripted OpenAI-compatible server,
-reached through the real `openai` client."""
+reached through the real `openai` client.
+
+Every test asks its own questions carrying the token of its own scope on the shared scripted model
+(`stack.llm.scope()`): what it scripts reaches only its requests, and it counts only its calls. What
+is checked is what a user relies on (the answer is what the model said, citations name the passage
+the model cited, turns keep their order), not the scripted model's canned text.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 
 import pytest
 
-from tests.test_events import read_events
+from devtools.scripted_llm import last_user_message, parse_prompt
+from tests.helpers import read_events
 
 ZEBRA = ("The great zebra migration crosses the Mara river every July. Crocodiles wait in the river. "
          "Rangers of the Serengeti count the herds from small aircraft.")
@@ -23,25 +31,54 @@ async def chat_docs(stack):
     return {d["filename"]: d["document_id"] for d in body["documents"]}
 
 
+def sources(body: dict) -> dict[int, str]:
+    """The passages a prompt shows the model: number -> "file, page n"."""
+    passages, _ = parse_prompt(last_user_message(body["messages"]))
+    return {p.number: p.source for p in passages}
+
+
+def citing(*filenames: str, text: str = "The herds cross the Mara river in July"):
+    """A model that answers citing the passages of `filenames`, by the numbers its prompt gave them, in
+    the order named (not the order of the numbers)."""
+    def answer(body: dict) -> str:
+        shown = sources(body)
+        numbers = [next(n for n, s in shown.items() if s.startswith(f"{name},")) for name in filenames]
+        return f"{text} {' '.join(f'[{n}]' for n in numbers)}."
+    return answer
+
+
+def cited_sources(job: dict) -> list[str]:
+    return [f"{c['filename']}, page {c['page']}" for c in job["result"]["citations"]]
+
+
 async def test_question_is_answered_from_the_document_with_a_citation(stack, chat_docs):
-    before = stack.llm.count("answer")
-    accepted = await stack.chat("When does the zebra migration cross the Mara river?", collection="chat")
-    assert set(accepted) >= {"job_id", "session_id", "turn", "status_url", "events_url"}
-    assert accepted["turn"] is None  # numbered by the session when it takes the turn, shown by GET
-    job = await stack.wait_job(accepted["job_id"])
-    assert job["status"] == "completed", job
+    with stack.llm.scope() as llm:
+        llm.script_fn("answer", citing("zebra.txt"))
+        llm.script("summarize", ["The herds cross the Mara in July."])
+        llm.script("extract_entities", ['[{"text": "Mara", "type": "place"}, {"text": "July", "type": "DATE"}]'])
+        question = f"When does the zebra migration cross the Mara river? {llm.token}"
+        accepted = await stack.chat(question, collection="chat")
+        assert set(accepted) >= {"job_id", "session_id", "turn", "status_url", "events_url"}
+        assert accepted["turn"] is None  # numbered by the session when it takes the turn, shown by GET
+        job = await stack.wait_job(accepted["job_id"])
+        assert job["status"] == "completed", job
+        [answer_call] = llm.calls("answer")
+        assert llm.count("summarize") == 1 and llm.count("extract_entities") == 1
     assert job["kind"] == "chat" and job["turn"] == 1
     result = job["result"]
-    assert set(result) >= {"answer", "citations", "summary", "entities", "model", "usage"}
-    assert "July" in result["answer"] and "[1]" in result["answer"]
-    assert result["citations"][0]["document_id"] == chat_docs["zebra.txt"]
-    assert result["citations"][0]["filename"] == "zebra.txt" and result["citations"][0]["page"] == 1
-    assert set(result["citations"][0]) >= {"document_id", "filename", "page", "chunk_id", "score"}
-    assert result["summary"].startswith("Summary:")
-    assert {"text", "type"} <= set(result["entities"][0])
-    assert result["model"] == "scripted"
+    assert result["question"] == question
+    # The answer is what the model said; the citation is the passage it cited, as the prompt showed it.
+    assert result["answer"] == answer_call.reply.strip()
+    [cited] = result["citations"]
+    [number] = re.findall(r"\[(\d+)\]", result["answer"])
+    assert sources(answer_call.request)[int(number)] == "zebra.txt, page 1"
+    assert (cited["document_id"], cited["filename"], cited["page"]) == (chat_docs["zebra.txt"], "zebra.txt", 1)
+    assert cited["chunk_id"].startswith(f"{chat_docs['zebra.txt']}:") and 0 < cited["score"] <= 1
+    # The side steps' results are the model's, repaired where needed (a lower-case type).
+    assert result["summary"] == "The herds cross the Mara in July."
+    assert result["entities"] == [{"text": "Mara", "type": "PLACE"}, {"text": "July", "type": "DATE"}]
+    assert result["model"] == stack.settings.llm_model
     assert result["usage"]["prompt_tokens"] > 0 and result["usage"]["completion_tokens"] > 0
-    assert stack.llm.count("answer") == before + 1
     assert [s["name"] for s in job["steps"]] == ["retrieve_context", "generate_answer", "summarize_context",
                                                  "extract_entities"]
     steps = {s["name"]: s for s in job["steps"]}
@@ -55,56 +92,96 @@ async def test_question_is_answered_from_the_document_with_a_citation(stack, cha
     assert turn["citations"] == result["citations"]
 
 
+async def test_citations_follow_the_passages_the_model_cited_in_passage_order(stack, chat_docs):
+    with stack.llm.scope() as llm:
+        # Cites both documents, the paper one first in the text.
+        llm.script_fn("answer", citing("paper.txt", "zebra.txt", text="Both are in the documents"))
+        job = await stack.wait_job((await stack.chat(f"What is in the documents? {llm.token}",
+                                                     collection="chat", top_k=2))["job_id"])
+        [answer_call] = llm.calls("answer")
+    shown = sources(answer_call.request)
+    assert sorted(shown.values()) == ["paper.txt, page 1", "zebra.txt, page 1"]
+    # One citation per cited passage, in the order the passages were numbered.
+    assert cited_sources(job) == [shown[1], shown[2]]
+    assert [c["document_id"] for c in job["result"]["citations"]] == [
+        chat_docs[shown[n].split(",")[0]] for n in (1, 2)]
+
+    with stack.llm.scope() as llm:
+        # A number no passage has is not a citation; an answer with no valid marker is attributed by the
+        # words it shares with a passage.
+        llm.script("answer", ["Paper cranes are folded from a single square sheet [7]."])
+        job = await stack.wait_job((await stack.chat(f"How are cranes made? {llm.token}", collection="chat",
+                                                     top_k=2))["job_id"])
+    assert job["result"]["answer"] == "Paper cranes are folded from a single square sheet [7]."
+    assert cited_sources(job) == ["paper.txt, page 1"]
+
+
 async def test_five_turns_sent_at_once_are_processed_in_order(stack, chat_docs):
     session = f"burst-{uuid.uuid4().hex[:8]}"
-    first = await stack.chat("Who counts the herds?", session_id=session, collection="chat")
-    questions = [f"Question number {i} about the zebras?" for i in range(2, 7)]
-    stack.llm.set_delay(0.2)
-    try:
+    with stack.llm.scope(delay=0.2) as llm:
+        first = await stack.chat(f"Who counts the herds? {llm.token}", session_id=session, collection="chat")
+        questions = [f"Question number {i} about the zebras? {llm.token}" for i in range(2, 7)]
         bodies = await asyncio.gather(*(stack.chat(q, session_id=session, collection="chat") for q in questions))
         jobs = [await stack.wait_job(b["job_id"]) for b in [first, *bodies]]
-    finally:
-        stack.llm.set_delay(0)
+        answered = [c.question for c in llm.calls("answer")]
+        replies = {c.question: c.reply for c in llm.calls("answer")}
     assert all(j["status"] == "completed" for j in jobs)
     assert jobs[0]["turn"] == 1 and sorted(j["turn"] for j in jobs[1:]) == [2, 3, 4, 5, 6]
     by_turn = sorted(jobs, key=lambda j: j["turn"])
     # Each turn started only after the previous one had finished.
     for earlier, later in zip(by_turn, by_turn[1:]):
         assert max(s["finished_at"] for s in earlier["steps"]) <= min(s["started_at"] for s in later["steps"])
-    # The order they were accepted in is the order the model saw them.
-    order = {j["turn"]: j["result"]["question"] for j in jobs[1:]}
-    answered = [c["question"] for c in stack.llm.calls if c["task"] == "answer" and c["question"] in order.values()]
-    assert answered == [order[t] for t in sorted(order)]
+    # The order they were accepted in is the order the model saw them, each once.
+    assert answered == [j["result"]["question"] for j in by_turn]
+    # Each turn's answer is the model's answer to that turn's question.
+    assert all(j["result"]["answer"] == replies[j["result"]["question"]].strip() for j in jobs)
 
     session_view = (await stack.http.get(f"/v1/chats/{session}")).json()
     assert [t["turn"] for t in session_view["turns"]] == [1, 2, 3, 4, 5, 6]
-    assert all(t["status"] == "completed" and t["answer"] for t in session_view["turns"])
+    assert [t["answer"] for t in session_view["turns"]] == [j["result"]["answer"] for j in by_turn]
+    assert all(t["status"] == "completed" for t in session_view["turns"])
+
+
+async def test_a_later_turn_is_answered_with_the_earlier_ones_as_history(stack, chat_docs):
+    session = f"hist-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as llm:
+        first = await stack.chat(f"Who counts the herds? {llm.token}", session_id=session, collection="chat")
+        first_job = await stack.wait_job(first["job_id"])
+        second = await stack.chat(f"And from what? {llm.token}", session_id=session, collection="chat")
+        await stack.wait_job(second["job_id"])
+        later = next(c for c in llm.calls("answer") if c.question.startswith("And from what?"))
+    conversation = later.user_message.split("CONVERSATION SO FAR:", 1)[1].split("QUESTION:", 1)[0]
+    assert f"Q: Who counts the herds? {llm.token}" in conversation
+    assert f"A: {first_job['result']['answer']}" in conversation
 
 
 async def test_concurrent_duplicates_with_one_idempotency_key_run_one_chain(stack, chat_docs):
     session = f"idem-{uuid.uuid4().hex[:8]}"
-    question = f"Are crocodiles in the river ({session})?"
-    bodies = await asyncio.gather(*(stack.chat(question, session_id=session, collection="chat",
-                                               idempotency_key="key-1") for _ in range(10)))
-    assert len({b["job_id"] for b in bodies}) == 1
-    first = await stack.wait_job(bodies[0]["job_id"])
-    assert first["status"] == "completed" and first["turn"] == 1
-    again = await stack.chat(question, session_id=session, collection="chat", idempotency_key="key-1")
-    assert again["job_id"] == bodies[0]["job_id"] and again["duplicate"] is True
-    other = await stack.chat("Another question?", session_id=session, collection="chat", idempotency_key="key-2")
-    assert other["job_id"] != first["job_id"]
-    # Turns run in acceptance order: once the later turn is done, any duplicate would have run before it.
-    assert (await stack.wait_job(other["job_id"]))["turn"] == 2
-    assert len([c for c in stack.llm.calls if c["task"] == "answer" and c["question"] == question]) == 1
+    with stack.llm.scope() as llm:
+        question = f"Are crocodiles in the river? {llm.token}"
+        bodies = await asyncio.gather(*(stack.chat(question, session_id=session, collection="chat",
+                                                   idempotency_key="key-1") for _ in range(10)))
+        assert len({b["job_id"] for b in bodies}) == 1
+        first = await stack.wait_job(bodies[0]["job_id"])
+        assert first["status"] == "completed" and first["turn"] == 1
+        again = await stack.chat(question, session_id=session, collection="chat", idempotency_key="key-1")
+        assert again["job_id"] == bodies[0]["job_id"] and again["duplicate"] is True
+        other = await stack.chat(f"Another question? {llm.token}", session_id=session, collection="chat",
+                                 idempotency_key="key-2")
+        assert other["job_id"] != first["job_id"]
+        # Turns run in acceptance order: once the later turn is done, a duplicate would have run before it.
+        assert (await stack.wait_job(other["job_id"]))["turn"] == 2
+        for task in ("answer", "summarize", "extract_entities"):
+            assert [c.question for c in llm.calls(task)] == [question, f"Another question? {llm.token}"], task
+    session_view = (await stack.http.get(f"/v1/chats/{session}")).json()
+    assert [t["turn"] for t in session_view["turns"]] == [1, 2]
 
 
 async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
-    stack.llm.set_stream_chunk_delay(0.05)
-    try:
-        accepted = await stack.chat("How are paper cranes folded?", collection="chat")
+    with stack.llm.scope(stream_chunk_delay=0.05) as llm:
+        accepted = await stack.chat(f"How are paper cranes folded? {llm.token}", collection="chat")
         events = await read_events(stack, accepted["job_id"])
-    finally:
-        stack.llm.set_stream_chunk_delay(0)
+        [answer_call] = llm.calls("answer")
     types = [e["type"] for _, e in events]
     assert types[0] == "ragline.job.accepted" and types[-1] == "ragline.job.completed"
     started = [e["data"]["step"] for _, e in events if e["type"] == "ragline.step.started"]
@@ -116,10 +193,14 @@ async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
     first_side = min(i for i, (_, e) in enumerate(events) if e["type"] == "ragline.step.started"
                      and e["data"]["step"] in ("summarize_context", "extract_entities"))
     assert first_delta < answered < first_side
-    deltas = [e["data"]["text"] for _, e in events if e["type"] == "ragline.answer.delta"]
-    assert len(deltas) >= 3
+    deltas = [e["data"] for _, e in events if e["type"] == "ragline.answer.delta"]
+    assert len(deltas) >= 3 and [d["index"] for d in deltas] == list(range(1, len(deltas) + 1))
+    # The pieces, in order, are the model's reply; the completed answer and the job's result are too.
+    streamed = "".join(d["text"] for d in deltas)
+    assert streamed == answer_call.reply
     final = events[-1][1]["data"]
-    assert "".join(deltas).strip() == final["answer"]
+    assert final["answer"] == streamed.strip() == events[answered][1]["data"]["answer"]
+    assert events[answered][1]["data"]["citations"] == final["citations"]
     ids = [int(i) for i, _ in events]
     assert ids == list(range(ids[0], ids[0] + len(ids)))
 
@@ -128,37 +209,45 @@ async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
 
 
 async def test_broken_entity_json_does_not_break_the_turn(stack, chat_docs):
-    stack.llm.script("extract_entities", ["Sure! Here are the entities: none of them", "{still not json"])
-    job = await stack.wait_job((await stack.chat("What do rangers do?", collection="chat"))["job_id"])
+    with stack.llm.scope() as llm:
+        llm.script("extract_entities", ["Sure! Here are the entities: none of them", "{still not json"])
+        job = await stack.wait_job((await stack.chat(f"What do rangers do? {llm.token}",
+                                                     collection="chat"))["job_id"])
+        assert llm.count("extract_entities") == 2  # one corrective re-ask, then no more
+        [answer_call] = llm.calls("answer")
     assert job["status"] == "completed", job
     assert job["result"]["entities"] == []
     assert any("invalid JSON" in w for w in job["result"]["warnings"])
-    assert job["result"]["answer"]
+    assert job["result"]["answer"] == answer_call.reply.strip()
 
-    stack.llm.script("extract_entities", ["```json\n[{'text': 'Serengeti', 'type': 'place'},]\n```"])
-    job = await stack.wait_job((await stack.chat("Where do the rangers work?", collection="chat"))["job_id"])
+    with stack.llm.scope() as llm:
+        llm.script("extract_entities", ["```json\n[{'text': 'Serengeti', 'type': 'place'},]\n```"])
+        job = await stack.wait_job((await stack.chat(f"Where do the rangers work? {llm.token}",
+                                                     collection="chat"))["job_id"])
+        assert llm.count("extract_entities") == 1
     assert job["result"]["entities"] == [{"text": "Serengeti", "type": "PLACE"}]
+    assert job["result"]["warnings"] == []
 
 
 async def test_summary_and_entities_run_concurrently(stack, chat_docs):
-    stack.llm.set_delay(1.0)
-    try:
-        job = await stack.wait_job((await stack.chat("Tell me about origami.", collection="chat"))["job_id"])
-    finally:
-        stack.llm.set_delay(0)
-    question = job["result"]["question"]
-    calls = {c["task"]: c for c in stack.llm.calls if c["question"] == question}
-    summary, entities = calls["summarize"], calls["extract_entities"]
-    assert summary["started_at"] < entities["finished_at"] and entities["started_at"] < summary["finished_at"]
+    with stack.llm.scope(delay=1.0) as llm:
+        job = await stack.wait_job((await stack.chat(f"Tell me about origami. {llm.token}",
+                                                     collection="chat"))["job_id"])
+        [summary] = llm.calls("summarize")
+        [entities] = llm.calls("extract_entities")
+    assert job["status"] == "completed", job
+    assert summary.started_at < entities.finished_at and entities.started_at < summary.finished_at
 
 
 async def test_no_context_is_said_in_the_language_of_the_question(stack):
-    before = stack.llm.count()
-    english = await stack.wait_job((await stack.chat("What is the capital of Peru?", collection="empty"))["job_id"])
-    chinese = await stack.wait_job((await stack.chat("秘鲁的首都是哪里？", collection="empty"))["job_id"])
+    with stack.llm.scope() as llm:
+        english = await stack.wait_job((await stack.chat(f"What is the capital of Peru? {llm.token}",
+                                                         collection="empty"))["job_id"])
+        chinese = await stack.wait_job((await stack.chat(f"秘鲁的首都是哪里？{llm.token}",
+                                                         collection="empty"))["job_id"])
+        assert llm.count() == 0, "nothing to retrieve: no model call should be paid for"
     assert "don't know" in english["result"]["answer"] and english["result"]["citations"] == []
-    assert "不知道" in chinese["result"]["answer"]
-    assert stack.llm.count() == before, "nothing to retrieve: no model call should be paid for"
+    assert "不知道" in chinese["result"]["answer"] and chinese["result"]["citations"] == []
 
 
 async def test_unknown_session_and_bad_requests(stack):

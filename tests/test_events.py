@@ -2,30 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
-import httpx
-
 from tests.conftest import shared_pdf
-
-
-async def read_events(stack, job_id: str, *, last_event_id: str | None = None, stop_after: int | None = None):
-    headers = {"Last-Event-ID": last_event_id} if last_event_id is not None else {}
-    events: list[tuple[str | None, dict]] = []
-    async with stack.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers,
-                                 timeout=httpx.Timeout(120)) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        event_id = None
-        async for line in r.aiter_lines():
-            if line.startswith("id:"):
-                event_id = line[3:].strip()
-            elif line.startswith("data:"):
-                events.append((event_id, json.loads(line[5:].strip())))
-                event_id = None
-                if stop_after and len(events) >= stop_after:
-                    break
-    return events
+from tests.helpers import read_events
 
 
 async def test_ingestion_events_stream_and_resume(stack):

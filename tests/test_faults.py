@@ -1,5 +1,9 @@
 """Proof under faults: flaky providers, killed workers and a restarted Temporal server lose and
-duplicate nothing."""
+duplicate nothing.
+
+The tests that turn server-wide knobs of the scripted model (random faults, a delay on every request)
+get a model of their own (`private_llm`); the one on the session's shared stack scopes its calls by a
+token in its question."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from pathlib import Path
 from ragline.vectorstore import open_index
 from devtools.devserver import DevServer
 from tests.conftest import FIXTURES, free_server_port, running_stack
+from tests.helpers import eventually
 from tests.pdfgen import pdf_bytes
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -34,29 +39,30 @@ async def _all_done(stack, job_ids: list[str], timeout: float) -> list[dict]:
     return await asyncio.gather(*(stack.wait_job(j, timeout=timeout) for j in job_ids))
 
 
-async def test_twelve_percent_transient_faults_everywhere(temporal_env, scripted_llm, tmp_path):
+async def test_twelve_percent_transient_faults_everywhere(temporal_env, private_llm, tmp_path):
     """Every model and embedding call may fail (429 + Retry-After, 503, dropped connection, hang past
     the timeout, malformed JSON): 30 chats and 10 ingestions all complete."""
+    llm = private_llm
     address = temporal_env.client.service_client.config.target_host
-    async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-faults",
-                             embeddings_base_url=scripted_llm.base_url, embeddings_model="scripted",
+    async with running_stack(address, llm, tmp_path, task_queue="ragline-faults",
+                             embeddings_base_url=llm.base_url, embeddings_model="scripted",
                              embeddings_timeout=3) as stack:
-        scripted_llm.reset()
-        scripted_llm.set_faults(rate=0.12, kinds=TRANSIENT, seed=12, retry_after=0.2)
-        try:
-            uploads = [await stack.upload((f"h{n}.pdf", _doc(n)), collection="faults") for n in range(10)]
-            ingest_jobs = await _all_done(stack, [u["job_id"] for u in uploads], timeout=300)
-            assert [j["status"] for j in ingest_jobs] == ["completed"] * 10, ingest_jobs
-            sessions = [f"f-{uuid.uuid4().hex[:6]}" for _ in range(10)]
-            chats = await asyncio.gather(*(stack.chat(f"What colour is the lighthouse of harbour {i}?",
-                                                      session_id=sessions[i % 10], collection="faults")
-                                           for i in range(30)))
-            chat_jobs = await _all_done(stack, [c["job_id"] for c in chats], timeout=400)
-        finally:
-            scripted_llm.set_faults(rate=0)
+        llm.set_faults(rate=0.12, kinds=TRANSIENT, seed=12, retry_after=0.2)
+        uploads = [await stack.upload((f"h{n}.pdf", _doc(n)), collection="faults") for n in range(10)]
+        ingest_jobs = await _all_done(stack, [u["job_id"] for u in uploads], timeout=300)
+        assert [j["status"] for j in ingest_jobs] == ["completed"] * 10, ingest_jobs
+        sessions = [f"f-{uuid.uuid4().hex[:6]}" for _ in range(10)]
+        chats = await asyncio.gather(*(stack.chat(f"What colour is the lighthouse of harbour {i}?",
+                                                  session_id=sessions[i % 10], collection="faults")
+                                       for i in range(30)))
+        chat_jobs = await _all_done(stack, [c["job_id"] for c in chats], timeout=400)
         assert [j["status"] for j in chat_jobs] == ["completed"] * 30, [j for j in chat_jobs if j["status"] != "completed"]
-        assert all(j["result"]["answer"] for j in chat_jobs)
-        faults = [c for c in scripted_llm.calls if c.fault]
+        # Each answer is a reply the model completed for that question, whatever failed around it.
+        for job in chat_jobs:
+            replies = {c.reply.strip() for c in llm.calls_for("answer") if c.ok
+                       and c.question == job["result"]["question"]}
+            assert job["result"]["answer"] in replies, (job["result"], replies)
+        faults = [c for c in llm.calls if c.fault]
         assert {c.fault for c in faults} >= {"429", "503"} and len(faults) >= 10, len(faults)
         retried = [s for j in chat_jobs for s in j["steps"] if s["attempts"] > 1]
         assert retried, "no step needed a retry: the faults did not reach the chain"
@@ -67,8 +73,10 @@ def _worker_process(settings_env: dict[str, str], log: Path) -> subprocess.Popen
                             stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, scripted_llm, tmp_path):
-    """SIGKILL the worker at two random moments with 20 ingestions and 20 chat turns in flight."""
+async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, private_llm, tmp_path):
+    """SIGKILL the worker at two random moments with 20 ingestions and 20 chat turns in flight; each kill
+    comes while a model call is in flight, and the test checks that calls were indeed cut off."""
+    scripted_llm = private_llm
     address = temporal_env.client.service_client.config.target_host
     queue = "ragline-kill"
     env = {"RAGLINE_DATA_DIR": str(tmp_path), "RAGLINE_TEMPORAL_ADDRESS": address, "RAGLINE_TASK_QUEUE": queue,
@@ -78,8 +86,11 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, scrip
     log = tmp_path / "worker.log"
     rng = random.Random(20)
     kills: list[float] = []
+
+    async def model_call_in_flight() -> bool:
+        return any(c.finished_at is None for c in scripted_llm.calls_for())
+
     async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False, task_queue=queue) as stack:
-        scripted_llm.reset()
         scripted_llm.set_delay(0.4)
         worker = _worker_process(env, log)
         try:
@@ -95,6 +106,10 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, scrip
                                            for i in range(20)))
             for _ in range(2):
                 await asyncio.sleep(rng.uniform(1.0, 4.0))
+                # At a moment when the worker is waiting on the model (each reply takes 0.4 s): the kill
+                # cuts that call off. (The worker comes back within seconds; chats are still queued.)
+                await eventually(model_call_in_flight, timeout=60, every=0.01,
+                                 what="a model call in flight to kill the worker during")
                 kills.append(time.monotonic())
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait()
@@ -102,7 +117,6 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, scrip
             ingest_jobs = await _all_done(stack, [u["job_id"] for u in uploads], timeout=400)
             chat_jobs = await _all_done(stack, [c["job_id"] for c in chats], timeout=400)
         finally:
-            scripted_llm.set_delay(0)
             worker.send_signal(signal.SIGTERM)
             try:
                 worker.wait(timeout=30)
@@ -126,6 +140,15 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, scrip
             turns = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
             assert [t["turn"] for t in turns] == [1, 2, 3, 4]
             assert all(t["status"] == "completed" and t["answer"] for t in turns)
+        # The kills mattered: each one cut off a model call in flight (the worker's connection dropped
+        # before the reply was sent), and the step it belonged to was retried to completion.
+        chat_calls = [c for c in scripted_llm.calls if c.endpoint == "chat" and c.question.startswith("Question ")]
+        for kill in kills:
+            cut = [c for c in chat_calls if c.cut_off and c.started_at < kill <= c.finished_at]
+            assert cut, f"the kill at {kill:.2f} interrupted no model call"
+            for call in cut:
+                assert any(c.ok and c.question == call.question and c.task == call.task and c.started_at > kill
+                           for c in chat_calls), f"the cut-off {call.task} call for {call.question!r} was never redone"
         # No step ran again after it had completed: a repeated model call for the same question and
         # step is only allowed when the earlier one was cut off by a kill.
         by_step: dict[tuple[str, str], list] = {}
@@ -141,11 +164,12 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, scrip
                     f"{key} completed twice without a kill in between")
 
 
-async def test_temporal_restart_mid_run(scripted_llm, tmp_path):
+async def test_temporal_restart_mid_run(private_llm, tmp_path):
     """SIGTERM the Temporal server mid-run and start it again on the same file: every job completes.
     While it is down, POSTs answer 503 and /healthz says why."""
     from ragline.settings import Settings
 
+    scripted_llm = private_llm
     port = free_server_port()
     server_settings = Settings(data_dir=tmp_path / "temporal", temporal_address=f"127.0.0.1:{port}",
                                temporal_ui_port=port + 5)
@@ -154,7 +178,6 @@ async def test_temporal_restart_mid_run(scripted_llm, tmp_path):
     try:
         async with running_stack(server_settings.temporal_address, scripted_llm, tmp_path / "stack",
                                  task_queue="ragline-restart", temporal_rpc_timeout=3) as stack:
-            scripted_llm.reset()
             scripted_llm.set_delay(0.5)
             ingest = await stack.upload(*[(f"r{n}.pdf", _doc(n)) for n in range(3)], collection="restart")
             await stack.wait_job(ingest["job_id"])
@@ -174,7 +197,6 @@ async def test_temporal_restart_mid_run(scripted_llm, tmp_path):
             assert [j["status"] for j in jobs] == ["completed"] * 5, jobs
             assert (await stack.http.get("/healthz")).status_code == 200
     finally:
-        scripted_llm.set_delay(0)
         await server.stop()
 
 
@@ -182,13 +204,20 @@ async def test_hundred_concurrent_identical_requests_run_one_chain(stack):
     seed = await stack.upload(("idem.txt", b"Idempotency keys make retries safe."), collection="idem100")
     await stack.wait_job(seed["job_id"])
     session = f"i100-{uuid.uuid4().hex[:6]}"
-    before = {task: stack.llm.count(task) for task in ("summarize", "extract_entities", "answer")}
-    bodies = await asyncio.gather(*(stack.chat("What makes retries safe?", session_id=session,
-                                               collection="idem100", idempotency_key="same-key")
-                                    for _ in range(100)))
-    assert len({b["job_id"] for b in bodies}) == 1
-    job = await stack.wait_job(bodies[0]["job_id"])
-    assert job["status"] == "completed"
-    await asyncio.sleep(0.5)
-    for task, count in before.items():
-        assert stack.llm.count(task) == count + 1, task
+    with stack.llm.scope() as llm:
+        question = f"What makes retries safe? {llm.token}"
+        bodies = await asyncio.gather(*(stack.chat(question, session_id=session, collection="idem100",
+                                                   idempotency_key="same-key") for _ in range(100)))
+        assert len({b["job_id"] for b in bodies}) == 1
+        job = await stack.wait_job(bodies[0]["job_id"])
+        assert job["status"] == "completed"
+        # A later turn of the same session runs only after every earlier one: once it is done, a
+        # duplicate chain of the first request would have run already.
+        later = await stack.chat(f"And what else? {llm.token}", session_id=session, collection="idem100",
+                                 idempotency_key="other-key")
+        assert (await stack.wait_job(later["job_id"]))["status"] == "completed"
+        for task in ("answer", "summarize", "extract_entities"):
+            assert [c.question for c in llm.calls(task)].count(question) == 1, task
+    assert job["turn"] == 1 and job["result"]["answer"]
+    turns = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+    assert [t["job_id"] for t in turns] == [job["job_id"], later["job_id"]]

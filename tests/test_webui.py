@@ -26,7 +26,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporal import search_attributes as sa
 from devtools.devserver import temporal_binary
 from tests.conftest import running_stack
-from tests.test_agents import _waiting, delegate_until
+from tests.helpers import delegate_until, waiting_reviews
 
 WEBUI_DIR = Path(__file__).parent / "webui"
 SEND_UPDATE = WEBUI_DIR / "send_update.mjs"
@@ -93,12 +93,14 @@ async def test_agent_review_approved_from_the_web_ui(scripted_llm, tmp_path: Pat
     ui = f"http://127.0.0.1:{ui_port}"
     keep = bool(os.environ.get("RAGLINE_SCREENSHOTS"))
     address = env.client.service_client.config.target_host
-    scripted_llm.script_fn("agent", delegate_until(leaf_depth=1))
+    llm = scripted_llm.scope()  # this test's agents' plans carry its token
+    llm.script_fn("agent", delegate_until(leaf_depth=1, token=llm.token))
     try:
         async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-webui") as stack:
-            r = await stack.http.post("/v1/agents", json={"goal": "Chart the northern cape", "max_depth": 0})
+            r = await stack.http.post("/v1/agents", json={"goal": f"Chart the northern cape {llm.token}",
+                                                          "max_depth": 0})
             job_id = r.json()["job_id"]
-            [review] = await _waiting(stack)
+            [review] = await waiting_reviews(stack, job_id)
             assert review["job_id"] == job_id and review["reason"] == "depth"
 
             # (a) A decision that is not one of approve/reject/revise: refused in the dialog.
@@ -122,6 +124,6 @@ async def test_agent_review_approved_from_the_web_ui(scripted_llm, tmp_path: Pat
             [decision] = job["result"]["decisions"]
             assert decision["reviewer"] == "Ada Lovelace" and decision["decision"] == "approve"
     finally:
-        scripted_llm.script_fn("agent", None)
+        llm.close()
         await env.shutdown()
     print(f"\nWeb UI review test took {time.monotonic() - started:.1f} s", file=sys.stderr)

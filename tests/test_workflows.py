@@ -454,6 +454,18 @@ async def test_chat_turn_summarizes_first_when_the_passages_do_not_fit(bare_env)
     assert result.usage == Usage(prompt_tokens=111, completion_tokens=222)
 
 
+async def test_chat_turn_started_with_its_go_needs_no_signal(bare_env):
+    # The session gives the first turn of an idle session its go with its start.
+    env = bare_env
+    fakes = Fakes(side_step_seconds=0)
+    history = [HistoryItem(question="Before?", answer="Yes.")]
+    async with fake_worker(env, fakes) as queue:
+        inp = turn("s3", "Now?").model_copy(update={"context": TurnContext(history=history)})
+        result = await env.client.execute_workflow(ChatTurnWorkflow.run, inp, id=inp.job_id, task_queue=queue)
+    assert result.answer == "answer to Now?"
+    assert fakes.one("generate_answer").arg.history == history
+
+
 async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_resent_turn(env):
     fakes = Fakes(side_step_seconds=0)
     session = f"s-{uuid.uuid4().hex[:8]}"
