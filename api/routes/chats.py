@@ -17,7 +17,7 @@ from pydantic import Field
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-from api import job_views
+from api import job_views, observability
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
@@ -58,6 +58,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, setti
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
                                                      SearchAttributePair(sa.SESSION, session_id)]),
             rpc_timeout=timeout)
+        observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
 
 
