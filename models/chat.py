@@ -29,6 +29,9 @@ class TurnInput(BaseModel):
     review_timeout_seconds: float = 86400
     # Numbered by the session when it takes the turn, in acceptance order (0 until then).
     turn: int = 0
+    # The W3C traceparent of the request that made the turn: the session starts the turn's job in that
+    # trace (the session itself lives in its first request's trace).
+    traceparent: str | None = None
 
 
 class HistoryItem(BaseModel):

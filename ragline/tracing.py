@@ -16,6 +16,8 @@ client's calls are spans too.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -92,6 +94,20 @@ def context_of(traceparent: str | None):
     if not traceparent:
         return otel_context.get_current()
     return _propagator.extract({"traceparent": traceparent})
+
+
+@contextmanager
+def attached(traceparent: str | None) -> Iterator[None]:
+    """Run the block in the trace `traceparent` names (nothing changes when it is None). Usable in
+    workflow code: the tracing interceptor's spans and headers follow the current context."""
+    if not traceparent:
+        yield
+        return
+    token = otel_context.attach(context_of(traceparent))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def add_trace_id(logger, method_name, event_dict):

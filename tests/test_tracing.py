@@ -61,7 +61,8 @@ async def test_chat_turn_is_one_trace_from_request_to_model_call_with_a_retried_
     assert attempts[0].status.status_code == StatusCode.ERROR
     assert _chain(tree, attempts[1]) == [
         "RunActivity:generate_answer", "StartActivity:generate_answer", "StartChildWorkflow:ChatTurnWorkflow",
-        "SignalWithStartWorkflow:ChatSessionWorkflow", "POST /v1/chats", *_chain(tree, request)[1:]]
+        "POST /v1/chats", *_chain(tree, request)[1:]]
+    _one(tree, "SignalWithStartWorkflow:ChatSessionWorkflow")  # the session's start, in the same trace
     for attempt in attempts:  # each attempt made its own model call, a child of the attempt
         [call] = [s for s in tree.values() if s.parent and s.parent.span_id == attempt.context.span_id
                   and s.name == "chat scripted"]
@@ -94,3 +95,21 @@ async def test_ingestion_is_one_trace_through_child_workflows_and_activities(sta
         assert _chain(tree, attempt)[:5] == [
             f"RunActivity:{step}", f"StartActivity:{step}", "StartChildWorkflow:IngestDocumentWorkflow",
             "StartWorkflow:IngestWorkflow", "POST /v1/documents"]
+
+
+async def test_each_turn_of_a_session_is_the_trace_of_its_own_request(stack, spans):
+    """The session workflow lives in its first request's trace; each turn's job joins its own."""
+    first = await stack.http.post("/v1/chats", json={"message": "Is the harbour open?", "collection": "trace-turns"})
+    session_id = first.json()["session_id"]
+    second = await stack.http.post("/v1/chats", json={"message": "And tomorrow?", "collection": "trace-turns",
+                                                      "session_id": session_id})
+    assert first.status_code == second.status_code == 202
+    for r in (first, second):
+        trace_id = r.headers["x-trace-id"]
+        job = await stack.wait_done(r.json()["job_id"])
+        assert job["status"] == "completed" and job["trace_id"] == trace_id, job
+        tree = _trace(spans, trace_id)
+        attempt = _one(tree, "RunActivity:retrieve_context")
+        assert _chain(tree, attempt)[:4] == ["RunActivity:retrieve_context", "StartActivity:retrieve_context",
+                                             "StartChildWorkflow:ChatTurnWorkflow", "POST /v1/chats"]
+    assert first.headers["x-trace-id"] != second.headers["x-trace-id"]

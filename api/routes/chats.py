@@ -24,6 +24,7 @@ from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
 )
 from api.validators import is_session_id, review_timeout_seconds, validate_collection, validate_session_id
+from ragline import tracing
 from models.chat import ChatQuestion, SessionState, TurnInput, session_workflow_id, turn_job_id
 from temporal import search_attributes as sa
 from workflows.chat import ChatSessionWorkflow
@@ -51,7 +52,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, setti
     if not duplicate:
         turn = TurnInput(job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
             exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
-            review_timeout_seconds=review_timeout_seconds(settings))
+            review_timeout_seconds=review_timeout_seconds(settings), traceparent=tracing.current_traceparent())
         await client.start_workflow(
             ChatSessionWorkflow.run, SessionState(session_id=session_id), id=session_workflow_id(session_id),
             task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
