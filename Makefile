@@ -32,8 +32,20 @@ $(STAMP_1_5B): $(STAMP)
 
 install: $(STAMP)
 
+# RAGLINE_PROMETHEUS=1 make run: also a real Prometheus on deploy/prometheus/ (Debian's package,
+# installed only then; `make test` installs it too, for tests/test_prometheus.py).
+PROMETHEUS := /usr/bin/prometheus
+ifeq ($(RAGLINE_PROMETHEUS),1)
+RUN_EXTRA += $(PROMETHEUS)
+endif
+
 run: install $(RUN_EXTRA)
 	$(BIN)/python -m devtools.supervisor
+
+$(PROMETHEUS):
+	@echo "Installing Debian's prometheus (with promtool) for metrics and alert rules (~1 min)"
+	DEBIAN_FRONTEND=noninteractive apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus
 
 # The browser test (tests/test_webui.py) drives the Temporal Web UI with Debian's Chromium through
 # playwright-core, pinned in tests/webui/package-lock.json (npm never downloads a browser here).
@@ -50,7 +62,7 @@ $(WEBUI_STAMP): tests/webui/package-lock.json tests/webui/package.json
 	npm ci --prefix tests/webui --no-audit --no-fund
 	@touch $(WEBUI_STAMP)
 
-test: install $(CHROMIUM) $(WEBUI_STAMP)
+test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: install

@@ -17,7 +17,7 @@ from activities.chat import ChatActivities
 from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
 from activities.search import SearchActivities
-from ragline import logs
+from ragline import logs, tracing
 from ragline.blobstore import BlobStore
 from ragline.embeddings import build_embedder
 from ragline.errors import StoreUnavailableError
@@ -26,6 +26,7 @@ from ragline.settings import Settings, get_settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import policies, queues
 from temporal.client import connect
+from temporal.telemetry import ServerStatsPoller, StepTelemetry, metrics_runtime
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
@@ -87,13 +88,14 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
     policies.load(settings.policies, [policies.activity_name(a) for a in activities],
                   dead_letter_ttl=settings.dead_letter_ttl)
     queue = settings.task_queue
+    telemetry = [StepTelemetry()]  # step latency/attempts, log context; tracing comes from the client
     return RaglineWorker([
-        Worker(client, task_queue=queue, workflows=WORKFLOWS, activities=activities,
+        Worker(client, task_queue=queue, workflows=WORKFLOWS, activities=activities, interceptors=telemetry,
                activity_executor=executor, max_concurrent_activities=settings.worker_io_concurrency),
-        Worker(client, task_queue=queues.queue_name(queue, "cpu"), activities=activities,
+        Worker(client, task_queue=queues.queue_name(queue, "cpu"), activities=activities, interceptors=telemetry,
                activity_executor=executor, max_concurrent_activities=settings.worker_cpu_concurrency),
         # Model calls in flight are bounded here, per model endpoint, not by a semaphore in an activity.
-        Worker(client, task_queue=queues.queue_name(queue, "llm"), activities=activities,
+        Worker(client, task_queue=queues.queue_name(queue, "llm"), activities=activities, interceptors=telemetry,
                activity_executor=executor, max_concurrent_activities=settings.effective_llm_concurrency,
                max_task_queue_activities_per_second=settings.llm_requests_per_second),
     ])
@@ -112,8 +114,19 @@ async def main() -> int:
     except StoreUnavailableError as exc:
         log.error("cannot open the vector store", error=exc.message)
         return 3
-    client = await connect(settings, identity=f"ragline-worker@{os.getpid()}")
+    tracing.configure("ragline-worker")
+    runtime = None
+    if settings.worker_metrics_port:
+        address = f"{settings.worker_metrics_host}:{settings.worker_metrics_port}"
+        try:
+            runtime = metrics_runtime(address)
+        except ValueError as exc:
+            log.error("cannot serve worker metrics (RAGLINE_WORKER_METRICS_PORT)", address=address, error=str(exc))
+            return 4
+        log.info("worker metrics", url=f"http://{address}/metrics")
+    client = await connect(settings, identity=f"ragline-worker@{os.getpid()}", runtime=runtime)
     await ensure_registered(client, settings.temporal_namespace)
+    poller = asyncio.create_task(ServerStatsPoller(client, settings, runtime).run()) if runtime else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -127,6 +140,8 @@ async def main() -> int:
         async with worker:
             await stop.wait()
             log.info("worker stopping")
+    if poller:
+        poller.cancel()
     index.close()
     return 0
 

@@ -18,7 +18,7 @@ from models.chat import (
     SummaryOutput, Usage,
 )
 from models.ingest import SearchHit
-from ragline import prompts
+from ragline import prompts, tracing
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
 from ragline.llm import ChatModel, StreamedCompletion
@@ -148,7 +148,9 @@ class AnswerDeltas:
         info = activity.info()
         now = datetime.now(timezone.utc)
         self.index += 1
+        traceparent = tracing.current_traceparent()  # the attempt's span: same trace as the job's events
         self._topic.publish({
+            **({"traceparent": traceparent} if traceparent else {}),
             "specversion": "1.0", "id": f"{info.workflow_id}/answer/{self.attempt}/{self.index}",
             "source": "ragline/generate_answer", "type": "ragline.answer.delta", "time": now.isoformat(),
             "subject": info.workflow_id, "datacontenttype": "application/json",

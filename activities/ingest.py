@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from temporalio import activity
 
@@ -9,7 +11,7 @@ from models.ingest import (
     ChunkInput, ChunkOutput, EmbedInput, EmbedOutput, ExtractInput, ExtractOutput, IndexInput, IndexOutput,
     PruneInput, PruneOutput,
 )
-from ragline import text
+from ragline import metrics, text
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
 from ragline.settings import Settings
@@ -54,7 +56,9 @@ class IngestActivities:
     def embed_chunks(self, req: EmbedInput) -> EmbedOutput:
         chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
         activity.heartbeat({"embedding": len(chunks)})
+        started = time.monotonic()
         vectors = np.asarray(self.embedder.passages([c["text"] for c in chunks]), dtype=np.float32)
+        metrics.passages_embedded(self.embedder.name, len(chunks), time.monotonic() - started)
         return EmbedOutput(vectors_ref=self.blobs.put(vectors.tobytes()), count=len(chunks),
                            model=self.embedder.name, attempt=_attempt())
 

@@ -6,9 +6,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, observability
 from api.routes import agents, chats, documents, events, health, jobs, search
-from ragline import logs
+from ragline import logs, tracing
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings, get_settings
 from temporal.client import connect
@@ -16,6 +16,7 @@ from temporal.client import connect
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    tracing.configure("ragline-api")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -31,6 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for module in (documents, chats, agents, jobs, events, search, health):
         app.include_router(module.router)
+    observability.install(app)
     return app
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
+from urllib.parse import quote
 
 from pydantic import BaseModel
 from temporalio.client import (
@@ -17,6 +18,7 @@ from api.errors import ApiError
 from api.schemas import JobError, JobSummary, JobView
 from models.chat import TurnInput, session_of_turn, session_workflow_id
 from models.jobs import JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
+from ragline import tracing
 from temporal import search_attributes as sa
 
 # A job's `progress` query needs a worker: without one, the view shows what the server knows, quickly.
@@ -122,7 +124,8 @@ async def wait_until_created(client: Client, job_id: str, rpc_timeout: timedelta
     return True
 
 
-async def describe_job(client: Client, job_id: str, rpc_timeout: timedelta) -> JobView:
+async def describe_job(client: Client, job_id: str, rpc_timeout: timedelta, *, ui_url: str | None = None) -> JobView:
+    """`ui_url`: the Temporal Web UI's base URL, for the job's `links`."""
     handle = client.get_workflow_handle(job_id)
     try:
         desc = await handle.describe(rpc_timeout=rpc_timeout)
@@ -153,9 +156,35 @@ async def describe_job(client: Client, job_id: str, rpc_timeout: timedelta) -> J
         error = JobError(message=f"step {letter.step} failed {letter.attempts} times: {letter.error}",
                          type="DeadLettered", details=[d.model_dump(mode="json") for d in progress.dead_letters])
     step_times = [t for s in steps for t in (s.finished_at, s.started_at) if t]
+    run_id = desc.run_id
+    links = {"temporal_ui": f"{ui_url}/namespaces/{quote(client.namespace)}/workflows/{quote(job_id, safe='')}/"
+                            f"{run_id}/history"} if ui_url else {}
     return JobView(job_id=view.job_id, kind=view.kind, status=view.status, created_at=view.created_at,
                    updated_at=max([view.updated_at, *_aware(step_times)]), turn=turn, steps=steps,
-                   result=result, error=error, operator_decisions=progress.decisions if progress else [])
+                   result=result, error=error, operator_decisions=progress.decisions if progress else [],
+                   trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links)
+
+
+_TRACE_IDS: dict[tuple[str, str], str | None] = {}
+
+
+async def trace_id(client: Client, job_id: str, run_id: str, rpc_timeout: timedelta) -> str | None:
+    """The trace a run belongs to: the tracing header of its first history event (it never changes,
+    so it is read once per run)."""
+    key = (job_id, run_id)
+    if key not in _TRACE_IDS:
+        found = None
+        async for event in client.get_workflow_handle(job_id, run_id=run_id).fetch_history_events(
+                page_size=1, rpc_timeout=rpc_timeout):
+            header = event.workflow_execution_started_event_attributes.header.fields.get(tracing.TEMPORAL_HEADER)
+            if header is not None:
+                carrier = client.data_converter.payload_converter.from_payloads([header])[0]
+                found = tracing.trace_id_of(carrier.get("traceparent"))
+            break
+        if len(_TRACE_IDS) > 10_000:
+            _TRACE_IDS.clear()
+        _TRACE_IDS[key] = found
+    return _TRACE_IDS[key]
 
 
 def _aware(values: list[datetime]) -> list[datetime]:

@@ -128,6 +128,8 @@ class JobView(BaseModel):
     error: JobError | None
     operator_decisions: list[OperatorDecision] = Field(
         [], description="Only when an operator retried or discarded the job")
+    trace_id: str | None = Field(None, description="The trace of the request that started the job (W3C trace id)")
+    links: dict[str, str] = Field({}, description="`temporal_ui`: the job's page in the Temporal Web UI")
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler):

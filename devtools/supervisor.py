@@ -143,6 +143,47 @@ def llm_spec(settings: Settings) -> ProcessSpec:
     )
 
 
+PROMETHEUS_DIR = PROJECT_ROOT / "deploy" / "prometheus"
+
+
+def prometheus_config(settings: Settings) -> str:
+    """deploy/prometheus/prometheus.yml with its targets set to where this run's processes listen."""
+    text = (PROMETHEUS_DIR / "prometheus.yml").read_text()
+    api = f"{_connect_host(settings.api_host)}:{settings.api_port}"
+    worker = f"{_connect_host(settings.worker_metrics_host)}:{settings.worker_metrics_port}"
+    temporal = f"{_connect_host(settings.temporal_host)}:{settings.temporal_port + 11}"
+    for default, actual in (("127.0.0.1:8000", api), ("127.0.0.1:9464", worker), ("127.0.0.1:7244", temporal)):
+        text = text.replace(f'"{default}"', f'"{actual}"')
+    return text
+
+
+def prometheus_spec(settings: Settings) -> ProcessSpec:
+    """RAGLINE_PROMETHEUS=1: Debian's Prometheus on deploy/prometheus/ (the Makefile installs it then),
+    its config and time series in <data_dir>/prometheus."""
+    folder = Path(settings.data_dir) / "prometheus"
+    port_check = port_free("127.0.0.1", settings.prometheus_port, "RAGLINE_PROMETHEUS_PORT")
+
+    def preflight() -> str | None:
+        import shutil
+
+        if shutil.which("prometheus") is None:
+            return "prometheus is not installed: `RAGLINE_PROMETHEUS=1 make run` installs Debian's package"
+        if problem := port_check():
+            return problem
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "prometheus.yml").write_text(prometheus_config(settings))
+        (folder / "rules.yml").write_text((PROMETHEUS_DIR / "rules.yml").read_text())
+        return None
+
+    return ProcessSpec(
+        name="prometheus",
+        argv=["prometheus", f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
+              f"--web.listen-address=127.0.0.1:{settings.prometheus_port}"],
+        ready=http_ready(f"http://127.0.0.1:{settings.prometheus_port}/-/ready", require_ok=True),
+        preflight=preflight,
+    )
+
+
 def process_specs(settings: Settings) -> list[ProcessSpec]:
     """The managed processes, in start order (they are stopped in reverse order; Temporal is
     handled separately: started before all of them, stopped after all of them).
@@ -166,6 +207,8 @@ def process_specs(settings: Settings) -> list[ProcessSpec]:
         # No hosted model configured: serve the local one and point the worker and API at it.
         specs.append(llm_spec(settings))
         llm_env = {"RAGLINE_LLM_BASE_URL": settings.effective_llm_base_url}
+    if settings.prometheus:
+        specs.append(prometheus_spec(settings))
     return specs + [
         ProcessSpec(
             name="worker",
@@ -500,6 +543,11 @@ class Supervisor:
             "Ragline is running.",
             f"  API docs:        {api_base_url(s)}/docs",
             f"  Temporal Web UI: {ui}",
+            f"  Metrics:         {api_base_url(s)}/metrics (API), "
+            + (f"http://{_connect_host(s.worker_metrics_host)}:{s.worker_metrics_port}/metrics (worker)"
+               if s.worker_metrics_port else "worker metrics off (RAGLINE_WORKER_METRICS_PORT=0)"),
+            f"  Prometheus:      " + (f"http://127.0.0.1:{s.prometheus_port}/classic/alerts" if s.prometheus
+                                      else "off (RAGLINE_PROMETHEUS=1 starts it on deploy/prometheus/)"),
             f"  Chat model:      {chat_model_description(s)}",
             f"  Data folder:     {s.data_dir}   (logs in {self.log_dir})",
             "  Stop:            Ctrl-C",

@@ -41,6 +41,9 @@ class TurnInput(BaseModel):
     turn: int = 0
     # Set by the session when nothing runs before this turn: its go comes with its start, no signal.
     context: TurnContext | None = None
+    # The W3C traceparent of the request that made the turn: the session starts the turn's job in that
+    # trace (the session itself lives in its first request's trace).
+    traceparent: str | None = None
 
 
 class TurnOutcome(BaseModel):

@@ -21,6 +21,8 @@ class DocumentInput(BaseModel):
     size: int
     kind: DocumentKind
     password: str | None = None
+    # RAGLINE_METRICS_COLLECTION_LABEL: the ingestion counters may carry the collection.
+    metrics_collection_label: bool = False
 
 
 class DocumentOutcome(BaseModel):

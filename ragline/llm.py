@@ -6,14 +6,22 @@ and `ragline.provider_errors` maps failures onto the project's error taxonomy.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from openai import AsyncOpenAI
 
+from opentelemetry import trace
+
+from ragline import metrics, tracing
 from ragline.errors import TransientError
 from ragline.provider_errors import translate_provider_errors
 from ragline.settings import Settings
+
+
+_tracer = trace.get_tracer("ragline.llm")
 
 
 @dataclass
@@ -53,6 +61,17 @@ class StreamedCompletion:
         return "".join(self.parts)
 
 
+@dataclass
+class _Usage:
+    headers: dict[str, str]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def take(self, usage) -> None:
+        if usage is not None:
+            self.prompt_tokens, self.completion_tokens = usage.prompt_tokens or 0, usage.completion_tokens or 0
+
+
 class ChatModel:
     def __init__(self, settings: Settings) -> None:
         self.model = settings.llm_model
@@ -60,12 +79,39 @@ class ChatModel:
         self._client = AsyncOpenAI(base_url=settings.effective_llm_base_url, api_key=settings.llm_api_key or "unused",
                                    max_retries=0, timeout=settings.llm_timeout)
 
+    @contextmanager
+    def _observed(self, step: str) -> Iterator[_Usage]:
+        """Every model call is counted, timed and its tokens added up (ragline_model_*), with the error's
+        type (the provider client's exception, e.g. RateLimitError) when it fails."""
+        started = time.monotonic()
+        error_type = None
+        # The model call's span (GenAI semantic conventions); the `openai` client's transport (httpx2)
+        # is not instrumented, so the span is made here and its traceparent sent along.
+        with _tracer.start_as_current_span(f"chat {self.model}", kind=trace.SpanKind.CLIENT, attributes={
+                "gen_ai.operation.name": "chat", "gen_ai.request.model": self.model, "ragline.step": step}) as span:
+            headers = {"X-Ragline-Step": step}
+            if traceparent := tracing.current_traceparent():
+                headers["traceparent"] = traceparent
+            usage = _Usage(headers=headers)
+            try:
+                yield usage
+            except BaseException as exc:
+                error_type = type(exc.__cause__ or exc).__name__
+                span.set_attribute("error.type", error_type)
+                raise
+            finally:
+                span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+                metrics.model_call(step, self.model, time.monotonic() - started, prompt_tokens=usage.prompt_tokens,
+                                   completion_tokens=usage.completion_tokens, error_type=error_type)
+
     async def complete(self, messages: list[dict], *, step: str, temperature: float = 0.0,
                        max_tokens: int | None = None) -> Completion:
-        with translate_provider_errors(step):
+        with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
                 model=self.model, messages=messages, temperature=temperature,
-                max_tokens=max_tokens or self.max_tokens, extra_headers={"X-Ragline-Step": step})
+                max_tokens=max_tokens or self.max_tokens, extra_headers=observed.headers)
+            observed.take(response.usage)
         if not response.choices:
             raise TransientError(f"{step}: the model returned no choices")
         usage = response.usage
@@ -75,10 +121,11 @@ class ChatModel:
 
     async def plan(self, messages: list[dict], tools: list[dict], *, step: str) -> ToolPlan:
         """One tool-calling turn: the model picks tools from `tools` (or answers in text)."""
-        with translate_provider_errors(step):
+        with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
                 model=self.model, messages=messages, tools=tools, tool_choice="auto", temperature=0.0,
-                max_tokens=self.max_tokens, extra_headers={"X-Ragline-Step": step})
+                max_tokens=self.max_tokens, extra_headers=observed.headers)
+            observed.take(response.usage)
         if not response.choices:
             raise TransientError(f"{step}: the model returned no choices")
         message = response.choices[0].message
@@ -92,16 +139,17 @@ class ChatModel:
     async def stream(self, messages: list[dict], result: StreamedCompletion, *, step: str,
                      temperature: float = 0.0) -> AsyncIterator[str]:
         """Yields pieces of the reply as they arrive; totals land in `result`."""
-        with translate_provider_errors(step):
+        with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
                 model=self.model, messages=messages, temperature=temperature, max_tokens=self.max_tokens,
-                stream=True, stream_options={"include_usage": True}, extra_headers={"X-Ragline-Step": step})
+                stream=True, stream_options={"include_usage": True}, extra_headers=observed.headers)
             async for chunk in response:
                 if chunk.model:
                     result.model = chunk.model
                 if chunk.usage:
                     result.prompt_tokens = chunk.usage.prompt_tokens
                     result.completion_tokens = chunk.usage.completion_tokens
+                    observed.take(chunk.usage)
                 for choice in chunk.choices:
                     piece = choice.delta.content if choice.delta else None
                     if piece:

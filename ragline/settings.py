@@ -80,6 +80,22 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = False
 
+    # Observability. The worker serves the SDK's and Ragline's metrics (Prometheus format) on
+    # worker_metrics_host:worker_metrics_port; 0 turns that off. The API serves its own at GET /metrics.
+    worker_metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = 9464
+    # Seconds between the worker's polls of the server's statistics (backlog, jobs waiting).
+    metrics_poll_interval: float = 15.0
+    # Ingestion counters carry the collection as a label (off: collections may be tenants, unbounded).
+    metrics_collection_label: bool = False
+    # Seconds each step should take, overriding ragline.metrics.DEFAULT_STEP_SLA_SECONDS (JSON object).
+    step_sla: dict[str, float] = Field(default_factory=dict)
+    # Where job links point: the Temporal Web UI. Unset: http://127.0.0.1:<temporal_ui_port>.
+    temporal_ui_url: str | None = None
+    # `make run`: also start Prometheus on deploy/prometheus/ (RAGLINE_PROMETHEUS=1), listening here.
+    prometheus: bool = False
+    prometheus_port: int = 9090
+
     policies: Path | None = Field(default=None, description="Alternative retry/timeout policy file")
     # Overrides [dead_letter].ttl of the policy file, e.g. "7d", "12h".
     dead_letter_ttl: str | None = None
@@ -91,6 +107,10 @@ class Settings(BaseSettings):
     @property
     def temporal_port(self) -> int:
         return int(self.temporal_address.rsplit(":", 1)[1])
+
+    @property
+    def effective_temporal_ui_url(self) -> str:
+        return (self.temporal_ui_url or f"http://127.0.0.1:{self.temporal_ui_port}").rstrip("/")
 
     @property
     def blob_dir(self) -> Path:

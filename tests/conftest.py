@@ -1,5 +1,9 @@
 """One real stack per test session: a Temporal dev server on free ports, the worker (in-process,
-real embedded Qdrant and real embedding model) and the API served by uvicorn on a free port."""
+real embedded Qdrant and real embedding model) and the API served by uvicorn on a free port.
+
+Telemetry is on as in production, once per process: every span goes to an in-memory exporter
+(`SPANS`, the `spans` fixture), and one metrics Runtime (`metrics_runtime()`) serves the in-process
+workers' metrics on a free port; the dev server serves its own on `TEMPORAL_METRICS_PORT`."""
 
 from __future__ import annotations
 
@@ -15,6 +19,13 @@ import httpx
 import pytest
 import pytest_asyncio
 import uvicorn
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from ragline import tracing
+
+# Before the app and the clients exist: the process's tracer provider records every span here.
+SPANS = InMemorySpanExporter()
+tracing.configure("ragline-test", exporter=SPANS)
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
@@ -23,6 +34,7 @@ from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import search_attributes as sa
 from temporal.client import connect
+from temporal.telemetry import ServerStatsPoller, metrics_runtime as _metrics_runtime
 from devtools.devserver import temporal_binary
 from devtools.scripted_llm import ScriptedLLM
 from worker import build_worker
@@ -56,6 +68,27 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+_RUNTIME: dict = {}
+
+
+def metrics_runtime():
+    """The process's one metrics Runtime (its Prometheus port binds once), made on first use; every
+    in-process worker's client uses it, so its scrape holds every test stack (labelled by task_queue)."""
+    if "runtime" not in _RUNTIME:
+        port = free_port()
+        _RUNTIME.update(runtime=_metrics_runtime(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}/metrics",
+                        port=port)
+    return _RUNTIME["runtime"]
+
+
+def worker_metrics_url() -> str:
+    metrics_runtime()
+    return _RUNTIME["url"]
+
+
+TEMPORAL_METRICS_PORT = free_server_port()
 
 
 def shared_pdf(name: str) -> Path:
@@ -123,7 +156,8 @@ async def temporal_env():
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(),
         search_attributes=list(sa.ALL),
-        dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off"],
+        dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off",
+                               "--metrics-port", str(TEMPORAL_METRICS_PORT)],
     )
     yield env
     await env.shutdown()
@@ -135,6 +169,12 @@ async def scripted_llm():
     await llm.start()
     yield llm
     await llm.stop()
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    """Every span recorded in this process so far (filter by the trace id of your own request)."""
+    return SPANS
 
 
 @pytest.fixture
@@ -166,14 +206,15 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     api_port = free_port()
     options = dict(data_dir=data_dir, temporal_address=address, api_port=api_port, task_queue="ragline-test",
                    embed_batch_size=16, llm_base_url=llm.base_url, llm_model="scripted", llm_timeout=3,
-                   policies=FIXTURES.parent / "fast_policies.toml")
+                   policies=FIXTURES.parent / "fast_policies.toml", metrics_poll_interval=1.0)
     options.update(overrides)
     settings = Settings(**options)
-    client = await connect(settings)
+    client = await connect(settings, runtime=metrics_runtime())
     index = open_index(settings) if in_process_worker else None
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)
     worker = build_worker(client, settings, index, executor) if in_process_worker else None
     worker_task = asyncio.create_task(worker.run()) if worker else None
+    poller = asyncio.create_task(ServerStatsPoller(client, settings, metrics_runtime()).run()) if worker else None
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=api_port,
                                            log_level="warning", lifespan="on"))
     server_task = asyncio.create_task(server.serve())
@@ -186,6 +227,8 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     finally:
         server.should_exit = True
         await server_task
+        if poller:
+            poller.cancel()
         if worker:
             await worker.shutdown()
             await worker_task

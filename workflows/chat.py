@@ -29,6 +29,7 @@ with workflow.unsafe.imports_passed_through():
         AwaitTurnInput, ContextInput, GenerateInput, HistoryItem, RetrieveInput, SessionState, TurnContext, TurnInput,
         TurnResult,
     )
+    from ragline import tracing
     from temporal import policies
     from temporal import search_attributes as sa
     from workflows.job import JobWorkflow
@@ -135,17 +136,19 @@ class ChatSessionWorkflow:
         """The turn's job, queued until its go; None when a job with this id exists already (the same
         request reached an earlier session with this id: that job answers it)."""
         try:
-            return await workflow.start_child_workflow(
-                ChatTurnWorkflow.run, turn, id=turn.job_id,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                memo={"turn": turn.turn, "message": turn.question.message[:500]},
-                search_attributes=TypedSearchAttributes([
-                    SearchAttributePair(sa.JOB_KIND, "chat"),
-                    SearchAttributePair(sa.JOB_STATUS, "queued"),
-                    SearchAttributePair(sa.COLLECTION, turn.question.collection),
-                    SearchAttributePair(sa.SESSION, self.state.session_id),
-                ]))
+            # The turn's job joins its own request's trace (the session lives in its first request's).
+            with tracing.attached(turn.traceparent):
+                return await workflow.start_child_workflow(
+                    ChatTurnWorkflow.run, turn, id=turn.job_id,
+                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                    parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                    memo={"turn": turn.turn, "message": turn.question.message[:500]},
+                    search_attributes=TypedSearchAttributes([
+                        SearchAttributePair(sa.JOB_KIND, "chat"),
+                        SearchAttributePair(sa.JOB_STATUS, "queued"),
+                        SearchAttributePair(sa.COLLECTION, turn.question.collection),
+                        SearchAttributePair(sa.SESSION, self.state.session_id),
+                    ]))
         except WorkflowAlreadyStartedError:
             return None
 

@@ -19,9 +19,11 @@ with workflow.unsafe.imports_passed_through():
 
 
 class DeadLetters:
-    def __init__(self, events: JobEvents, on_change: Callable[[], None]) -> None:
+    def __init__(self, events: JobEvents, on_change: Callable[[], None],
+                 on_park: Callable[[], None] = lambda: None) -> None:
         self._events = events
         self._on_change = on_change
+        self._on_park = on_park
         self.parked: dict[str, DeadLetter] = {}
         self.decisions: list[OperatorDecision] = []
         self._releases = 0
@@ -36,6 +38,7 @@ class DeadLetters:
                             parked_at=now, expires_at=now + ttl)
         self.parked[step] = letter
         self._on_change()
+        self._on_park()
         self._events.emit("ragline.job.dead_lettered", letter.model_dump(mode="json"))
         release = self._releases
         try:

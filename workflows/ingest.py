@@ -24,6 +24,7 @@ with workflow.unsafe.imports_passed_through():
         AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, ExtractInput,
         IndexInput, IngestInput, IngestResult, PruneInput, document_workflow_id,
     )
+    from ragline import metrics
     from temporal import policies
     from temporal import search_attributes as sa
     from workflows.failures import failure_reason
@@ -53,6 +54,8 @@ class IngestDocumentWorkflow(JobWorkflow):
         await self.step(IngestActivities.prune_stale_chunks, PruneInput(
             document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks))
         self.upsert_attributes(sa.CHUNKS.value_set(chunked.chunks), sa.PAGES.value_set(extracted.pages))
+        metrics.document_ingested(workflow.metric_meter(), extracted.pages, chunked.chunks,
+                                  doc.collection if doc.metrics_collection_label else None)
         return DocumentOutcome(document_id=doc.document_id, filename=doc.filename, status="indexed",
                                job_id=workflow.info().workflow_id, pages=extracted.pages, chunks=chunked.chunks)
 

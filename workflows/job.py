@@ -16,6 +16,7 @@ step into a failed job with a reason a person can act on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -24,6 +25,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest
+    from ragline import metrics
     from temporal import policies
     from temporal import search_attributes as sa
     from workflows.dead_letters import DeadLetters
@@ -42,7 +44,7 @@ class JobWorkflow:
     def __init__(self) -> None:
         self.events = JobEvents()
         self.steps = StepLog(self.events, self._sync_status, [policies.activity_name(a) for a in self.PLANNED])
-        self.dead_letters = DeadLetters(self.events, self._sync_status)
+        self.dead_letters = DeadLetters(self.events, self._sync_status, on_park=lambda: self._count("dead_lettered"))
         self.reviews = Reviews(self.events, self._sync_status)
         self._running = False
         self._status: JobStatus = "queued"
@@ -53,16 +55,27 @@ class JobWorkflow:
         self.events.emit("ragline.job.accepted", accepted)
         try:
             result = await work()
+        except asyncio.CancelledError:
+            self._count("cancelled")
+            raise
         except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
             self.steps.skip_pending()
             reason = failure_reason(exc)
+            self._count("failed")
             await self.events.close("ragline.job.failed", {"error": reason})
             # The step already exhausted its retry policy (or failed non-retryably): fail the job with
             # the reason, and do not retry the workflow itself.
             details = exc.details if isinstance(exc, ApplicationError) else ()
             raise ApplicationError(reason, *details, type=failure_type(exc), non_retryable=True) from exc
+        self._count("completed")
         await self.events.close("ragline.job.completed", result.model_dump(mode="json"))
         return result
+
+    def _count(self, status: str) -> None:
+        """ragline_jobs_total{kind,status}: through the workflow's meter, which skips replays."""
+        info = workflow.info()
+        kind = info.typed_search_attributes.get(sa.JOB_KIND) or info.workflow_type
+        metrics.job_finished(workflow.metric_meter(), kind, status)
 
     def begin(self) -> None:
         """The job is under way even before its first step (it waits on children, say)."""

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-from api import job_views
+from api import job_views, observability
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
@@ -61,6 +61,7 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, se
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
             SearchAttributePair(sa.COLLECTION, req.collection)]))
+    observability.job_accepted("agent")
     return Accepted.for_job(request, job_id)
 
 

@@ -17,13 +17,14 @@ from pydantic import Field
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-from api import job_views
+from api import job_views, observability
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
 )
 from api.validators import is_session_id, review_timeout_seconds, validate_collection, validate_session_id
+from ragline import tracing
 from models.chat import ChatQuestion, SessionState, TurnInput, session_workflow_id, turn_job_id
 from temporal import search_attributes as sa
 from workflows.chat import ChatSessionWorkflow
@@ -51,13 +52,14 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, setti
     if not duplicate:
         turn = TurnInput(job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
             exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
-            review_timeout_seconds=review_timeout_seconds(settings))
+            review_timeout_seconds=review_timeout_seconds(settings), traceparent=tracing.current_traceparent())
         await client.start_workflow(
             ChatSessionWorkflow.run, SessionState(session_id=session_id), id=session_workflow_id(session_id),
             task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
                                                      SearchAttributePair(sa.SESSION, session_id)]),
             rpc_timeout=timeout)
+        observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
 
 

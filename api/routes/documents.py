@@ -13,7 +13,7 @@ from temporalio.common import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from api import job_views
+from api import job_views, observability
 from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
@@ -86,7 +86,8 @@ async def upload_documents(
         doc_id = document_id(collection, item["sha256"])
         documents.setdefault(doc_id, DocumentInput(
             document_id=doc_id, collection=collection, filename=item["filename"], blob_ref=item["ref"],
-            sha256=item["sha256"], size=item["size"], kind=item["kind"], password=password or None))
+            sha256=item["sha256"], size=item["size"], kind=item["kind"], password=password or None,
+            metrics_collection_label=settings.metrics_collection_label))
     job_id = ingest_job_id(collection, list(documents))
     duplicate = await _already_done_or_running(client, job_id, timeout)
     if not duplicate:
@@ -102,6 +103,7 @@ async def upload_documents(
                 SearchAttributePair(sa.COLLECTION, collection),
             ]),
             rpc_timeout=timeout)
+        observability.job_accepted("ingest")
     return DocumentsAccepted.for_job(request, job_id, duplicate=duplicate, documents=[
         AcceptedDocument(document_id=d.document_id, filename=d.filename, sha256=d.sha256)
         for d in documents.values()])

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Query
 from temporalio.client import Client
 
 from api import job_views
-from api.deps import ClientDep, RpcTimeoutDep
+from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobList, JobView, OperatorResult, error_responses
 from models.jobs import JobKind, JobStatus, OperatorAck, OperatorRequest
 
@@ -30,8 +30,8 @@ async def list_jobs(client: ClientDep, timeout: RpcTimeoutDep, status: JobStatus
 
 @router.get("/{job_id}", summary="One job: status, steps, result or error",
             responses=error_responses({404: "job_not_found", 503: TEMPORAL_DOWN}))
-async def get_job(job_id: str, client: ClientDep, timeout: RpcTimeoutDep) -> JobView:
-    return await job_views.describe_job(client, job_id, timeout)
+async def get_job(job_id: str, client: ClientDep, settings: SettingsDep, timeout: RpcTimeoutDep) -> JobView:
+    return await job_views.describe_job(client, job_id, timeout, ui_url=settings.effective_temporal_ui_url)
 
 
 async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client,

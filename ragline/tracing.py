@@ -1,0 +1,119 @@
+"""OpenTelemetry tracing: one trace per request, from the HTTP request through the workflows and every
+activity attempt to the model call.
+
+`configure()` installs the process's tracer provider once:
+  * OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) set: spans are recorded and
+    exported over OTLP/HTTP in batches (the standard OTEL_* variables apply: headers, service name...);
+  * unset: nothing is recorded or exported (sampler always-off), but every request still gets a trace
+    id that rides along (headers, CloudEvents `traceparent`, log lines), so correlation is free;
+  * tests pass an exporter (in-memory): every span is recorded and handed to it at once.
+
+Temporal carries the context in its `_tracer-data` header (temporalio.contrib.opentelemetry, on the
+client only: workers built from that client inherit it); httpx is instrumented, so the `openai`
+client's calls are spans too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_configured = False
+_propagator = TraceContextTextMapPropagator()
+TEMPORAL_HEADER = "_tracer-data"
+
+
+def exporting() -> bool:
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def configure(service_name: str = "ragline", exporter=None) -> None:
+    """Install the tracer provider and instrument httpx; idempotent (the first call wins)."""
+    global _configured
+    if _configured:
+        return
+    _configured = True
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
+    if exporter is not None:
+        provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif exporting():
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER, default parent-based on
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    else:
+        provider = TracerProvider(resource=resource, sampler=ALWAYS_OFF)
+    trace.set_tracer_provider(provider)
+    HTTPXClientInstrumentor().instrument()
+
+
+def instrument_app(app) -> None:
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    # Scrapes and health checks are not requests anyone traces.
+    FastAPIInstrumentor.instrument_app(app, excluded_urls="metrics,healthz")
+
+
+def client_interceptors() -> list:
+    from temporalio.contrib.opentelemetry import TracingInterceptor
+
+    return [TracingInterceptor()]
+
+
+def current_trace_id() -> str | None:
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else None
+
+
+def current_traceparent() -> str | None:
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The trace id in a W3C traceparent `00-<trace id>-<span id>-<flags>`."""
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
+def context_of(traceparent: str | None):
+    """An OpenTelemetry context whose current span is the one `traceparent` names (or the current one)."""
+    if not traceparent:
+        return otel_context.get_current()
+    return _propagator.extract({"traceparent": traceparent})
+
+
+@contextmanager
+def attached(traceparent: str | None) -> Iterator[None]:
+    """Run the block in the trace `traceparent` names (nothing changes when it is None). Usable in
+    workflow code: the tracing interceptor's spans and headers follow the current context."""
+    if not traceparent:
+        yield
+        return
+    token = otel_context.attach(context_of(traceparent))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def add_trace_id(logger, method_name, event_dict):
+    """structlog processor: every log line carries the trace id of the span it was written under."""
+    if "trace_id" not in event_dict:
+        trace_id = current_trace_id()
+        if trace_id:
+            event_dict["trace_id"] = trace_id
+    return event_dict

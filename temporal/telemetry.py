@@ -1,0 +1,126 @@
+"""The worker's telemetry: its Runtime (SDK metrics served in the Prometheus format on
+RAGLINE_WORKER_METRICS_PORT, Ragline's own beside them), a worker interceptor that measures every
+activity attempt and ties its log lines to the job, and a poller for what only the server knows
+(task-queue backlog, jobs waiting for a person or an operator)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import structlog
+from temporalio import activity
+from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client
+from temporalio.exceptions import ApplicationError, CancelledError
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+
+from ragline import metrics, tracing
+from ragline.settings import Settings
+from temporal import queues
+from temporal import search_attributes as sa
+
+log = structlog.get_logger("ragline.telemetry")
+
+
+def metrics_runtime(bind_address: str) -> Runtime:
+    """A Runtime whose metrics (the SDK's and Ragline's) are served at http://<bind_address>/metrics.
+    Build it once per process (the port binds at once), before any client that should use it."""
+    return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
+        bind_address=bind_address, counters_total_suffix=True, durations_as_seconds=True,
+        histogram_bucket_overrides=metrics.HISTOGRAM_BUCKETS)))
+
+
+class StepTelemetry(Interceptor):
+    """Per activity attempt: duration and outcome (ragline_step_duration_seconds, ragline_step_attempts_total),
+    and log lines bound to job_id, step, attempt and the trace id. Runs inside the tracing interceptor's
+    RunActivity span (client interceptors come first)."""
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _StepInbound(next)
+
+
+class _StepInbound(ActivityInboundInterceptor):
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        info = activity.info()
+        meter = activity.metric_meter()
+        bound = dict(job_id=info.workflow_id, step=info.activity_type, attempt=info.attempt)
+        trace_id = tracing.current_trace_id()
+        if trace_id:
+            bound["trace_id"] = trace_id
+        started = time.monotonic()
+        outcome = "completed"
+        with structlog.contextvars.bound_contextvars(**bound):
+            try:
+                return await super().execute_activity(input)
+            except BaseException as exc:
+                outcome = _outcome(exc)
+                log.warning("step attempt failed", outcome=outcome, error_type=type(exc).__name__,
+                            error=str(exc)[:300])
+                raise
+            finally:
+                metrics.step_attempt(meter, time.monotonic() - started, outcome, retry=info.attempt > 1)
+
+
+def _outcome(exc: BaseException) -> str:
+    if isinstance(exc, (asyncio.CancelledError, CancelledError)):
+        return "cancelled"
+    if isinstance(exc, ApplicationError) and exc.non_retryable:
+        return "non_retryable_error"
+    return "retryable_error"
+
+
+class ServerStatsPoller:
+    """Sets, every `interval` seconds, the gauges only the server can answer: each task queue's
+    approximate backlog, and the jobs on this worker's queue waiting for a review or an operator."""
+
+    def __init__(self, client: Client, settings: Settings, runtime: Runtime) -> None:
+        self.client = client
+        self.settings = settings
+        meter = runtime.metric_meter
+        self.backlog = meter.create_gauge(metrics.BACKLOG, "Tasks waiting on the task queue (server's approximate_backlog_count)")
+        self.reviews = meter.create_gauge(metrics.REVIEWS_WAITING, "Jobs waiting for a human review")
+        self.dead = meter.create_gauge(metrics.DEAD_LETTERED_WAITING, "Dead-lettered jobs waiting for an operator")
+        self.errors = meter.create_counter(metrics.POLL_ERRORS, "Failed polls of the server's statistics")
+        sla = meter.create_gauge_float(metrics.STEP_SLA, "What one step should take; alerts fire at 2x its p95", "s")
+        for step, seconds in {**metrics.DEFAULT_STEP_SLA_SECONDS, **settings.step_sla}.items():
+            sla.set(float(seconds), {"activity_type": step})
+
+    def queues(self) -> Iterable[str]:
+        return [queues.queue_name(self.settings.task_queue, kind) for kind in queues.QUEUE_KINDS]
+
+    async def poll_once(self) -> None:
+        ns = self.settings.temporal_namespace
+        timeout = timedelta(seconds=self.settings.temporal_rpc_timeout)
+        main = self.settings.task_queue
+        for name in self.queues():
+            types = [("activity", TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)]
+            if name == main:
+                types.append(("workflow", TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW))
+            for label, type_ in types:
+                resp = await self.client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+                    namespace=ns, task_queue=TaskQueue(name=name, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+                    task_queue_type=type_, report_stats=True), timeout=timeout)
+                self.backlog.set(resp.stats.approximate_backlog_count, {"task_queue": name, "type": label})
+        for gauge, status in ((self.reviews, "waiting_review"), (self.dead, "dead_lettered")):
+            query = (f"{sa.JOB_STATUS.name} = '{status}' AND ExecutionStatus = 'Running' "
+                     f"AND TaskQueue = '{main}'")
+            count = await self.client.count_workflows(query, rpc_timeout=timeout)
+            gauge.set(count.count, {"task_queue": main})
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the server is down or restarting: try again next time
+                self.errors.add(1)
+                log.warning("server statistics poll failed", error=str(exc)[:200])
+            await asyncio.sleep(self.settings.metrics_poll_interval)

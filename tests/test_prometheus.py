@@ -1,0 +1,212 @@
+"""A real Prometheus (Debian's package, installed by `make test`) scrapes a live test stack with the
+project's own alert rules: the rules pass promtool, a burst of chats with injected model faults
+shows up as the expected job counts in PromQL, an alert goes to firing when its condition is
+forced, and every series the dashboard and the rules use exists in a scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import TEMPORAL_METRICS_PORT, free_port, running_stack, worker_metrics_url
+from tests.helpers import eventually
+from tests.pdfgen import pdf_bytes
+
+PROJECT = Path(__file__).resolve().parent.parent
+RULES = PROJECT / "deploy" / "prometheus" / "rules.yml"
+CONFIG = PROJECT / "deploy" / "prometheus" / "prometheus.yml"
+DASHBOARD = PROJECT / "deploy" / "grafana" / "ragline-dashboard.json"
+SCREENSHOT = PROJECT / "docs" / "prometheus" / "alerts.png"
+CHROMIUM = "/usr/bin/chromium"
+QUEUE = "ragline-prom"
+
+
+def _require(tool: str) -> str:
+    """Fails (never skips) when a tool `make test` installs is missing."""
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed: `make test` installs it (apt-get install prometheus)", pytrace=False)
+    return path
+
+
+def test_promtool_accepts_the_rules_and_the_config():
+    promtool = _require("promtool")
+    for argv in (["check", "rules", str(RULES)], ["check", "config", str(CONFIG)]):
+        done = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS: 6 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
+                                                      capture_output=True, text=True).stdout
+
+
+def _metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b((?:ragline|temporal)_[a-z_]+)\b", expr))
+
+
+def _used_series() -> set[str]:
+    rules = yaml.safe_load(RULES.read_text())
+    names = {n for g in rules["groups"] for r in g["rules"] for n in _metric_names(r["expr"])}
+    dashboard = json.loads(DASHBOARD.read_text())
+    names |= {n for p in dashboard["panels"] for t in p["targets"] for n in _metric_names(t["expr"])}
+    return names
+
+
+class Prometheus:
+    def __init__(self, workdir: Path, targets: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # A test copy of the rules: same expressions, every `for:` cut to 1s so a forced condition fires now.
+        rules = yaml.safe_load(RULES.read_text())
+        for group in rules["groups"]:
+            group["interval"] = "1s"
+            for rule in group["rules"]:
+                rule["for"] = "1s"
+        (workdir / "rules.yml").write_text(yaml.safe_dump(rules))
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": ["rules.yml"],
+                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target]}]}
+                                     for job, target in targets.items()]}
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.argv = [_require("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+                     f"--storage.tsdb.path={workdir / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"]
+        self.log = open(workdir / "prometheus.log", "wb")
+        self.proc: subprocess.Popen | None = None
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=10)
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        async def ready() -> bool:
+            assert self.proc.poll() is None, "prometheus exited at start; see prometheus.log"
+            try:
+                return (await self.http.get("/-/ready")).status_code == 200
+            except httpx.TransportError:
+                return False
+        await eventually(ready, timeout=30, every=0.2, what="prometheus ready")
+
+    async def stop(self) -> None:
+        await self.http.aclose()
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+    async def query(self, promql: str) -> list[dict]:
+        r = await self.http.get("/api/v1/query", params={"query": promql})
+        assert r.status_code == 200, r.text
+        return r.json()["data"]["result"]
+
+    async def vector(self, promql: str, label: str) -> dict[str, float]:
+        return {s["metric"].get(label, ""): float(s["value"][1]) for s in await self.query(promql)}
+
+    async def alerts(self) -> list[dict]:
+        return (await self.http.get("/api/v1/alerts")).json()["data"]["alerts"]
+
+
+def _screenshot(url: str, path: Path) -> None:
+    """The Prometheus alerts page, rendered by Debian's headless Chromium."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile = path.parent / ".chromium-profile"
+    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={profile}", "--hide-scrollbars", "--window-size=1280,900",
+            "--virtual-time-budget=8000", f"--screenshot={path}", url]
+    try:
+        subprocess.run(argv, capture_output=True, timeout=90, check=True)
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+async def test_prometheus_scrapes_a_live_stack_counts_jobs_and_fires_an_alert(temporal_env, scripted_llm, tmp_path):
+    started = time.monotonic()
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path / "data", task_queue=QUEUE) as stack:
+        prom = Prometheus(tmp_path, {
+            "ragline-api": stack.base_url.removeprefix("http://"),
+            "ragline-worker": worker_metrics_url().removeprefix("http://").removesuffix("/metrics"),
+            "temporal": f"127.0.0.1:{TEMPORAL_METRICS_PORT}"})
+        await prom.start()
+        try:
+            up = await stack.upload(("harbour.pdf", pdf_bytes(["The harbour master keeps the tide tables."])),
+                                    collection="prom")
+            assert (await stack.wait_done(up["job_id"]))["status"] == "completed"
+
+            # The burst: each chat in a scope of its own, so each gets exactly its faults.
+            plans = {"ok": [], "retried": ["503"], "rejected": ["400"], "exhausted": ["503"] * 4}
+            kinds = ["ok", "ok", "retried", "retried", "rejected", "exhausted"]
+            scopes = [scripted_llm.scope() for _ in kinds]
+            try:
+                for scope, kind in zip(scopes, kinds):
+                    if plans[kind]:
+                        scope.script("answer", plans[kind])
+                accepted = await asyncio.gather(*(stack.chat(f"Who keeps the tide tables? {s.token}", collection="prom")
+                                                  for s in scopes))
+                jobs = await asyncio.gather(*(stack.wait_job(a["job_id"]) for a in accepted))
+            finally:
+                for scope in scopes:
+                    scope.close()
+            assert [j["status"] for j in jobs] == ["completed"] * 4 + ["failed", "dead_lettered"], jobs
+
+            # PromQL sees exactly these jobs (this stack's queue only).
+            expected = {"completed": 4.0, "failed": 1.0, "dead_lettered": 1.0}
+            query = f'sum by (status) (ragline_jobs_total{{kind="chat", task_queue="{QUEUE}"}})'
+
+            async def counted():
+                found = await prom.vector(query, "status")
+                return found if found == expected else None
+            await eventually(counted, timeout=30, every=0.5, what=f"{query} == {expected}")
+            errors_query = (f'sum by (error_type) (ragline_model_errors_total{{step="generate", '
+                            f'task_queue=~"{QUEUE}.*"}})')
+
+            async def errors():
+                found = await prom.vector(errors_query, "error_type")
+                return found if found == {"InternalServerError": 6.0, "BadRequestError": 1.0} else None
+            await eventually(errors, timeout=30, every=0.5, what=f"{errors_query}: 6 x 503, 1 x 400")
+            attempts = await prom.vector(
+                f'sum by (outcome) (ragline_step_attempts_total{{activity_type="generate_answer", task_queue=~"{QUEUE}.*"}})',
+                "outcome")
+            assert attempts == {"completed": 4.0, "retryable_error": 6.0, "non_retryable_error": 1.0}, attempts
+
+            # The forced condition: one dead-lettered job waits on this queue -> the alert fires for it.
+            async def firing():
+                return [a for a in await prom.alerts() if a["labels"]["alertname"] == "RaglineDeadLetteredJobsWaiting"
+                        and a["labels"].get("task_queue") == QUEUE and a["state"] == "firing"]
+            [alert] = await eventually(firing, timeout=30, every=0.5, what="RaglineDeadLetteredJobsWaiting firing")
+            assert float(alert["value"]) == 1.0
+
+            # Every series the dashboard and the rules use exists in a scrape.
+            missing = [name for name in sorted(_used_series()) if not await prom.query(f"count({name}) > 0")]
+            assert not missing, f"used by the dashboard or the rules, absent from every scrape: {missing}"
+            assert {s["metric"]["job"] for s in await prom.query("up == 1")} >= {"ragline-api", "ragline-worker",
+                                                                                  "temporal"}
+
+            if os.environ.get("RAGLINE_SCREENSHOTS"):
+                _screenshot(f"{prom.url}/classic/alerts", SCREENSHOT)  # Debian ships the classic UI
+
+            # The operator's decision clears it.
+            dead = jobs[-1]["job_id"]
+            r = await stack.http.post(f"/v1/jobs/{dead}/discard", json={"operator": "test", "reason": "forced"})
+            assert r.status_code == 200, r.text
+            assert (await stack.wait_done(dead))["status"] == "failed"
+
+            async def resolved():
+                return not await firing()
+            await eventually(resolved, timeout=30, every=0.5, what="RaglineDeadLetteredJobsWaiting resolved")
+        finally:
+            await prom.stop()
+    print(f"\nPrometheus test took {time.monotonic() - started:.1f} s", file=sys.stderr)

@@ -1,0 +1,115 @@
+"""Traces: one per request, from the HTTP request through the workflows and every activity attempt
+to the model call; the trace id comes back in the response header and the job view, and rides on
+every CloudEvent and log line of the job."""
+
+from __future__ import annotations
+
+import uuid
+
+import structlog
+from opentelemetry.trace import SpanKind, StatusCode
+
+from ragline.tracing import add_trace_id
+from tests.helpers import read_events
+from tests.pdfgen import pdf_bytes
+
+
+def _trace(spans, trace_id: str) -> dict:
+    return {s.context.span_id: s for s in spans.get_finished_spans()
+            if format(s.context.trace_id, "032x") == trace_id}
+
+
+def _chain(tree: dict, span) -> list[str]:
+    """The names from `span` up to the root of its trace."""
+    names = [span.name]
+    while span.parent is not None and span.parent.span_id in tree:
+        span = tree[span.parent.span_id]
+        names.append(span.name)
+    return names
+
+
+def _one(tree: dict, name: str, kind: SpanKind | None = None):
+    found = [s for s in tree.values() if s.name == name and (kind is None or s.kind == kind)]
+    assert len(found) == 1, (name, [s.name for s in tree.values()])
+    return found[0]
+
+
+async def test_chat_turn_is_one_trace_from_request_to_model_call_with_a_retried_attempt(stack, spans):
+    up = await stack.upload(("tides.pdf", pdf_bytes(["The tide table says high water is at noon."])),
+                            collection="trace-chat")
+    await stack.wait_done(up["job_id"])
+    with stack.llm.scope() as mine, structlog.testing.capture_logs(
+            processors=[structlog.contextvars.merge_contextvars, add_trace_id]) as logs:
+        mine.script("answer", ["503"])  # the first generate_answer attempt fails, the second answers
+        r = await stack.http.post("/v1/chats", json={"message": f"What is the tide table? {mine.token}",
+                                                     "collection": "trace-chat"})
+        assert r.status_code == 202, r.text
+        trace_id = r.headers["x-trace-id"]
+        job_id = r.json()["job_id"]
+        job = await stack.wait_done(job_id)
+    assert job["status"] == "completed", job
+    assert job["trace_id"] == trace_id
+    assert job["links"]["temporal_ui"].endswith(f"/namespaces/default/workflows/{job_id}/"
+                                                f"{job['links']['temporal_ui'].split('/')[-2]}/history")
+
+    tree = _trace(spans, trace_id)
+    request = _one(tree, "POST /v1/chats", SpanKind.SERVER)
+    attempts = sorted((s for s in tree.values() if s.name == "RunActivity:generate_answer"),
+                      key=lambda s: s.start_time)
+    assert len(attempts) == 2, [s.name for s in tree.values()]
+    assert attempts[0].parent.span_id == attempts[1].parent.span_id  # one StartActivity, two attempts
+    assert attempts[0].status.status_code == StatusCode.ERROR
+    assert _chain(tree, attempts[1]) == [
+        "RunActivity:generate_answer", "StartActivity:generate_answer", "StartChildWorkflow:ChatTurnWorkflow",
+        "POST /v1/chats", *_chain(tree, request)[1:]]
+    _one(tree, "SignalWithStartWorkflow:ChatSessionWorkflow")  # the session's start, in the same trace
+    for attempt in attempts:  # each attempt made its own model call, a child of the attempt
+        [call] = [s for s in tree.values() if s.parent and s.parent.span_id == attempt.context.span_id
+                  and s.name == "chat scripted"]
+        assert call.kind == SpanKind.CLIENT
+    assert attempts[0].context.span_id in {s.parent.span_id for s in tree.values()
+                                           if s.name == "chat scripted" and s.attributes.get("error.type")}
+    # The model server got the trace too.
+    calls = mine.calls("answer")
+    assert len(calls) == 2 and all(c.headers["traceparent"].split("-")[1] == trace_id for c in calls), calls
+
+    events = await read_events(stack, job_id)
+    assert events and all(e["traceparent"].split("-")[1] == trace_id for _, e in events), events
+
+    [failed] = [line for line in logs if line["event"] == "step attempt failed" and line.get("job_id") == job_id]
+    assert failed["trace_id"] == trace_id and failed["step"] == "generate_answer" and failed["attempt"] == 1
+
+
+async def test_ingestion_is_one_trace_through_child_workflows_and_activities(stack, spans):
+    token = uuid.uuid4().hex[:8]
+    r = await stack.http.post("/v1/documents", data={"collection": "trace"}, files=[
+        ("files", (f"t{token}.pdf", pdf_bytes([f"The lighthouse {token} is painted red."])))])
+    assert r.status_code == 202, r.text
+    trace_id = r.headers["x-trace-id"]
+    job = await stack.wait_done(r.json()["job_id"])
+    assert job["status"] == "completed" and job["trace_id"] == trace_id
+
+    tree = _trace(spans, trace_id)
+    for step in ("extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks"):
+        attempt = _one(tree, f"RunActivity:{step}")
+        assert _chain(tree, attempt)[:5] == [
+            f"RunActivity:{step}", f"StartActivity:{step}", "StartChildWorkflow:IngestDocumentWorkflow",
+            "StartWorkflow:IngestWorkflow", "POST /v1/documents"]
+
+
+async def test_each_turn_of_a_session_is_the_trace_of_its_own_request(stack, spans):
+    """The session workflow lives in its first request's trace; each turn's job joins its own."""
+    first = await stack.http.post("/v1/chats", json={"message": "Is the harbour open?", "collection": "trace-turns"})
+    session_id = first.json()["session_id"]
+    second = await stack.http.post("/v1/chats", json={"message": "And tomorrow?", "collection": "trace-turns",
+                                                      "session_id": session_id})
+    assert first.status_code == second.status_code == 202
+    for r in (first, second):
+        trace_id = r.headers["x-trace-id"]
+        job = await stack.wait_done(r.json()["job_id"])
+        assert job["status"] == "completed" and job["trace_id"] == trace_id, job
+        tree = _trace(spans, trace_id)
+        attempt = _one(tree, "RunActivity:retrieve_context")
+        assert _chain(tree, attempt)[:4] == ["RunActivity:retrieve_context", "StartActivity:retrieve_context",
+                                             "StartChildWorkflow:ChatTurnWorkflow", "POST /v1/chats"]
+    assert first.headers["x-trace-id"] != second.headers["x-trace-id"]
