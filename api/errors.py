@@ -18,9 +18,11 @@ log = structlog.get_logger("ragline.api")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None,
+                 **extra: Any) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.extra = status, code, message, extra
+        self.headers = headers
 
 
 def temporal_unavailable(exc: Exception | None = None) -> ApiError:
@@ -36,18 +38,23 @@ def _body(code: str, message: str, **extra: Any) -> dict:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(_body(exc.code, exc.message, **exc.extra), status_code=exc.status)
+        return JSONResponse(_body(exc.code, exc.message, **exc.extra), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [{"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
                     for e in exc.errors()]
         message = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
-        return JSONResponse(_body("invalid_request", message, problems=problems), status_code=422)
+        # A bad collection name keeps its own code, whichever check caught it.
+        code = ("invalid_collection" if problems and all(p["field"].endswith("collection") for p in problems)
+                else "invalid_request")
+        return JSONResponse(_body(code, message, problems=problems), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code)
+        # Keeps the exception's headers: a 405 carries `Allow`.
+        return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RuntimeError)
     async def _unexpected(_: Request, exc: RuntimeError) -> JSONResponse:

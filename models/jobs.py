@@ -16,6 +16,8 @@ StepStatus = Literal["pending", "running", "completed", "failed", "skipped"]
 JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)
 OPEN_STATUSES: tuple[str, ...] = ("queued", "running", "waiting_review", "dead_lettered")
+# A collection name, wherever one is given.
+COLLECTION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 # The topic of a job's event stream (workflow_streams) that the API relays as Server-Sent Events.
 EVENTS_TOPIC = "events"
 

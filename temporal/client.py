@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from temporalio.client import Client
 
-from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 from temporal.converter import build_data_converter
 
@@ -14,7 +13,7 @@ async def connect(settings: Settings, *, lazy: bool = False, identity: str | Non
     return await Client.connect(
         settings.temporal_address,
         namespace=settings.temporal_namespace,
-        data_converter=build_data_converter(BlobStore(settings.blob_dir)),
+        data_converter=build_data_converter(settings),
         lazy=lazy,
         **kwargs,
     )

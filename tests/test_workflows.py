@@ -35,7 +35,7 @@ from models.ingest import (
     ExtractInput, ExtractOutput, IndexInput, IndexOutput, IngestInput, IngestResult, PruneInput, PruneOutput,
     SearchInput, SearchOutput, document_workflow_id,
 )
-from ragline.blobstore import BlobStore
+from ragline.settings import Settings
 from temporal import policies, queues
 from temporal.converter import build_data_converter
 from tests.helpers import time_skipping_server_binary
@@ -208,7 +208,7 @@ def finish(answer: str, tokens: int = 15) -> PlanOutput:
 
 @pytest_asyncio.fixture(scope="module")
 async def env(tmp_path_factory):
-    converter = build_data_converter(BlobStore(tmp_path_factory.mktemp("workflow-blobs")))
+    converter = build_data_converter(Settings(data_dir=tmp_path_factory.mktemp("workflow-data")))
     env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=time_skipping_server_binary(),
                                                         data_converter=converter)
     yield env
@@ -403,7 +403,7 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
     first, second = turn(session, "First question?"), turn(session, "Second question?")
     async with fake_worker(env, fakes) as queue:
         handle = await env.client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id(session),
+            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id("default", session),
             task_queue=queue, start_signal="submit", start_signal_args=[first])
         await handle.signal(ChatSessionWorkflow.submit, second)
         await handle.signal(ChatSessionWorkflow.submit, first)  # the same request again
