@@ -116,8 +116,8 @@ async def accepted_turn(client: Client, tenant: str, job_id: str, rpc_timeout: t
             if not event.HasField("workflow_execution_signaled_event_attributes"):
                 continue
             signaled = event.workflow_execution_signaled_event_attributes
-            if signaled.signal_name != "submit" or job_id.encode() not in signaled.SerializeToString():
-                continue  # a cheap pre-check before decoding (the id is in the payload unless encrypted)
+            if signaled.signal_name != "submit":
+                continue  # payloads are encrypted: no peeking at the bytes before decoding
             (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
             if turn.job_id == job_id and turn.tenant == tenant:
                 return turn
