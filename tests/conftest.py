@@ -185,6 +185,7 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
                    policies=FIXTURES.parent / "fast_policies.toml", rate_limit_per_minute=100_000)
     options.update(overrides)
     settings = Settings(**options)
+    api_port = settings.api_port
     keys_file = settings.effective_api_keys_file
     keys = {"reviewer": api_keys.create(keys_file, "acme", "reviewer", "acme-reviewer"),
             "member": api_keys.create(keys_file, "acme", "member", "acme-member"),
