@@ -42,8 +42,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (documents, chats, agents, jobs, events, search):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
     app.include_router(health.router)
+    _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))
     return app
+
+
+def _refine_schema(app: FastAPI, settings: Settings) -> None:
+    """What pydantic cannot say: the agent ceilings are settings (RAGLINE_AGENT_MAX_*), so /openapi.json
+    states this server's; an uploaded file must not be empty."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schemas = generate()["components"]["schemas"]
+            schemas["AgentRequest"]["properties"]["max_depth"]["maximum"] = settings.agent_max_depth
+            budget = schemas["BudgetRequest"]["properties"]
+            budget["max_llm_calls"]["maximum"] = settings.agent_max_llm_calls
+            budget["max_tokens"]["maximum"] = settings.agent_max_tokens
+            budget["max_seconds"]["maximum"] = settings.agent_max_seconds
+            schemas["Body_upload_documents_v1_documents_post"]["properties"]["files"]["items"]["minLength"] = 1
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 app = create_app()

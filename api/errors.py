@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -51,10 +52,18 @@ def install(app: FastAPI) -> None:
         return JSONResponse(_body(code, message, problems=problems), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Keeps the exception's headers: a 405 carries `Allow`.
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Keeps the exception's headers; a 405's `Allow` lists every method of the path, across routes
+        # (Starlette names only those of the first route whose path matched).
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            methods = {m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+                       if any(route.matches({**request.scope, "method": m})[0] == Match.FULL
+                              for route in request.app.router.routes)}
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
         return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers or None)
 
     @app.exception_handler(RuntimeError)
     async def _unexpected(_: Request, exc: RuntimeError) -> JSONResponse:

@@ -7,6 +7,7 @@ import re
 
 from pydantic import BaseModel, Field
 
+from models.inputs import STRICT_INPUT, Int
 from models.jobs import COLLECTION_PATTERN, StepResult
 from models.review import ReviewRecord
 from models.tenancy import DEFAULT_TENANT, workflow_id
@@ -14,9 +15,10 @@ from models.tenancy import DEFAULT_TENANT, workflow_id
 
 class ChatQuestion(BaseModel):
     """What a person asks. `POST /v1/chats` takes this (plus a session id); the turn carries it as is."""
+    model_config = STRICT_INPUT
     message: str = Field(min_length=1, max_length=8000)
     collection: str = Field("default", pattern=COLLECTION_PATTERN)
-    top_k: int = Field(5, ge=1, le=20)
+    top_k: Int = Field(5, ge=1, le=20)
     require_review: bool = Field(False, description="Hold the answer until a reviewer approves it")
 
 

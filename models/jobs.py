@@ -7,6 +7,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel
 
+from models.inputs import STRICT_INPUT
 from models.review import ReviewRecord
 
 JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled"]
@@ -48,6 +49,7 @@ class DeadLetter(BaseModel):
 
 class OperatorRequest(BaseModel):
     """Payload of the `retry` and `discard` Updates. Every field is optional: `{}` is valid."""
+    model_config = STRICT_INPUT
     operator: str | None = None
     reason: str | None = None
 

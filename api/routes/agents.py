@@ -18,6 +18,7 @@ from api.schemas import (
 )
 from api.validators import JOB_ID, review_timeout_seconds, validate_collection
 from models.agent import AgentInput, Budget
+from models.inputs import STRICT_INPUT, Int
 from models.jobs import COLLECTION_PATTERN
 from models.review import ReviewAck, ReviewDecision
 from models.tenancy import scoped, workflow_id
@@ -29,15 +30,17 @@ router = APIRouter(tags=["agents"])
 
 
 class BudgetRequest(BaseModel):
-    max_llm_calls: int = Field(50, ge=1)
-    max_tokens: int = Field(200_000, ge=1)
+    model_config = STRICT_INPUT
+    max_llm_calls: Int = Field(50, ge=1)
+    max_tokens: Int = Field(200_000, ge=1)
     max_seconds: float = Field(3600, gt=0)
 
 
 class AgentRequest(BaseModel):
+    model_config = STRICT_INPUT
     goal: str = Field(min_length=1, max_length=4000)
     collection: str = Field("default", pattern=COLLECTION_PATTERN)
-    max_depth: int = Field(3, ge=0)
+    max_depth: Int = Field(3, ge=0)
     budget: BudgetRequest = BudgetRequest()
 
 

@@ -74,12 +74,15 @@ async def _store_upload(upload: UploadFile, blobs: BlobStore, max_mb: float) -> 
                                         503: TEMPORAL_DOWN}))
 async def upload_documents(
     request: Request,
-    files: Annotated[list[UploadFile], File(description="One or more PDF, .txt or .md files")],
+    files: Annotated[list[UploadFile], File(description="One or more PDF, .txt or .md files", min_length=1)],
     client: ClientDep, caller: CallerDep, guard: GuardDep, blobs: BlobsDep, settings: SettingsDep,
     timeout: RpcTimeoutDep,
     collection: Annotated[str, Form(pattern=COLLECTION_PATTERN)] = "default",
     password: Annotated[str | None, Form(description="Password of encrypted PDFs")] = None,
 ) -> DocumentsAccepted:
+    # An empty form field reads as "not sent" (the default) to FastAPI: it is a bad name, not the default.
+    if (await request.form()).get("collection") == "":
+        validate_collection("")
     validate_collection(collection)
     if len(files) > MAX_FILES_PER_REQUEST:
         raise ApiError(413, "too_many_files", f"at most {MAX_FILES_PER_REQUEST} files per request")
