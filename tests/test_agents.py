@@ -56,6 +56,8 @@ async def _waiting(stack, *, count: int = 1, timeout: float = 60) -> list[dict]:
 async def _cli(stack, *args: str) -> str:
     proc = await asyncio.create_subprocess_exec(
         temporal_binary(), *args, "--address", stack.settings.temporal_address,
+        # Payloads are encrypted: the CLI encodes its input through the API's codec endpoint.
+        "--codec-endpoint", f"{stack.base_url}/codec", "--codec-auth", f"Bearer {stack.keys['reviewer']}",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, out.decode()
@@ -81,7 +83,7 @@ async def test_depth_guard_waits_and_cli_approval_continues(stack):
     [review] = await _waiting(stack)
     assert review["reason"] == "depth" and review["depth"] == 3
     assert review["proposed_action"] == {"action": "delegate", "subgoals": ["level 4 part"]}
-    assert review["job_id"].startswith(job_id) and review["job_id"].count(".") == 3
+    assert review["job_id"].startswith(job_id) and review["job_id"].count(".") == 1 + 3  # tenant prefix, then one per depth
     assert (await stack.http.get(f"/v1/jobs/{review['job_id']}")).json()["status"] == "waiting_review"
 
     # Approve with the real `temporal` CLI, as an operator would.
