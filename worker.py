@@ -103,7 +103,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
 
 async def main() -> int:
     settings = get_settings()
-    logs.configure(settings.log_level, settings.log_json)
+    logs.configure(settings.log_level, settings.log_json, redact=settings.redact_pii)
     try:
         policies.load(settings.policies, activity_names(), dead_letter_ttl=settings.dead_letter_ttl)
     except policies.PolicyError as exc:

@@ -39,7 +39,7 @@ class AgentActivities:
     @activity.defn
     @translate_errors
     def search_documents(self, req: SearchDocumentsInput) -> SearchDocumentsOutput:
-        hits = find_passages(self.embedder, self.index, req.collection, req.query, req.top_k)
+        hits = find_passages(self.embedder, self.index, req.tenant, req.collection, req.query, req.top_k)
         if not hits:
             text = f"search_documents({req.query!r}): nothing found"
         else:

@@ -55,7 +55,7 @@ class ChatActivities:
     @activity.defn
     @translate_errors
     def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
-        hits = find_passages(self.embedder, self.index, req.collection, req.question, req.top_k)
+        hits = find_passages(self.embedder, self.index, req.tenant, req.collection, req.question, req.top_k)
         budget = self.settings.llm_context_tokens - self.settings.llm_max_tokens - PROMPT_OVERHEAD_TOKENS
         return RetrieveOutput(
             context_ref=self.blobs.put_json([h.model_dump() for h in hits]), passages=len(hits),

@@ -35,7 +35,8 @@ class IngestActivities:
     def extract_text(self, req: ExtractInput) -> ExtractOutput:
         data = self.blobs.get(req.blob_ref)
         pages = text.extract_pages(
-            data, req.kind, password=req.password, max_pages=self.settings.max_pages,
+            data, req.kind, password=req.password, max_pages=min(req.max_pages or self.settings.max_pages,
+                                                                 self.settings.max_pages),
             on_page=lambda done, total: activity.heartbeat({"page": done, "pages": total}))
         text.check_has_text(pages, self.settings.min_text_chars)
         pages_ref = self.blobs.put_json([{"page": p.number, "text": p.text} for p in pages])
@@ -73,13 +74,13 @@ class IngestActivities:
                 "page": c["page"], "chunk": c["i"], "text": c["text"]})
             for c, v in zip(chunks, vectors)
         ]
-        return IndexOutput(points=self.index.upsert(req.collection, points), attempt=_attempt())
+        return IndexOutput(points=self.index.upsert(req.tenant, req.collection, points), attempt=_attempt())
 
     @activity.defn
     @translate_errors
     def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
-        self.index.prune(req.collection, req.document_id, req.keep_chunks)
-        return PruneOutput(points=self.index.count(req.collection, req.document_id), attempt=_attempt())
+        self.index.prune(req.tenant, req.collection, req.document_id, req.keep_chunks)
+        return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())
 
     def all(self) -> list:
         return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from api import errors, observability
+from api.auth import Guard, authenticate
 from api.routes import agents, chats, documents, events, health, jobs, search
+from api.routes.codec import HideCodecKey, create_codec_app
 from ragline import logs, tracing
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings, get_settings
@@ -17,23 +20,52 @@ from temporal.client import connect
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     tracing.configure("ragline-api")
+    guard = Guard(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        logs.configure(settings.log_level, settings.log_json)
+        logs.configure(settings.log_level, settings.log_json, redact=settings.redact_pii)
+        logging.getLogger("uvicorn.access").addFilter(HideCodecKey())
         app.state.settings = settings
         app.state.blobs = BlobStore(settings.blob_dir)
         # Lazy: the API starts (and /healthz says why) even while Temporal is still down.
         app.state.client = await connect(settings, lazy=True, identity="ragline-api")
+        # The codec endpoint uses the very codec of the API's data converter.
+        app.state.codec = app.state.client.data_converter.payload_codec
         yield
 
     app = FastAPI(title="Ragline", version="0.1.0", lifespan=lifespan,
-                  description="Durable GenAI pipelines on Temporal: every request answers 202 with a job.")
+                  description="Durable GenAI pipelines on Temporal: every request answers 202 with a job. "
+                              "Every route but /healthz needs an API key (`Authorization: Bearer <key>` or "
+                              "`X-API-Key`) and sees only its tenant's documents and jobs.")
+    app.state.guard = guard
     errors.install(app)
-    for module in (documents, chats, agents, jobs, events, search, health):
-        app.include_router(module.router)
+    for module in (documents, chats, agents, jobs, events, search):
+        app.include_router(module.router, dependencies=[Depends(authenticate)])
+    app.include_router(health.router)
     observability.install(app)
+    _refine_schema(app, settings)
+    app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))
     return app
+
+
+def _refine_schema(app: FastAPI, settings: Settings) -> None:
+    """What pydantic cannot say: the agent ceilings are settings (RAGLINE_AGENT_MAX_*), so /openapi.json
+    states this server's; an uploaded file must not be empty."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schemas = generate()["components"]["schemas"]
+            schemas["AgentRequest"]["properties"]["max_depth"]["maximum"] = settings.agent_max_depth
+            budget = schemas["BudgetRequest"]["properties"]
+            budget["max_llm_calls"]["maximum"] = settings.agent_max_llm_calls
+            budget["max_tokens"]["maximum"] = settings.agent_max_tokens
+            budget["max_seconds"]["maximum"] = settings.agent_max_seconds
+            schemas["Body_upload_documents_v1_documents_post"]["properties"]["files"]["items"]["minLength"] = 1
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 app = create_app()

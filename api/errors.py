@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -18,9 +19,11 @@ log = structlog.get_logger("ragline.api")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None,
+                 **extra: Any) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.extra = status, code, message, extra
+        self.headers = headers
 
 
 def temporal_unavailable(exc: Exception | None = None) -> ApiError:
@@ -36,18 +39,31 @@ def _body(code: str, message: str, **extra: Any) -> dict:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(_body(exc.code, exc.message, **exc.extra), status_code=exc.status)
+        return JSONResponse(_body(exc.code, exc.message, **exc.extra), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [{"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
                     for e in exc.errors()]
         message = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
-        return JSONResponse(_body("invalid_request", message, problems=problems), status_code=422)
+        # A bad collection name keeps its own code, whichever check caught it.
+        code = ("invalid_collection" if problems and all(p["field"].endswith("collection") for p in problems)
+                else "invalid_request")
+        return JSONResponse(_body(code, message, problems=problems), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Keeps the exception's headers; a 405's `Allow` lists every method of the path, across routes
+        # (Starlette names only those of the first route whose path matched).
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            methods = {m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+                       if any(route.matches({**request.scope, "method": m})[0] == Match.FULL
+                              for route in request.app.router.routes)}
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
+        return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code,
+                            headers=headers or None)
 
     @app.exception_handler(RuntimeError)
     async def _unexpected(_: Request, exc: RuntimeError) -> JSONResponse:

@@ -1,5 +1,10 @@
 """Jobs as the API shows them, read back from Temporal: status mapping, job views, listing through
-visibility, and the Updates people send to a job."""
+visibility, and the Updates people send to a job.
+
+Everything here is scoped to the caller's tenant: a job id is read inside the tenant's id prefix
+(`models.tenancy.scoped`), its `RaglineTenant` search attribute must match, and every visibility
+query carries `RaglineTenant = '<tenant>'`. Another tenant's job is "not found" (404), never 403.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from api.errors import ApiError
 from api.schemas import JobError, JobSummary, JobView
 from models.chat import TurnInput, session_of_turn, session_workflow_id
 from models.jobs import JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
+from models.tenancy import scoped
 from ragline import tracing
 from temporal import search_attributes as sa
 
@@ -49,10 +55,11 @@ def status_query(status: JobStatus) -> str:
     return f"ExecutionStatus = 'Running' AND {sa.JOB_STATUS.name} = '{status}'"
 
 
-def list_query(*, status: JobStatus | None = None, kind: JobKind | None = None,
+def list_query(tenant: str, *, status: JobStatus | None = None, kind: JobKind | None = None,
                extra: dict[str, str] | None = None) -> str:
     kinds = [kind] if kind else list(JOB_KINDS)
-    clauses = [f"{sa.JOB_KIND.name} IN ({', '.join(repr(k) for k in kinds)})"]
+    # The tenant is a validated identifier ([a-z0-9-]), never free text.
+    clauses = [f"{sa.TENANT.name} = '{tenant}'", f"{sa.JOB_KIND.name} IN ({', '.join(repr(k) for k in kinds)})"]
     if status:
         clauses.append(status_query(status))
     for key, value in (extra or {}).items():
@@ -88,22 +95,33 @@ async def exists(client: Client, workflow_id: str, rpc_timeout: timedelta) -> bo
     return True
 
 
-async def accepted_turn(client: Client, job_id: str, rpc_timeout: timedelta) -> TurnInput | None:
+def not_found(job_id: str) -> ApiError:
+    return ApiError(404, "job_not_found", f"no job with id {job_id!r}")
+
+
+def owned(desc, tenant: str) -> bool:
+    """A Ragline job of this tenant (and not some other workflow that happens to share the prefix)."""
+    attrs = desc.typed_search_attributes
+    return attrs.get(sa.JOB_KIND) in JOB_KINDS and attrs.get(sa.TENANT) == tenant
+
+
+async def accepted_turn(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> TurnInput | None:
     """A chat turn its session has recorded but whose job does not exist yet (the session starts it
     when a worker runs it). Read from the session's history on the server, so it needs no worker."""
+    job_id = scoped(tenant, job_id)
     session_id = session_of_turn(job_id)
     if session_id is None:
         return None
-    handle = client.get_workflow_handle(session_workflow_id(session_id))
+    handle = client.get_workflow_handle(session_workflow_id(tenant, session_id))
     try:
         async for event in handle.fetch_history_events(rpc_timeout=rpc_timeout):
             if not event.HasField("workflow_execution_signaled_event_attributes"):
                 continue
             signaled = event.workflow_execution_signaled_event_attributes
-            if signaled.signal_name != "submit" or job_id.encode() not in signaled.SerializeToString():
-                continue  # a cheap pre-check before decoding (the id is in the payload unless encrypted)
+            if signaled.signal_name != "submit":
+                continue  # payloads are encrypted: no peeking at the bytes before decoding
             (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
-            if turn.job_id == job_id:
+            if turn.job_id == job_id and turn.tenant == tenant:
                 return turn
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
@@ -112,34 +130,37 @@ async def accepted_turn(client: Client, job_id: str, rpc_timeout: timedelta) -> 
     return None
 
 
-async def wait_until_created(client: Client, job_id: str, rpc_timeout: timedelta) -> bool:
+async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> bool:
     """Waits while `job_id` is an accepted turn whose job its session has not started yet (no worker,
     or earlier turns of the session still starting). False when there is no such job at all."""
+    job_id = scoped(tenant, job_id)
     delay = 0.05
     while not await exists(client, job_id, rpc_timeout):
-        if await accepted_turn(client, job_id, rpc_timeout) is None:
+        if await accepted_turn(client, tenant, job_id, rpc_timeout) is None:
             return await exists(client, job_id, rpc_timeout)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
     return True
 
 
-async def describe_job(client: Client, job_id: str, rpc_timeout: timedelta, *, ui_url: str | None = None) -> JobView:
+async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta, *,
+                       ui_url: str | None = None) -> JobView:
     """`ui_url`: the Temporal Web UI's base URL, for the job's `links`."""
+    asked, job_id = job_id, scoped(tenant, job_id)
     handle = client.get_workflow_handle(job_id)
     try:
         desc = await handle.describe(rpc_timeout=rpc_timeout)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            turn = await accepted_turn(client, job_id, rpc_timeout)
+            turn = await accepted_turn(client, tenant, job_id, rpc_timeout)
             if turn is not None:
                 now = datetime.now(timezone.utc)
                 return JobView(job_id=job_id, kind="chat", status="queued", created_at=now, updated_at=now,
                                turn=None, steps=[], result=None, error=None)
-            raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
+            raise not_found(asked) from None
         raise
-    if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:
-        raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
+    if not owned(desc, tenant):
+        raise not_found(asked)
     view = summary(desc)
     turn = (await desc.memo()).get("turn") if view.kind == "chat" else None
     # Before a worker has taken its first task there is nothing to ask the workflow.
@@ -229,12 +250,12 @@ async def _failure(handle, desc, rpc_timeout: timedelta) -> JobError:
     return JobError(message=f"workflow ended {desc.status.name.lower()}", type="Workflow")
 
 
-async def send_update(client: Client, job_id: str, name: str, payload: BaseModel, result_type: type[Ack],
-                      rpc_timeout: timedelta, *, refused_code: str) -> Ack:
+async def send_update(client: Client, tenant: str, job_id: str, name: str, payload: BaseModel,
+                      result_type: type[Ack], rpc_timeout: timedelta, *, refused_code: str) -> Ack:
     """A person's decision on a job (operator retry/discard, review), as a validated Update; answers
-    the workflow's acknowledgement. Unknown job: 404; refused by the workflow's validator: 409 with
-    its reason; job ended: 409."""
-    await describe_job(client, job_id, rpc_timeout)
+    the workflow's acknowledgement. Unknown job (or another tenant's): 404; refused by the workflow's
+    validator: 409 with its reason; job ended: 409."""
+    job_id = (await describe_job(client, tenant, job_id, rpc_timeout)).job_id
     try:
         ack = await client.get_workflow_handle(job_id).execute_update(
             name, payload, result_type=result_type, rpc_timeout=rpc_timeout)

@@ -45,13 +45,24 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-def error_responses(codes: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+AUTH_ERRORS = {401: "unauthenticated", 429: "rate_limited"}
+RETRY_AFTER = {"Retry-After": {"description": "Seconds until the key may send again",
+                               "schema": {"type": "integer", "minimum": 1}}}
+UNAUTHENTICATED = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
+
+
+def error_responses(codes: dict[int, str], *, auth: bool = True) -> dict[int | str, dict[str, Any]]:
     """`responses=` of a route: each error status it returns with the codes it uses there, and any
     unexpected error (500 `internal_error`, 502 `temporal_error`) as `default`. Declaring 422 (or
-    `default`) also replaces FastAPI's own validation-error schema, which is not what this API sends."""
+    `default`) also replaces FastAPI's own validation-error schema, which is not what this API sends.
+    Routes behind an API key (`auth`) also answer 401 and 429."""
+    codes = {**AUTH_ERRORS, **codes} if auth else codes
     documented: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorBody, "description": f"error code{'s' if ',' in code else ''}: {code}"}
-        for status, code in codes.items()}
+        for status, code in sorted(codes.items())}
+    if auth:
+        documented[429]["headers"] = RETRY_AFTER
+        documented[401]["headers"] = UNAUTHENTICATED
     documented["default"] = {"model": ErrorBody,
                              "description": "unexpected error: internal_error (500) or temporal_error (502)"}
     return documented

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from typing import Annotated
+
+from fastapi import Path
 
 from api.errors import ApiError
 from models.chat import SESSION_PATTERN
+from models.jobs import COLLECTION_PATTERN
 from ragline.settings import Settings
 from temporal import policies
 
-COLLECTION_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+COLLECTION_RE = re.compile(COLLECTION_PATTERN)
 SESSION_RE = re.compile(SESSION_PATTERN)
+# Job ids are workflow ids: `<tenant>.<kind>-...` (the tenant prefix may be left out).
+JOB_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,255}$"
+JOB_ID = Annotated[str, Path(pattern=JOB_ID_PATTERN, description="A job id, as answered when the job was accepted")]
+SESSION_ID = Annotated[str, Path(pattern=SESSION_PATTERN, description="A chat session id")]
 
 
 def validate_collection(collection: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,8 +67,9 @@ def derived_ports(settings: Settings) -> dict[str, int]:
             "--http-port": port + 10, "--metrics-port": port + 11}
 
 
-def dev_server_command(settings: Settings | None = None) -> list[str]:
-    """argv of `temporal server start-dev` for these settings."""
+def dev_server_command(settings: Settings | None = None, ui_codec_endpoint: str | None = None) -> list[str]:
+    """argv of `temporal server start-dev` for these settings; with `ui_codec_endpoint`, the Web UI
+    decodes (and encodes what a person types) through that codec server."""
     settings = _settings(settings)
     ports = derived_ports(settings)
     argv = [
@@ -86,8 +88,15 @@ def dev_server_command(settings: Settings | None = None) -> list[str]:
     ]
     if settings.temporal_namespace != "default":
         argv += ["--namespace", settings.temporal_namespace]
+    if ui_codec_endpoint:
+        argv += ["--ui-codec-endpoint", ui_codec_endpoint]
     argv += ["--log-level", "warn", "--color", "never"]
     return argv + cli_flags()
+
+
+def _masked(argv: list[str]) -> str:
+    """The command line for the log, without the reviewer key of a codec endpoint in it."""
+    return re.sub(r"/codec/k/[^/\s]+", "/codec/k/***", subprocess.list2cmdline(argv))
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -166,8 +175,9 @@ class DevServer:
     the process died (same database file, so workflows persist)."""
 
     def __init__(self, settings: Settings | None = None, *, startup_timeout: float = STARTUP_TIMEOUT,
-                 stop_timeout: float = STOP_TIMEOUT) -> None:
+                 stop_timeout: float = STOP_TIMEOUT, ui_codec_endpoint: str | None = None) -> None:
         self.settings = _settings(settings)
+        self.ui_codec_endpoint = ui_codec_endpoint
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.process: subprocess.Popen[bytes] | None = None
@@ -199,7 +209,7 @@ class DevServer:
 
     @property
     def command(self) -> list[str]:
-        return dev_server_command(self.settings)
+        return dev_server_command(self.settings, self.ui_codec_endpoint)
 
     @property
     def pid(self) -> int | None:
@@ -237,7 +247,7 @@ class DevServer:
         with log:
             self._log_offset = log.tell()
             log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: "
-                      f"{subprocess.list2cmdline(argv)}\n".encode())
+                      f"{_masked(argv)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -38,6 +38,7 @@ STOP_TIMEOUT = 10.0       # SIGTERM -> wait this long -> SIGKILL
 BACKOFF_FIRST = 1.0       # restart delays: 1, 2, 4, ... seconds
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0       # a process that ran this long restarts after BACKOFF_FIRST again
+WEBUI_CODEC_KEY = "webui-codec"  # name of the reviewer key the Web UI's codec endpoint carries
 
 ReadyCheck = Callable[[], Awaitable[bool]]
 Preflight = Callable[[], "str | None"]
@@ -495,13 +496,14 @@ class Supervisor:
             if problem:
                 raise StartupError(f"{spec.name}: {problem}")
 
+        self._prepare_security()
         if await temporal_reachable(s.temporal_address, timeout=2.0):
             say(f"Temporal: using the server already answering at {s.temporal_address}")
             await self._unless_stopped(self._register_search_attributes())
         else:
             say(f"Temporal: starting the dev server at {s.temporal_address} "
                 f"(database {s.data_dir / 'temporal.db'}, log {self.log_dir / 'temporal.log'})")
-            self.devserver = DevServer(s)
+            self.devserver = DevServer(s, ui_codec_endpoint=self._ui_codec_endpoint())
             await self._unless_stopped(self.devserver.start())
             say(f"Temporal: ready (pid {self.devserver.pid})")
 
@@ -514,6 +516,35 @@ class Supervisor:
             await m.start()
             await self._unless_stopped(m.wait_ready())
             say(f"{spec.name} is ready (pid {m.proc.pid})")  # type: ignore[union-attr]
+
+    def _prepare_security(self) -> None:
+        """A fresh data folder gets its keys: the payload encryption key, and one API key for tenant
+        `default` (printed once, in the banner)."""
+        from ragline import keys as api_keys
+
+        s = self.settings
+        self.new_api_key: str | None = None
+        if s.encrypt_payloads:
+            from temporal.codec import load_or_create
+
+            codec_keys = load_or_create(s.effective_codec_keys_file)
+            say(f"Payload encryption: on (key {codec_keys.current} in {s.effective_codec_keys_file})")
+        path = s.effective_api_keys_file
+        if not [k for k in api_keys.load(path).keys if k.name != WEBUI_CODEC_KEY]:
+            self.new_api_key = api_keys.create(path, "default", "reviewer", "default")
+
+    def _ui_codec_endpoint(self) -> str | None:
+        """A reviewer key for the Web UI's codec endpoint, new at every start (the last one is removed):
+        it lives only in the dev server's command line, which the log shows masked."""
+        from ragline import keys as api_keys
+
+        s = self.settings
+        if not s.encrypt_payloads:
+            return None
+        path = s.effective_api_keys_file
+        api_keys.remove(path, WEBUI_CODEC_KEY)
+        key = api_keys.create(path, "default", "reviewer", WEBUI_CODEC_KEY, requests_per_minute=100_000)
+        return f"{api_base_url(s)}/codec/k/{key}"
 
     async def _register_search_attributes(self) -> None:
         from temporalio.client import Client
@@ -542,6 +573,7 @@ class Supervisor:
             "-" * 64,
             "Ragline is running.",
             f"  API docs:        {api_base_url(s)}/docs",
+            *self._key_lines(),
             f"  Temporal Web UI: {ui}",
             f"  Metrics:         {api_base_url(s)}/metrics (API), "
             + (f"http://{_connect_host(s.worker_metrics_host)}:{s.worker_metrics_port}/metrics (worker)"
@@ -553,6 +585,19 @@ class Supervisor:
             "  Stop:            Ctrl-C",
             "-" * 64,
         ]))
+
+    def _key_lines(self) -> list[str]:
+        s = self.settings
+        lines = []
+        if getattr(self, "new_api_key", None):
+            lines += [f"  API key:         {self.new_api_key}",
+                      "                   (tenant default, reviewer; shown once: keep it. More: "
+                      "python -m ragline.keys create --tenant NAME --role member)"]
+        else:
+            lines.append(f"  API keys:        {s.effective_api_keys_file} (python -m ragline.keys create ...)")
+        if s.encrypt_payloads:
+            lines.append(f"  Codec endpoint:  {api_base_url(s)}/codec (reviewer key; the Web UI uses it)")
+        return lines
 
     # -- supervision -------------------------------------------------------------------------
     async def _supervise(self, m: Managed) -> None:

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from models.jobs import StepResult
 from models.review import ReviewRecord
+from models.tenancy import DEFAULT_TENANT
 
 
 class Budget(BaseModel):
@@ -27,6 +28,7 @@ class Spend(BaseModel):
 
 
 class AgentInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     goal: str
     collection: str = "default"
     depth: int = 0
@@ -95,6 +97,7 @@ class PlanOutput(StepResult):
 
 
 class SearchDocumentsInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     query: str
     collection: str
     top_k: int = 3

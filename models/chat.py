@@ -7,15 +7,18 @@ import re
 
 from pydantic import BaseModel, Field
 
-from models.jobs import StepResult
+from models.inputs import STRICT_INPUT, Int
+from models.jobs import COLLECTION_PATTERN, StepResult
 from models.review import ReviewRecord
+from models.tenancy import DEFAULT_TENANT, workflow_id
 
 
 class ChatQuestion(BaseModel):
     """What a person asks. `POST /v1/chats` takes this (plus a session id); the turn carries it as is."""
+    model_config = STRICT_INPUT
     message: str = Field(min_length=1, max_length=8000)
-    collection: str = "default"
-    top_k: int = Field(5, ge=1, le=20)
+    collection: str = Field("default", pattern=COLLECTION_PATTERN)
+    top_k: Int = Field(5, ge=1, le=20)
     require_review: bool = Field(False, description="Hold the answer until a reviewer approves it")
 
 
@@ -31,6 +34,7 @@ class TurnContext(BaseModel):
 
 class TurnInput(BaseModel):
     """A turn as the API hands it to the session (signal `submit`) and as its job runs it."""
+    tenant: str = DEFAULT_TENANT
     job_id: str
     session_id: str
     question: ChatQuestion
@@ -53,6 +57,7 @@ class TurnOutcome(BaseModel):
 
 class SessionState(BaseModel):
     """Everything a session carries through continue-as-new."""
+    tenant: str = DEFAULT_TENANT
     session_id: str
     next_turn: int = 1
     # Job ids of recent turns, oldest first (bounded): a resent request is not queued twice.
@@ -101,11 +106,11 @@ class TurnResult(BaseModel):
 
 
 SESSION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
-_TURN_JOB_ID = re.compile(r"^chat-(?P<session>[A-Za-z0-9_-]{1,64})\.(?P<digest>[0-9a-f]{20})$")
+_TURN_JOB_ID = re.compile(r"^(?:[a-z0-9][a-z0-9-]{0,31}\.)?chat-(?P<session>[A-Za-z0-9_-]{1,64})\.(?P<digest>[0-9a-f]{20})$")
 
 
-def session_workflow_id(session_id: str) -> str:
-    return f"session-{session_id}"
+def session_workflow_id(tenant: str, session_id: str) -> str:
+    return workflow_id(tenant, f"session-{session_id}")
 
 
 def turn_job_id(session_id: str, request_key: str) -> str:
@@ -116,7 +121,8 @@ def turn_job_id(session_id: str, request_key: str) -> str:
 
 
 def session_of_turn(job_id: str) -> str | None:
-    """The session id inside a turn's job id, or None when `job_id` is not a turn's."""
+    """The session id inside a turn's job id (with or without its tenant prefix), or None when
+    `job_id` is not a turn's."""
     match = _TURN_JOB_ID.match(job_id)
     return match["session"] if match else None
 
@@ -124,6 +130,7 @@ def session_of_turn(job_id: str) -> str | None:
 # -- the chain's steps -----------------------------------------------------------------------------
 
 class RetrieveInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     question: str
     collection: str
     top_k: int

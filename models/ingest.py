@@ -8,11 +8,13 @@ from typing import Literal
 from pydantic import BaseModel
 
 from models.jobs import StepResult
+from models.tenancy import DEFAULT_TENANT, workflow_id
 
 DocumentKind = Literal["pdf", "text"]
 
 
 class DocumentInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     document_id: str
     collection: str
     filename: str
@@ -23,6 +25,8 @@ class DocumentInput(BaseModel):
     password: str | None = None
     # RAGLINE_METRICS_COLLECTION_LABEL: the ingestion counters may carry the collection.
     metrics_collection_label: bool = False
+    # The tenant's page ceiling (RAGLINE_MAX_PAGES unless its keys-file entry says less).
+    max_pages: int | None = None
 
 
 class DocumentOutcome(BaseModel):
@@ -36,11 +40,12 @@ class DocumentOutcome(BaseModel):
 
     @classmethod
     def failed_from(cls, workflow_id: str, error: str, filename: str = "") -> "DocumentOutcome":
-        return cls(document_id=workflow_id.removeprefix("doc-"), filename=filename, status="failed",
+        return cls(document_id=workflow_id.rsplit("doc-", 1)[-1], filename=filename, status="failed",
                    job_id=workflow_id, error=error)
 
 
 class IngestInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     collection: str
     documents: list[DocumentInput]
 
@@ -52,8 +57,8 @@ class IngestResult(BaseModel):
     documents: list[DocumentOutcome]
 
 
-def document_workflow_id(document_id: str) -> str:
-    return f"doc-{document_id}"
+def document_workflow_id(tenant: str, document_id: str) -> str:
+    return workflow_id(tenant, f"doc-{document_id}")
 
 
 # -- the DAG's steps -------------------------------------------------------------------------------
@@ -64,6 +69,7 @@ class ExtractInput(BaseModel):
     filename: str
     kind: DocumentKind
     password: str | None = None
+    max_pages: int | None = None
 
 
 class ExtractOutput(StepResult):
@@ -98,6 +104,7 @@ class EmbedOutput(StepResult):
 
 
 class IndexInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     document_id: str
     collection: str
     filename: str
@@ -112,6 +119,7 @@ class IndexOutput(StepResult):
 
 
 class PruneInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     document_id: str
     collection: str
     keep_chunks: int
@@ -128,6 +136,7 @@ class AwaitDocumentInput(BaseModel):
 # -- search ------------------------------------------------------------------------------------------
 
 class SearchInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
     query: str
     collection: str
     top_k: int = 5

@@ -7,6 +7,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel
 
+from models.inputs import STRICT_INPUT
 from models.review import ReviewRecord
 
 JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled"]
@@ -16,6 +17,8 @@ StepStatus = Literal["pending", "running", "completed", "failed", "skipped"]
 JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)
 OPEN_STATUSES: tuple[str, ...] = ("queued", "running", "waiting_review", "dead_lettered")
+# A collection name, wherever one is given.
+COLLECTION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 # The topic of a job's event stream (workflow_streams) that the API relays as Server-Sent Events.
 EVENTS_TOPIC = "events"
 
@@ -46,6 +49,7 @@ class DeadLetter(BaseModel):
 
 class OperatorRequest(BaseModel):
     """Payload of the `retry` and `discard` Updates. Every field is optional: `{}` is valid."""
+    model_config = STRICT_INPUT
     operator: str | None = None
     reason: str | None = None
 

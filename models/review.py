@@ -7,15 +7,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from models.inputs import STRICT_INPUT, Int
+
 
 
 class ReviewDecision(BaseModel):
     """Payload of the `review` Update and Signal (Web UI, CLI, or POST /v1/jobs/{id}/review)."""
+    model_config = STRICT_INPUT
     decision: Literal["approve", "reject", "revise"]
     reviewer: str
     comment: str = ""
     instructions: str | None = None
-    extra_depth: int = 0
+    extra_depth: Int = 0
     extra_budget: dict[str, float] = {}
     # For held chat answers: the text to release instead of the model's.
     answer: str | None = None

@@ -18,6 +18,7 @@ from opentelemetry import trace
 from ragline import metrics, tracing
 from ragline.errors import TransientError
 from ragline.provider_errors import translate_provider_errors
+from ragline.redact import redact_messages
 from ragline.settings import Settings
 
 
@@ -76,6 +77,8 @@ class ChatModel:
     def __init__(self, settings: Settings) -> None:
         self.model = settings.llm_model
         self.max_tokens = settings.llm_max_tokens
+        # RAGLINE_REDACT_PII with a model that is not local: what leaves the machine is masked.
+        self._mask = redact_messages if settings.redact_pii and not settings.llm_is_local else (lambda m: m)
         self._client = AsyncOpenAI(base_url=settings.effective_llm_base_url, api_key=settings.llm_api_key or "unused",
                                    max_retries=0, timeout=settings.llm_timeout)
 
@@ -109,7 +112,7 @@ class ChatModel:
                        max_tokens: int | None = None) -> Completion:
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
-                model=self.model, messages=messages, temperature=temperature,
+                model=self.model, messages=self._mask(messages), temperature=temperature,
                 max_tokens=max_tokens or self.max_tokens, extra_headers=observed.headers)
             observed.take(response.usage)
         if not response.choices:
@@ -123,7 +126,7 @@ class ChatModel:
         """One tool-calling turn: the model picks tools from `tools` (or answers in text)."""
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
-                model=self.model, messages=messages, tools=tools, tool_choice="auto", temperature=0.0,
+                model=self.model, messages=self._mask(messages), tools=tools, tool_choice="auto", temperature=0.0,
                 max_tokens=self.max_tokens, extra_headers=observed.headers)
             observed.take(response.usage)
         if not response.choices:
@@ -141,7 +144,7 @@ class ChatModel:
         """Yields pieces of the reply as they arrive; totals land in `result`."""
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
-                model=self.model, messages=messages, temperature=temperature, max_tokens=self.max_tokens,
+                model=self.model, messages=self._mask(messages), temperature=temperature, max_tokens=self.max_tokens,
                 stream=True, stream_options={"include_usage": True}, extra_headers=observed.headers)
             async for chunk in response:
                 if chunk.model:

@@ -95,6 +95,30 @@ class Settings(BaseSettings):
     # `make run`: also start Prometheus on deploy/prometheus/ (RAGLINE_PROMETHEUS=1), listening here.
     prometheus: bool = False
     prometheus_port: int = 9090
+    # -- security --------------------------------------------------------------------------------
+    # API keys (TOML, [[keys]] with tenant, sha256, role, name, requests_per_minute) and per-tenant
+    # limits ([tenants.<name>]). Unset: <data_dir>/api_keys.toml. `python -m ragline.keys create ...`.
+    api_keys_file: Path | None = None
+    # Requests per minute per API key unless its entry says otherwise (429 with Retry-After above it).
+    rate_limit_per_minute: int = 600
+    # Where the rate-limit counters live: a `limits` storage URI. memory:// is per API process;
+    # redis://host:6379 shares them between several API processes.
+    rate_limit_storage: str = "memory://"
+    # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued.
+    tenant_max_running_jobs: int = 8
+    # AES-256-GCM payload encryption (temporal/codec.py). Keys file (TOML: current = "<id>", [keys]
+    # <id> = "<base64 32 bytes>"); unset: <data_dir>/codec_keys.toml, created with one key if missing.
+    encrypt_payloads: bool = True
+    codec_keys_file: Path | None = None
+    # Allowed Origin of the codec endpoint (the Temporal Web UI); unset: http://127.0.0.1:<ui port>
+    # and http://localhost:<ui port>.
+    codec_cors_origins: list[str] | None = None
+    # Mask phone numbers, e-mail addresses and ID numbers in text sent to a model that is not local,
+    # and in logs.
+    redact_pii: bool = False
+    # Whether the chat model counts as local for redaction; unset: local when RAGLINE_LLM_BASE_URL is
+    # unset or points at a loopback address.
+    llm_local: bool | None = None
 
     policies: Path | None = Field(default=None, description="Alternative retry/timeout policy file")
     # Overrides [dead_letter].ttl of the policy file, e.g. "7d", "12h".
@@ -111,6 +135,30 @@ class Settings(BaseSettings):
     @property
     def effective_temporal_ui_url(self) -> str:
         return (self.temporal_ui_url or f"http://127.0.0.1:{self.temporal_ui_port}").rstrip("/")
+
+    @property
+    def effective_api_keys_file(self) -> Path:
+        return self.api_keys_file or self.data_dir / "api_keys.toml"
+
+    @property
+    def effective_codec_keys_file(self) -> Path:
+        return self.codec_keys_file or self.data_dir / "codec_keys.toml"
+
+    @property
+    def effective_codec_cors_origins(self) -> list[str]:
+        if self.codec_cors_origins is not None:
+            return self.codec_cors_origins
+        return [f"http://127.0.0.1:{self.temporal_ui_port}", f"http://localhost:{self.temporal_ui_port}"]
+
+    @property
+    def llm_is_local(self) -> bool:
+        """The chat model runs on this machine (llama.cpp started by `make run`, or a loopback URL)."""
+        if self.llm_local is not None:
+            return self.llm_local
+        if not self.llm_base_url:
+            return True
+        from urllib.parse import urlparse
+        return (urlparse(self.llm_base_url).hostname or "") in ("127.0.0.1", "localhost", "::1")
 
     @property
     def blob_dir(self) -> Path:

@@ -3,6 +3,10 @@ RAGLINE_QDRANT_URL is set.
 
 The embedded store is a single-process database, so only the worker opens it; the API reaches it
 through Temporal. A second process gets `StoreUnavailableError` with a message saying what to do.
+
+Tenants share a Qdrant collection per Ragline collection name: every point carries a `tenant` payload
+field and every search, count and delete filters on it (there is no method without a tenant). Point
+ids come from document ids, which are derived per tenant, so two tenants never share a point.
 """
 
 from __future__ import annotations
@@ -65,49 +69,60 @@ class VectorIndex:
             if self.embedded:
                 pass  # the embedded store scans payloads; indexes exist only on a Qdrant server
             else:
+                self.client.create_payload_index(name, "tenant", models.KeywordIndexParams(
+                    type=models.KeywordIndexType.KEYWORD, is_tenant=True))
                 for field in ("document_id", "collection"):
                     self.client.create_payload_index(name, field, models.PayloadSchemaType.KEYWORD)
         self._known.add(name)
         return name
 
-    def upsert(self, collection: str, points: list[ChunkPoint]) -> int:
+    def upsert(self, tenant: str, collection: str, points: list[ChunkPoint]) -> int:
         with self._lock:
             name = self._ensure_collection(collection)
             self.client.upsert(name, wait=True, points=[
-                models.PointStruct(id=point_id(p.document_id, p.chunk_index), vector=p.vector, payload=p.payload)
+                models.PointStruct(id=point_id(p.document_id, p.chunk_index), vector=p.vector,
+                                   payload={**p.payload, "tenant": tenant})
                 for p in points
             ])
         return len(points)
 
-    def prune(self, collection: str, document_id: str, keep_chunks: int) -> None:
+    def prune(self, tenant: str, collection: str, document_id: str, keep_chunks: int) -> None:
         """Remove points of a document beyond its current chunk count (left by an older chunking)."""
         with self._lock:
             name = self._ensure_collection(collection)
             self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
-                must=[models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)),
+                must=[_tenant(tenant),
+                      models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)),
                       models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))])))
 
-    def count(self, collection: str, document_id: str | None = None) -> int:
+    def count(self, tenant: str, collection: str, document_id: str | None = None) -> int:
         with self._lock:
             name = qdrant_collection(collection)
             if not self.client.collection_exists(name):
                 return 0
-            flt = None
+            must = [_tenant(tenant)]
             if document_id:
-                flt = models.Filter(must=[models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))])
-            return self.client.count(name, count_filter=flt, exact=True).count
+                must.append(models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)))
+            return self.client.count(name, count_filter=models.Filter(must=must), exact=True).count
 
-    def search(self, collection: str, vector: list[float], top_k: int) -> list[Hit]:
+    def search(self, tenant: str, collection: str, vector: list[float], top_k: int) -> list[Hit]:
         with self._lock:
             name = qdrant_collection(collection)
             if not self.client.collection_exists(name):
                 return []
-            result = self.client.query_points(name, query=vector, limit=top_k, with_payload=True)
+            result = self.client.query_points(name, query=vector, limit=top_k, with_payload=True,
+                                              query_filter=models.Filter(must=[_tenant(tenant)]))
         return [Hit(score=p.score, payload=p.payload or {}) for p in result.points]
 
     def close(self) -> None:
         with self._lock:
             self.client.close()
+
+
+def _tenant(tenant: str) -> models.FieldCondition:
+    if not tenant:
+        raise ValueError("every vector store call names its tenant")
+    return models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))
 
 
 class _NoLock:

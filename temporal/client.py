@@ -6,7 +6,6 @@ from temporalio.client import Client
 from temporalio.runtime import Runtime
 
 from ragline import tracing
-from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 from temporal.converter import build_data_converter
 
@@ -21,7 +20,7 @@ async def connect(settings: Settings, *, lazy: bool = False, identity: str | Non
     return await Client.connect(
         settings.temporal_address,
         namespace=settings.temporal_namespace,
-        data_converter=build_data_converter(BlobStore(settings.blob_dir)),
+        data_converter=build_data_converter(settings),
         interceptors=tracing.client_interceptors(),
         lazy=lazy,
         **kwargs,

@@ -4,6 +4,9 @@ pydantic models travel as JSON. Any payload over `LARGE_PAYLOAD_BYTES` is swappe
 into the blob store by the SDK's own claim-check mechanism (`ExternalStorage`), so an unexpectedly
 large result can never push a workflow history towards Temporal's 2 MB payload limit. Documents and
 chunk text do not rely on this safety net: activities pass explicit blob references.
+
+With RAGLINE_ENCRYPT_PAYLOADS (the default) every payload is first encrypted with AES-256-GCM
+(temporal/codec.py); a payload moved to the blob store is stored encrypted too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from temporalio.converter import (
 )
 
 from ragline.blobstore import BlobStore
+from ragline.settings import Settings
 
 LARGE_PAYLOAD_BYTES = 64 * 1024
 
@@ -51,8 +55,16 @@ class BlobStoreDriver(StorageDriver):
         return payloads
 
 
-def build_data_converter(store: BlobStore) -> DataConverter:
+def build_data_converter(settings: Settings) -> DataConverter:
+    """The one data converter: API, worker and tests all use it (through temporal.client.connect)."""
+    codec = None
+    if settings.encrypt_payloads:
+        from temporal.codec import EncryptionCodec, load_or_create  # never from workflow code (sandbox)
+
+        codec = EncryptionCodec(load_or_create(settings.effective_codec_keys_file))
     return dataclasses.replace(
         pydantic_data_converter,
-        external_storage=ExternalStorage(drivers=[BlobStoreDriver(store)], payload_size_threshold=LARGE_PAYLOAD_BYTES),
+        payload_codec=codec,
+        external_storage=ExternalStorage(drivers=[BlobStoreDriver(BlobStore(settings.blob_dir))],
+                                         payload_size_threshold=LARGE_PAYLOAD_BYTES),
     )

@@ -13,8 +13,10 @@ DOCUMENT_ID = SearchAttributeKey.for_keyword("RaglineDocumentId")
 CHUNKS = SearchAttributeKey.for_int("RaglineChunks")
 PAGES = SearchAttributeKey.for_int("RaglinePages")
 SESSION = SearchAttributeKey.for_keyword("RaglineSession")
+# The tenant a workflow belongs to: on every workflow Ragline starts, in every visibility query.
+TENANT = SearchAttributeKey.for_keyword("RaglineTenant")
 
-ALL = (JOB_KIND, JOB_STATUS, COLLECTION, FILENAME, DOCUMENT_ID, CHUNKS, PAGES, SESSION)
+ALL = (JOB_KIND, JOB_STATUS, COLLECTION, FILENAME, DOCUMENT_ID, CHUNKS, PAGES, SESSION, TENANT)
 
 
 def cli_flags() -> list[str]:

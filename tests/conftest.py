@@ -3,7 +3,12 @@ real embedded Qdrant and real embedding model) and the API served by uvicorn on 
 
 Telemetry is on as in production, once per process: every span goes to an in-memory exporter
 (`SPANS`, the `spans` fixture), and one metrics Runtime (`metrics_runtime()`) serves the in-process
-workers' metrics on a free port; the dev server serves its own on `TEMPORAL_METRICS_PORT`."""
+workers' metrics on a free port; the dev server serves its own on `TEMPORAL_METRICS_PORT`.
+
+Security is on as in production: payloads are encrypted (a codec keys file in the data folder) and
+the API wants keys. The stack's keys file holds, for tenant `acme`, a reviewer key (`Stack.http`
+sends it) and a member key (`Stack.member_http`), and for tenant `globex` a reviewer key
+(`Stack.other_http`): the same tests can prove that tenants do not see each other."""
 
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
+from ragline import keys as api_keys
 from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import search_attributes as sa
@@ -106,6 +112,16 @@ class Stack:
     index: VectorIndex | None
     base_url: str
     llm: ScriptedLLM
+    # tenant `acme`: "reviewer" (http), "member" (member_http); tenant `globex`: "other" (other_http)
+    keys: dict[str, str]
+    member_http: httpx.AsyncClient
+    other_http: httpx.AsyncClient
+    tenant: str = "acme"
+    other_tenant: str = "globex"
+
+    def workflow_id(self, local_id: str) -> str:
+        """The Temporal workflow id of one of `tenant`'s jobs (for tests that talk to Temporal directly)."""
+        return f"{self.tenant}.{local_id}"
 
     async def wait_job(self, job_id: str, timeout: float = 120,
                        until: tuple[str, ...] = ("completed", "failed", "cancelled", "dead_lettered",
@@ -206,9 +222,15 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     api_port = free_port()
     options = dict(data_dir=data_dir, temporal_address=address, api_port=api_port, task_queue="ragline-test",
                    embed_batch_size=16, llm_base_url=llm.base_url, llm_model="scripted", llm_timeout=3,
-                   policies=FIXTURES.parent / "fast_policies.toml", metrics_poll_interval=1.0)
+                   policies=FIXTURES.parent / "fast_policies.toml", metrics_poll_interval=1.0,
+                   rate_limit_per_minute=100_000)
     options.update(overrides)
     settings = Settings(**options)
+    api_port = settings.api_port
+    keys_file = settings.effective_api_keys_file
+    keys = {"reviewer": api_keys.create(keys_file, "acme", "reviewer", "acme-reviewer"),
+            "member": api_keys.create(keys_file, "acme", "member", "acme-member"),
+            "other": api_keys.create(keys_file, "globex", "reviewer", "globex-reviewer")}
     client = await connect(settings, runtime=metrics_runtime())
     index = open_index(settings) if in_process_worker else None
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)
@@ -222,8 +244,12 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
         await asyncio.sleep(0.05)
     base_url = f"http://127.0.0.1:{api_port}"
     try:
-        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
-            yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=llm)
+        def http_for(role: str) -> httpx.AsyncClient:
+            return httpx.AsyncClient(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {keys[role]}"})
+
+        async with http_for("reviewer") as http, http_for("member") as member_http, http_for("other") as other_http:
+            yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=llm,
+                        keys=keys, member_http=member_http, other_http=other_http)
     finally:
         server.should_exit = True
         await server_task

@@ -64,7 +64,8 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
     # One turn ran at a time, in that order; the keyed request sent twice ran once.
     for earlier, later in zip(chat_jobs, chat_jobs[1:]):
         assert max(s["finished_at"] for s in earlier["steps"]) <= min(s["started_at"] for s in later["steps"])
-    listed = await stack.client.count_workflows(f"{sa.SESSION.name} = '{session}' AND {sa.JOB_KIND.name} = 'chat'")
+    listed = await stack.client.count_workflows(f"{sa.SESSION.name} = '{session}' AND {sa.JOB_KIND.name} = 'chat' "
+                                                f"AND {sa.TENANT.name} = '{stack.tenant}'")
     assert listed.count == 4
 
 
@@ -77,7 +78,8 @@ async def test_a_session_id_used_again_after_its_workflow_ended_answers_the_new_
     first = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
                              idempotency_key="first")
     assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
-    await stack.client.get_workflow_handle(session_workflow_id(session)).terminate("session closed by an operator")
+    await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, session)).terminate(
+        "session closed by an operator")
 
     second = await stack.chat(f"When does the {tag} ferry return?", session_id=session, collection=tag)
     assert second["job_id"] != first["job_id"]
@@ -97,10 +99,11 @@ async def test_continue_as_new_carries_the_turns_still_waiting(stack):
     session = f"can-{tag}"
     # A session that continues as new after every two turns (production: 100, or when the server asks).
     await stack.client.start_workflow(
-        ChatSessionWorkflow.run, SessionState(session_id=session, turns_per_run=2),
-        id=session_workflow_id(session), task_queue=stack.settings.task_queue,
+        ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, turns_per_run=2),
+        id=session_workflow_id(stack.tenant, session), task_queue=stack.settings.task_queue,
         search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
-                                                 SearchAttributePair(sa.SESSION, session)]))
+                                                 SearchAttributePair(sa.SESSION, session),
+                                                 SearchAttributePair(sa.TENANT, stack.tenant)]))
     questions = [f"Step question {i} on the {tag} tower?" for i in range(1, 6)]
     accepted = [await stack.chat(q, session_id=session, collection=tag) for q in questions]
     jobs = [await stack.wait_job(a["job_id"], timeout=120) for a in accepted]
@@ -110,8 +113,9 @@ async def test_continue_as_new_carries_the_turns_still_waiting(stack):
 
     # The session did continue as new with turns still waiting, and they were not lost or repeated.
     carried = []
-    async for execution in stack.client.list_workflows(f"WorkflowId = '{session_workflow_id(session)}'"):
-        handle = stack.client.get_workflow_handle(session_workflow_id(session), run_id=execution.run_id)
+    session_wf = session_workflow_id(stack.tenant, session)
+    async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
+        handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
         async for event in handle.fetch_history_events():
             if event.HasField("workflow_execution_continued_as_new_event_attributes"):
                 payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads

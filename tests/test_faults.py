@@ -130,9 +130,9 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
         try:
             for job in ingest_jobs:
                 [doc] = job["result"]["documents"]
-                assert index.count("kill", doc["document_id"]) == doc["chunks"], doc
+                assert index.count(stack.tenant, "kill", doc["document_id"]) == doc["chunks"], doc
             expected = sum(j["result"]["documents"][0]["chunks"] for j in ingest_jobs)
-            assert index.count("kill") == expected
+            assert index.count(stack.tenant, "kill") == expected
         finally:
             index.close()
         # Every chat turn has exactly one answer, in order per session.

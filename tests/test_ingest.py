@@ -40,7 +40,7 @@ async def test_one_page_pdf_is_indexed_and_searchable(stack):
     assert hits and hits[0]["document_id"] == doc["document_id"]
     assert "crazy" in hits[0]["text"].lower()
     assert hits[0]["filename"] == "crazyones.pdf" and hits[0]["page"] == 1
-    assert stack.index.count("one", doc["document_id"]) == outcome["chunks"]
+    assert stack.index.count(stack.tenant, "one", doc["document_id"]) == outcome["chunks"]
 
 
 async def test_multi_page_pdf_keeps_page_numbers(stack):
@@ -104,7 +104,7 @@ async def test_same_bytes_same_collection_is_not_ingested_twice(stack):
     assert len({b["job_id"] for b in bodies}) == 1
     await stack.wait_job(bodies[0]["job_id"])
 
-    for job_id in (first["job_id"], first["documents"][0] and f"doc-{first['documents'][0]['document_id']}",
+    for job_id in (first["job_id"], first["documents"][0] and stack.workflow_id(f"doc-{first['documents'][0]['document_id']}"),
                    bodies[0]["job_id"]):
         runs = [w async for w in stack.client.list_workflows(f"WorkflowId = '{job_id}'")]
         assert len(runs) == 1, f"{job_id} ran {len(runs)} times"
@@ -123,7 +123,7 @@ async def test_a_document_shared_by_two_jobs_is_ingested_once(stack):
     assert job["status"] == "completed"
     assert {o["status"] for o in _outcomes(job).values()} == {"indexed"}
     doc_id = first["documents"][0]["document_id"]
-    runs = [w async for w in stack.client.list_workflows(f"WorkflowId = 'doc-{doc_id}'")]
+    runs = [w async for w in stack.client.list_workflows(f"WorkflowId = '{stack.workflow_id('doc-' + doc_id)}'")]
     assert len(runs) == 1
 
 

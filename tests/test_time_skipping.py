@@ -12,7 +12,6 @@ from temporalio.testing import WorkflowEnvironment
 
 from models.agent import AgentInput
 from models.chat import ChatQuestion, TurnContext, TurnInput
-from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 from ragline.vectorstore import ChunkPoint, open_index
 from temporal.converter import build_data_converter
@@ -35,7 +34,7 @@ async def time_skipping_worker(llm, tmp_path, **overrides):
                         **overrides)
     # The environment's own client is the one that lets the server skip time while we wait.
     env = await WorkflowEnvironment.start_time_skipping(
-        test_server_existing_path=binary, data_converter=build_data_converter(BlobStore(settings.blob_dir)))
+        test_server_existing_path=binary, data_converter=build_data_converter(settings))
     index = open_index(settings)
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as executor:
@@ -51,7 +50,7 @@ async def test_untouched_dead_letter_fails_after_ttl(private_llm, tmp_path):
     private_llm.script("summarize", ["503"] * 4)
     async with time_skipping_worker(private_llm, tmp_path, dead_letter_ttl="3d") as (client, index):
         # One indexed passage so the chain calls the model.
-        index.upsert("ttl", [ChunkPoint(document_id="d1", chunk_index=0, vector=[1.0] + [0.0] * 383,
+        index.upsert("default", "ttl", [ChunkPoint(document_id="d1", chunk_index=0, vector=[1.0] + [0.0] * 383,
                                         payload={"document_id": "d1", "filename": "f.txt", "page": 1,
                                                  "chunk": 0, "text": "The sky is blue."})])
         job_id = f"ttl-{uuid.uuid4().hex[:6]}"

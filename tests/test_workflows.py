@@ -37,7 +37,7 @@ from models.ingest import (
     ExtractInput, ExtractOutput, IndexInput, IndexOutput, IngestInput, IngestResult, PruneInput, PruneOutput,
     SearchInput, SearchOutput, document_workflow_id,
 )
-from ragline.blobstore import BlobStore
+from ragline.settings import Settings
 from temporal import policies, queues
 from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
@@ -210,7 +210,7 @@ def finish(answer: str, tokens: int = 15) -> PlanOutput:
 # -- the environment -----------------------------------------------------------------------------------
 
 async def _time_skipping_env(tmp_path_factory) -> WorkflowEnvironment:
-    converter = build_data_converter(BlobStore(tmp_path_factory.mktemp("workflow-blobs")))
+    converter = build_data_converter(Settings(data_dir=tmp_path_factory.mktemp("workflow-data")))
     return await WorkflowEnvironment.start_time_skipping(test_server_existing_path=time_skipping_server_binary(),
                                                          data_converter=converter)
 
@@ -472,7 +472,7 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
     first, second = turn(session, "First question?"), turn(session, "Second question?")
     async with fake_worker(env, fakes) as queue:
         handle = await env.client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id(session),
+            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id("default", session),
             task_queue=queue, start_signal="submit", start_signal_args=[first])
         await handle.signal(ChatSessionWorkflow.submit, second)
         await handle.signal(ChatSessionWorkflow.submit, first)  # the same request again

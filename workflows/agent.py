@@ -109,7 +109,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                     return call.arguments["answer"]
                 elif call.name == TOOL_SEARCH:
                     found = await self.step(AgentActivities.search_documents, SearchDocumentsInput(
-                        query=call.arguments["query"], collection=inp.collection), name=f"search {turn}")
+                        tenant=inp.tenant, query=call.arguments["query"], collection=inp.collection),
+                        name=f"search {turn}")
                     self.observations.append(found.observation)
                 elif call.name == TOOL_DELEGATE:
                     subgoals.append(call.arguments["subgoal"])
@@ -159,13 +160,13 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         try:
             result = await workflow.execute_child_workflow(
                 AgentWorkflow.run,
-                AgentInput(goal=goal, collection=inp.collection, depth=inp.depth + 1, max_depth=self.max_depth,
+                AgentInput(tenant=inp.tenant, goal=goal, collection=inp.collection, depth=inp.depth + 1, max_depth=self.max_depth,
                            budget=budget, deadline=self.deadline, ancestors=[*inp.ancestors, inp.goal],
                            rejected=self.rejected, review_timeout_seconds=inp.review_timeout_seconds),
                 id=child_id,
                 search_attributes=TypedSearchAttributes([
                     SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
-                    SearchAttributePair(sa.COLLECTION, inp.collection)]))
+                    SearchAttributePair(sa.COLLECTION, inp.collection), SearchAttributePair(sa.TENANT, inp.tenant)]))
         except ChildWorkflowError as exc:
             node.status, node.answer = "failed", failure_reason(exc)
             self.steps.fail(f"delegate {index}", node.answer)

@@ -69,7 +69,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     async def _chain(self, turn: TurnInput) -> TurnResult:
         question = turn.question
         retrieved = await self.step(ChatActivities.retrieve_context, RetrieveInput(
-            question=question.message, collection=question.collection, top_k=question.top_k))
+            tenant=turn.tenant, question=question.message, collection=question.collection, top_k=question.top_k))
         context = ContextInput(question=question.message, context_ref=retrieved.context_ref)
         summary = None if retrieved.fits else await self.step(ChatActivities.summarize_context, context)
         answer = await self.step(ChatActivities.generate_answer, GenerateInput(
@@ -148,6 +148,7 @@ class ChatSessionWorkflow:
                         SearchAttributePair(sa.JOB_STATUS, "queued"),
                         SearchAttributePair(sa.COLLECTION, turn.question.collection),
                         SearchAttributePair(sa.SESSION, self.state.session_id),
+                        SearchAttributePair(sa.TENANT, turn.tenant),
                     ]))
         except WorkflowAlreadyStartedError:
             return None

@@ -47,12 +47,12 @@ class IngestDocumentWorkflow(JobWorkflow):
     async def _ingest(self, doc: DocumentInput) -> DocumentOutcome:
         extracted = await self.step(IngestActivities.extract_text, ExtractInput(
             document_id=doc.document_id, blob_ref=doc.blob_ref, filename=doc.filename, kind=doc.kind,
-            password=doc.password))
+            password=doc.password, max_pages=doc.max_pages))
         chunked = await self.step(IngestActivities.chunk_text, ChunkInput(
             document_id=doc.document_id, pages_ref=extracted.pages_ref))
         await self._embed_and_index(doc, chunked)
         await self.step(IngestActivities.prune_stale_chunks, PruneInput(
-            document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks))
+            tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks))
         self.upsert_attributes(sa.CHUNKS.value_set(chunked.chunks), sa.PAGES.value_set(extracted.pages))
         metrics.document_ingested(workflow.metric_meter(), extracted.pages, chunked.chunks,
                                   doc.collection if doc.metrics_collection_label else None)
@@ -78,7 +78,7 @@ class IngestDocumentWorkflow(JobWorkflow):
                 advance(EMBED, embedded.attempt)
                 self.steps.start(INDEX, detail=f"{done[INDEX]}/{len(batches)} batches")
                 indexed = await self.call(IngestActivities.index_chunks, IndexInput(
-                    document_id=doc.document_id, collection=doc.collection, filename=doc.filename,
+                    tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, filename=doc.filename,
                     chunks_ref=chunked.chunks_ref, vectors_ref=embedded.vectors_ref, start=start, end=end),
                     step=INDEX)
                 advance(INDEX, indexed.attempt)
@@ -109,7 +109,7 @@ class IngestWorkflow(JobWorkflow):
 
     async def _ingest_document(self, doc: DocumentInput) -> DocumentOutcome:
         step = f"document:{doc.filename}"
-        child_id = document_workflow_id(doc.document_id)
+        child_id = document_workflow_id(doc.tenant, doc.document_id)
         self.steps.start(step, detail=child_id)
         try:
             outcome = await workflow.execute_child_workflow(
@@ -123,6 +123,7 @@ class IngestWorkflow(JobWorkflow):
                     SearchAttributePair(sa.COLLECTION, doc.collection),
                     SearchAttributePair(sa.FILENAME, doc.filename[:256]),
                     SearchAttributePair(sa.DOCUMENT_ID, doc.document_id),
+                    SearchAttributePair(sa.TENANT, doc.tenant),
                 ]))
         except WorkflowAlreadyStartedError:
             # Same bytes in the same collection: indexed already, or being indexed by another job.

@@ -10,14 +10,19 @@ from pydantic import BaseModel, Field
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from api import job_views, observability
+from api.auth import CallerDep, ReviewerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, Accepted, ReviewItem, ReviewList, ReviewResult, error_responses,
 )
-from api.validators import review_timeout_seconds, validate_collection
+from api.validators import JOB_ID, review_timeout_seconds, validate_collection
 from models.agent import AgentInput, Budget
+from models.inputs import STRICT_INPUT, Int
+from models.jobs import COLLECTION_PATTERN
 from models.review import ReviewAck, ReviewDecision
+from models.tenancy import scoped, workflow_id
+from ragline import audit
 from temporal import search_attributes as sa
 from workflows.agent import AgentWorkflow
 
@@ -25,15 +30,17 @@ router = APIRouter(tags=["agents"])
 
 
 class BudgetRequest(BaseModel):
-    max_llm_calls: int = Field(50, ge=1)
-    max_tokens: int = Field(200_000, ge=1)
+    model_config = STRICT_INPUT
+    max_llm_calls: Int = Field(50, ge=1)
+    max_tokens: Int = Field(200_000, ge=1)
     max_seconds: float = Field(3600, gt=0)
 
 
 class AgentRequest(BaseModel):
+    model_config = STRICT_INPUT
     goal: str = Field(min_length=1, max_length=4000)
-    collection: str = "default"
-    max_depth: int = Field(3, ge=0)
+    collection: str = Field("default", pattern=COLLECTION_PATTERN)
+    max_depth: Int = Field(3, ge=0)
     budget: BudgetRequest = BudgetRequest()
 
 
@@ -41,8 +48,8 @@ class AgentRequest(BaseModel):
              response_description=ACCEPTED,
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, over_ceiling",
                                         503: TEMPORAL_DOWN}))
-async def start_agent(req: AgentRequest, request: Request, client: ClientDep, settings: SettingsDep,
-                      timeout: RpcTimeoutDep) -> Accepted:
+async def start_agent(req: AgentRequest, request: Request, client: ClientDep, caller: CallerDep,
+                      settings: SettingsDep, timeout: RpcTimeoutDep) -> Accepted:
     validate_collection(req.collection)
     ceilings = {"max_depth": (req.max_depth, settings.agent_max_depth),
                 "budget.max_llm_calls": (req.budget.max_llm_calls, settings.agent_max_llm_calls),
@@ -52,23 +59,23 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, se
     if over:
         raise ApiError(422, "over_ceiling", "above the server's ceiling: " + "; ".join(over), limits={
             name: limit for name, (_, limit) in ceilings.items()})
-    job_id = f"agent-{uuid.uuid4().hex[:16]}"
+    job_id = workflow_id(caller.tenant, f"agent-{uuid.uuid4().hex[:16]}")
     await client.start_workflow(
         AgentWorkflow.run,
-        AgentInput(goal=req.goal, collection=req.collection, max_depth=req.max_depth,
+        AgentInput(tenant=caller.tenant, goal=req.goal, collection=req.collection, max_depth=req.max_depth,
                    budget=Budget(**req.budget.model_dump()), review_timeout_seconds=review_timeout_seconds(settings)),
         id=job_id, task_queue=settings.task_queue, rpc_timeout=timeout,
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
-            SearchAttributePair(sa.COLLECTION, req.collection)]))
+            SearchAttributePair(sa.COLLECTION, req.collection), SearchAttributePair(sa.TENANT, caller.tenant)]))
     observability.job_accepted("agent")
     return Accepted.for_job(request, job_id)
 
 
 @router.get("/v1/reviews", summary="Everything waiting for a human review",
             responses=error_responses({503: TEMPORAL_DOWN}))
-async def list_reviews(client: ClientDep, timeout: RpcTimeoutDep) -> ReviewList:
-    query = job_views.list_query(status="waiting_review")
+async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep) -> ReviewList:
+    query = job_views.list_query(caller.tenant, status="waiting_review")
     executions = await job_views.list_jobs(client, query, 500, timeout)
 
     async def item(execution) -> ReviewItem | None:
@@ -85,9 +92,20 @@ async def list_reviews(client: ClientDep, timeout: RpcTimeoutDep) -> ReviewList:
 
 
 @router.post("/v1/jobs/{job_id}/review", summary="Approve, reject or revise what a job waits on",
-             responses=error_responses({404: "job_not_found", 409: "not_waiting_for_review, job_closed",
+             responses=error_responses({403: "forbidden", 404: "job_not_found",
+                                        409: "not_waiting_for_review, job_closed",
                                         422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
-async def review_job(job_id: str, decision: ReviewDecision, client: ClientDep, timeout: RpcTimeoutDep) -> ReviewResult:
-    ack = await job_views.send_update(client, job_id, "review", decision, ReviewAck, timeout,
-                                      refused_code="not_waiting_for_review")
+async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: ReviewerDep,
+                     settings: SettingsDep, timeout: RpcTimeoutDep) -> ReviewResult:
+    """Needs a reviewer key. Recorded in the audit log with the key that decided."""
+    job_id = scoped(caller.tenant, job_id)
+    details = dict(action="review", tenant=caller.tenant, key=caller.key_id, key_name=caller.name, job_id=job_id,
+                   decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment or None)
+    try:
+        ack = await job_views.send_update(client, caller.tenant, job_id, "review", decision, ReviewAck, timeout,
+                                          refused_code="not_waiting_for_review")
+    except Exception as exc:
+        audit.record(settings.data_dir, outcome=f"refused: {getattr(exc, 'code', type(exc).__name__)}", **details)
+        raise
+    audit.record(settings.data_dir, outcome="accepted", **details)
     return ReviewResult(job_id=job_id, **ack.model_dump())

@@ -18,14 +18,16 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from api import job_views, observability
+from api.auth import CallerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
 )
-from api.validators import is_session_id, review_timeout_seconds, validate_collection, validate_session_id
+from api.validators import SESSION_ID, review_timeout_seconds, validate_collection, validate_session_id
+from models.chat import SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, session_workflow_id, turn_job_id
+from models.tenancy import workflow_id
 from ragline import tracing
-from models.chat import ChatQuestion, SessionState, TurnInput, session_workflow_id, turn_job_id
 from temporal import search_attributes as sa
 from workflows.chat import ChatSessionWorkflow
 
@@ -33,42 +35,46 @@ router = APIRouter(prefix="/v1/chats", tags=["chat"])
 
 
 class ChatRequest(ChatQuestion):
-    session_id: str | None = Field(None, description="Continue a session; a new one is made when omitted")
+    session_id: str | None = Field(None, pattern=SESSION_PATTERN,
+                                   description="Continue a session; a new one is made when omitted")
 
 
 @router.post("", status_code=202, summary="Ask a question in a session; answers at once with a job",
              response_description=ACCEPTED,
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_session_id",
                                         503: TEMPORAL_DOWN}))
-async def post_chat(req: ChatRequest, request: Request, client: ClientDep, settings: SettingsDep,
-                    timeout: RpcTimeoutDep,
+async def post_chat(req: ChatRequest, request: Request, client: ClientDep, caller: CallerDep,
+                    settings: SettingsDep, timeout: RpcTimeoutDep,
                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
                     ) -> ChatAccepted:
     validate_collection(req.collection)
     session_id = validate_session_id(req.session_id or uuid.uuid4().hex)
-    job_id = turn_job_id(session_id, idempotency_key or uuid.uuid4().hex)
+    # Scoped per tenant: two tenants may use the same session id and the same Idempotency-Key.
+    job_id = workflow_id(caller.tenant, turn_job_id(session_id, idempotency_key or uuid.uuid4().hex))
     # Only a keyed request can repeat one already made; its job may exist (then nothing is written).
     duplicate = idempotency_key is not None and await job_views.exists(client, job_id, timeout)
     if not duplicate:
-        turn = TurnInput(job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
+        turn = TurnInput(tenant=caller.tenant, job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
             exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
             review_timeout_seconds=review_timeout_seconds(settings), traceparent=tracing.current_traceparent())
         await client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session_id), id=session_workflow_id(session_id),
+            ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
+            id=session_workflow_id(caller.tenant, session_id),
             task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
-                                                     SearchAttributePair(sa.SESSION, session_id)]),
+                                                     SearchAttributePair(sa.SESSION, session_id),
+                                                     SearchAttributePair(sa.TENANT, caller.tenant)]),
             rpc_timeout=timeout)
         observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
 
 
 @router.get("/{session_id}", summary="A session's turns with their answers, citations and status",
-            responses=error_responses({404: "session_not_found", 503: TEMPORAL_DOWN}))
-async def get_chat(session_id: str, client: ClientDep, timeout: RpcTimeoutDep) -> SessionView:
-    if not is_session_id(session_id) or not await job_views.exists(client, session_workflow_id(session_id), timeout):
+            responses=error_responses({404: "session_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+async def get_chat(session_id: SESSION_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep) -> SessionView:
+    if not await job_views.exists(client, session_workflow_id(caller.tenant, session_id), timeout):
         raise ApiError(404, "session_not_found", f"no chat session {session_id!r}")
-    query = job_views.list_query(kind="chat", extra={sa.SESSION.name: session_id})
+    query = job_views.list_query(caller.tenant, kind="chat", extra={sa.SESSION.name: session_id})
     executions = await job_views.list_jobs(client, query, 1000, timeout)
     turns = await asyncio.gather(*(_turn_view(client, e, timeout) for e in executions))
     return SessionView(session_id=session_id, turns=sorted(turns, key=lambda t: (t.turn or 0, t.created_at)))

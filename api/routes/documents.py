@@ -14,15 +14,17 @@ from temporalio.common import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from api import job_views, observability
+from api.auth import CallerDep, GuardDep
 from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentsAccepted, DocumentStatus,
     DocumentView, error_responses,
 )
-from api.validators import display_name, validate_collection
+from api.validators import COLLECTION_PATTERN, display_name, validate_collection
 from models.ingest import DocumentInput, IngestInput, IngestResult
 from models.jobs import JobStatus
+from models.tenancy import workflow_id
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 from ragline.text import sniff_kind
@@ -35,16 +37,17 @@ MAX_FILES_PER_REQUEST = 50
 SNIFF_BYTES = 4096
 
 
-def document_id(collection: str, sha256: str) -> str:
-    return hashlib.sha256(f"{collection}\n{sha256}".encode()).hexdigest()[:32]
+def document_id(tenant: str, collection: str, sha256: str) -> str:
+    """Per tenant: two tenants uploading the same bytes get two documents."""
+    return hashlib.sha256(f"{tenant}\n{collection}\n{sha256}".encode()).hexdigest()[:32]
 
 
-def ingest_job_id(collection: str, document_ids: list[str]) -> str:
+def ingest_job_id(tenant: str, collection: str, document_ids: list[str]) -> str:
     key = collection + "\n" + "\n".join(sorted(document_ids))
-    return "ingest-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    return workflow_id(tenant, "ingest-" + hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
-async def _store_upload(upload: UploadFile, blobs: BlobStore, settings: Settings) -> dict:
+async def _store_upload(upload: UploadFile, blobs: BlobStore, max_mb: float) -> dict:
     name = display_name(upload.filename)
     head = await upload.read(SNIFF_BYTES)
     if not head:
@@ -55,11 +58,11 @@ async def _store_upload(upload: UploadFile, blobs: BlobStore, settings: Settings
                        f"{name}: not a PDF or UTF-8 text file (judged by its content, not its name)", file=name)
     await upload.seek(0)
     try:
-        ref, size = blobs.put_stream(upload.file, limit=settings.max_upload_bytes)
+        ref, size = blobs.put_stream(upload.file, limit=int(max_mb * 1024 * 1024))
     except OverflowError:
         raise ApiError(413, "file_too_large",
-                       f"{name}: larger than the upload limit of {settings.max_upload_mb:g} MB "
-                       "(RAGLINE_MAX_UPLOAD_MB)", file=name) from None
+                       f"{name}: larger than the upload limit of {max_mb:g} MB "
+                       "(RAGLINE_MAX_UPLOAD_MB, or the tenant's max_upload_mb)", file=name) from None
     sha = ref.removeprefix("sha256:")
     return {"filename": name, "ref": ref, "sha256": sha, "size": size, "kind": kind}
 
@@ -71,28 +74,36 @@ async def _store_upload(upload: UploadFile, blobs: BlobStore, settings: Settings
                                         503: TEMPORAL_DOWN}))
 async def upload_documents(
     request: Request,
-    files: Annotated[list[UploadFile], File(description="One or more PDF, .txt or .md files")],
-    client: ClientDep, blobs: BlobsDep, settings: SettingsDep, timeout: RpcTimeoutDep,
-    collection: Annotated[str, Form()] = "default",
+    files: Annotated[list[UploadFile], File(description="One or more PDF, .txt or .md files", min_length=1)],
+    client: ClientDep, caller: CallerDep, guard: GuardDep, blobs: BlobsDep, settings: SettingsDep,
+    timeout: RpcTimeoutDep,
+    collection: Annotated[str, Form(pattern=COLLECTION_PATTERN)] = "default",
     password: Annotated[str | None, Form(description="Password of encrypted PDFs")] = None,
 ) -> DocumentsAccepted:
+    # An empty form field reads as "not sent" (the default) to FastAPI: it is a bad name, not the default.
+    if (await request.form()).get("collection") == "":
+        validate_collection("")
     validate_collection(collection)
     if len(files) > MAX_FILES_PER_REQUEST:
         raise ApiError(413, "too_many_files", f"at most {MAX_FILES_PER_REQUEST} files per request")
-    stored = [await _store_upload(f, blobs, settings) for f in files]
+    limits = guard.limits(caller.tenant)
+    max_mb = min(limits.max_upload_mb or settings.max_upload_mb, settings.max_upload_mb)
+    stored = [await _store_upload(f, blobs, max_mb) for f in files]
 
     documents: dict[str, DocumentInput] = {}
     for item in stored:
-        doc_id = document_id(collection, item["sha256"])
+        doc_id = document_id(caller.tenant, collection, item["sha256"])
         documents.setdefault(doc_id, DocumentInput(
-            document_id=doc_id, collection=collection, filename=item["filename"], blob_ref=item["ref"],
-            sha256=item["sha256"], size=item["size"], kind=item["kind"], password=password or None,
+            tenant=caller.tenant, document_id=doc_id, collection=collection, filename=item["filename"],
+            blob_ref=item["ref"], sha256=item["sha256"], size=item["size"], kind=item["kind"],
+            password=password or None, max_pages=limits.max_pages,
             metrics_collection_label=settings.metrics_collection_label))
-    job_id = ingest_job_id(collection, list(documents))
+    job_id = ingest_job_id(caller.tenant, collection, list(documents))
     duplicate = await _already_done_or_running(client, job_id, timeout)
     if not duplicate:
         await client.start_workflow(
-            IngestWorkflow.run, IngestInput(collection=collection, documents=list(documents.values())),
+            IngestWorkflow.run, IngestInput(tenant=caller.tenant, collection=collection,
+                                            documents=list(documents.values())),
             id=job_id, task_queue=settings.task_queue,
             # Same files again: a running job is reused; a finished one that failed may run again.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
@@ -101,6 +112,7 @@ async def upload_documents(
                 SearchAttributePair(sa.JOB_KIND, "ingest"),
                 SearchAttributePair(sa.JOB_STATUS, "queued"),
                 SearchAttributePair(sa.COLLECTION, collection),
+                SearchAttributePair(sa.TENANT, caller.tenant),
             ]),
             rpc_timeout=timeout)
         observability.job_accepted("ingest")
@@ -128,10 +140,11 @@ async def _already_done_or_running(client: Client, job_id: str, timeout: timedel
 
 @router.get("", summary="Documents of a collection with their status and chunk counts",
             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection", 503: TEMPORAL_DOWN}))
-async def list_documents(client: ClientDep, timeout: RpcTimeoutDep, collection: str | None = None,
+async def list_documents(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep,
+                         collection: Annotated[str | None, Query(pattern=COLLECTION_PATTERN)] = None,
                          limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> DocumentList:
     extra = {sa.COLLECTION.name: validate_collection(collection)} if collection else None
-    query = job_views.list_query(kind="ingest_document", extra=extra)
+    query = job_views.list_query(caller.tenant, kind="ingest_document", extra=extra)
     executions = await job_views.list_jobs(client, query, limit, timeout)
     return DocumentList(documents=[_document_view(e) for e in executions])
 

@@ -20,12 +20,13 @@ from temporalio.client import Client
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError, RPCStatusCode
 
+from api.auth import CallerDep
 from api.deps import ClientDep, RpcTimeoutDep
-from api.errors import ApiError
-from api.job_views import accepted_turn, wait_until_created
+from api.job_views import accepted_turn, not_found, owned, wait_until_created
+from api.validators import JOB_ID
+from models.tenancy import scoped
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobEvent, error_responses
-from models.jobs import EVENTS_TOPIC, JOB_KINDS
-from temporal import search_attributes as sa
+from models.jobs import EVENTS_TOPIC
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -57,28 +58,29 @@ STREAM_RESPONSES = {
 
 @router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)",
             response_class=EventSourceResponse, responses=STREAM_RESPONSES)
-async def job_events(job_id: str, client: ClientDep, timeout: RpcTimeoutDep,
+async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep,
                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                      from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
                      ) -> EventSourceResponse:
+    asked, job_id = job_id, scoped(caller.tenant, job_id)
     handle = client.get_workflow_handle(job_id)
     try:
         desc = await handle.describe(rpc_timeout=timeout)
-        if desc.typed_search_attributes.get(sa.JOB_KIND) not in JOB_KINDS:
-            raise ApiError(404, "job_not_found", f"no job with id {job_id!r}")
+        if not owned(desc, caller.tenant):
+            raise not_found(asked)
     except RPCError as exc:
         # An accepted chat turn whose job its session has not started yet: the stream opens now
         # and its events follow once the job exists.
-        if exc.status != RPCStatusCode.NOT_FOUND or await accepted_turn(client, job_id, timeout) is None:
+        if exc.status != RPCStatusCode.NOT_FOUND or await accepted_turn(client, caller.tenant, job_id, timeout) is None:
             if exc.status == RPCStatusCode.NOT_FOUND:
-                raise ApiError(404, "job_not_found", f"no job with id {job_id!r}") from None
+                raise not_found(asked) from None
             raise
     start = _start_offset(last_event_id, from_offset)
-    return EventSourceResponse(_relay(client, job_id, start, timeout), ping=KEEPALIVE_SECONDS)
+    return EventSourceResponse(_relay(client, caller.tenant, job_id, start, timeout), ping=KEEPALIVE_SECONDS)
 
 
-async def _relay(client: Client, job_id: str, start: int, timeout: timedelta):
-    if not await wait_until_created(client, job_id, timeout):
+async def _relay(client: Client, tenant: str, job_id: str, start: int, timeout: timedelta):
+    if not await wait_until_created(client, tenant, job_id, timeout):
         return
     items = WorkflowStreamClient.create(client, job_id).subscribe(EVENTS_TOPIC, from_offset=start).__aiter__()
     next_item = asyncio.ensure_future(items.__anext__())

@@ -8,33 +8,43 @@ from datetime import timedelta
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
+from api.auth import CallerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, error_responses
 from api.validators import validate_collection
 from models.ingest import SearchInput, SearchOutput
+from models.inputs import STRICT_INPUT, Int
+from models.jobs import COLLECTION_PATTERN
+from models.tenancy import workflow_id
+from temporal import search_attributes as sa
 from workflows.search import SearchWorkflow
 
 router = APIRouter(prefix="/v1", tags=["search"])
 
 
 class SearchRequest(BaseModel):
+    model_config = STRICT_INPUT
     query: str = Field(min_length=1, max_length=2000)
-    collection: str = "default"
-    top_k: int = Field(5, ge=1, le=50)
+    collection: str = Field("default", pattern=COLLECTION_PATTERN)
+    top_k: Int = Field(5, ge=1, le=50)
 
 
 @router.post("/search", summary="Semantic search over a collection",
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection",
                                         503: f"{TEMPORAL_DOWN}, worker_unavailable"}))
-async def search(req: SearchRequest, client: ClientDep, settings: SettingsDep, timeout: RpcTimeoutDep) -> SearchOutput:
+async def search(req: SearchRequest, client: ClientDep, caller: CallerDep, settings: SettingsDep,
+                 timeout: RpcTimeoutDep) -> SearchOutput:
     validate_collection(req.collection)
     seconds = settings.search_timeout
     try:
         return await asyncio.wait_for(client.execute_workflow(
-            SearchWorkflow.run, SearchInput(query=req.query, collection=req.collection, top_k=req.top_k),
-            id=f"search-{uuid.uuid4().hex}", task_queue=settings.task_queue,
+            SearchWorkflow.run,
+            SearchInput(tenant=caller.tenant, query=req.query, collection=req.collection, top_k=req.top_k),
+            id=workflow_id(caller.tenant, f"search-{uuid.uuid4().hex}"), task_queue=settings.task_queue,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(sa.TENANT, caller.tenant)]),
             execution_timeout=timedelta(seconds=seconds), rpc_timeout=timeout), seconds)
     except asyncio.TimeoutError:
         raise ApiError(503, "worker_unavailable",

@@ -4,7 +4,7 @@
 //
 //   node tests/webui/send_update.mjs --ui http://127.0.0.1:8233 --namespace default \
 //        --workflow-id ID --name NAME --json '{"reviewer": "ada", "decision": "approve"}' \
-//        [--screenshots DIR] [--expect-error] [--timeout SECONDS]
+//        [--screenshots DIR] [--expect-error] [--timeout SECONDS] [--expect-text TEXT]
 //
 // Prints one JSON line on stdout and exits 0 once the dialog showed an outcome:
 //   {"ok": true, "toast": "Update successful", "stage": "..._COMPLETED", ...}
@@ -14,6 +14,8 @@
 //       or the dialog closed saying "Update successful" although the server answered with no
 //       outcome (Web UI 2.54 does that when no worker accepted the Update within ~20 s)
 //   "name_mode" says how the name was entered: "dropdown", "custom" (dropdown's Custom) or "text".
+// --expect-text TEXT: the workflow page must show TEXT (e.g. a decoded input: with a codec endpoint the
+// UI decodes payloads through it) before anything else is done; the line then has "text_seen": true.
 // --expect-error only says which outcome the caller expects: the line then has "expected": true|false
 // (exit code still 0). Exits 1 with a message on stderr when the page could not be driven to an
 // outcome (UI unreachable, workflow not found, a control missing, no outcome in time), 2 on bad args.
@@ -58,6 +60,7 @@ function parse() {
         screenshots: { type: 'string' },
         'expect-error': { type: 'boolean', default: false },
         timeout: { type: 'string', default: '60' },
+        'expect-text': { type: 'string' },
       },
       strict: true,
     }));
@@ -104,6 +107,14 @@ async function drive(page, args, shot) {
       .catch(() => [])).join(' | ');
     throw new DriveError(`no "More Actions" button on ${url} (workflow not found? page says: ` +
       `${heading.slice(0, 200) || 'nothing'})`);
+  }
+  if (args['expect-text']) {
+    try {
+      await page.getByText(args['expect-text']).filter({ visible: true }).first().waitFor({ state: 'visible', timeout: STEP_MS });
+      args.textSeen = true;
+    } catch {
+      throw new DriveError(`the workflow page does not show ${JSON.stringify(args['expect-text'])} (not decoded?)`);
+    }
   }
   await shot('01-workflow-page');
 
@@ -268,6 +279,7 @@ async function main() {
     };
     const result = await drive(page, args, shot);
     if (args['expect-error']) result.expected = !result.ok;
+    if (args['expect-text']) result.text_seen = Boolean(args.textSeen);
     process.stdout.write(JSON.stringify(result) + '\n');
   } catch (e) {
     process.stderr.write(`send_update.mjs: ${e instanceof DriveError ? e.message : e.stack || e}\n`);

@@ -1,0 +1,100 @@
+"""The codec server for the Temporal Web UI and CLI: POST /codec/encode and /codec/decode.
+
+The contract is Temporal's: a JSON body `{"payloads": [{"metadata": {...base64}, "data": "<base64>"}]}`,
+the same shape back; the callers send `X-Namespace`. Only reviewer keys may use it (it turns
+ciphertext into prompts, passages and answers).
+
+How the caller authenticates:
+  - the CLI sends a header: `temporal workflow show --codec-endpoint http://API/codec
+    --codec-auth "Bearer <reviewer key>"` (or `--codec-header X-API-Key=<key>`);
+  - the Web UI cannot add headers (`temporal server start-dev` has no flag for it), so its endpoint
+    carries the key in the path: `--ui-codec-endpoint http://API/codec/k/<reviewer key>`. `make run`
+    creates a fresh reviewer key for this at every start (name `webui-codec`), so the key in the dev
+    server's command line dies with it; the API's access log shows that path as `/codec/k/***`.
+
+It is a sub-application mounted at /codec, so that CORS (for the Web UI's origin, with the
+X-Namespace header, preflight included) applies to it alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+from fastapi import FastAPI, Header, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from google.protobuf import json_format
+from temporalio.api.common.v1 import Payloads
+from temporalio.converter import PayloadCodec
+
+from api import errors
+from api.auth import Guard, admit
+from api.errors import ApiError
+from ragline.settings import Settings
+
+KEY_IN_PATH = re.compile(r"/codec/k/[^/\s]+")
+
+
+def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], PayloadCodec | None]) -> FastAPI:
+    app = FastAPI(title="Ragline codec server", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.guard = guard
+    errors.install(app)
+    app.add_middleware(CORSMiddleware, allow_origins=settings.effective_codec_cors_origins,
+                       allow_methods=["POST", "OPTIONS"], allow_credentials=True,
+                       allow_headers=["Content-Type", "X-Namespace", "Authorization", "X-API-Key"])
+
+    def reviewer(request: Request, path_key: str | None) -> None:
+        key = path_key or request.headers.get("x-api-key")
+        auth = request.headers.get("authorization", "")
+        if not key and auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        if not key:
+            raise ApiError(401, "unauthenticated", "the codec endpoint needs a reviewer key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        caller = admit(request, key)
+        if caller.role != "reviewer":
+            raise ApiError(403, "forbidden", "the codec endpoint needs a reviewer key")
+
+    async def run(request: Request, action: str, path_key: str | None, namespace: str | None) -> Response:
+        reviewer(request, path_key)
+        codec = get_codec()
+        if codec is None:
+            raise ApiError(404, "encryption_off", "payload encryption is off (RAGLINE_ENCRYPT_PAYLOADS)")
+        if namespace and namespace != settings.temporal_namespace:
+            raise ApiError(400, "wrong_namespace", f"this codec serves namespace {settings.temporal_namespace!r}")
+        try:
+            payloads = json_format.Parse(await request.body(), Payloads(), ignore_unknown_fields=True)
+        except Exception as exc:
+            raise ApiError(400, "invalid_payloads", f"not a payloads object: {exc}") from None
+        try:
+            fn = codec.encode if action == "encode" else codec.decode
+            out = Payloads(payloads=await fn(list(payloads.payloads)))
+        except Exception as exc:
+            raise ApiError(400, "codec_error", str(exc)) from None
+        return Response(json_format.MessageToJson(out), media_type="application/json")
+
+    for action in ("encode", "decode"):
+        def make(action: str):
+            async def with_header(request: Request, x_namespace: str | None = Header(None)) -> Response:
+                return await run(request, action, None, x_namespace)
+
+            async def with_path_key(key: str, request: Request, x_namespace: str | None = Header(None)) -> Response:
+                return await run(request, action, key, x_namespace)
+            return with_header, with_path_key
+
+        with_header, with_path_key = make(action)
+        app.post(f"/{action}")(with_header)
+        app.post(f"/k/{{key}}/{action}")(with_path_key)
+
+    return app
+
+
+class HideCodecKey(logging.Filter):
+    """Masks a key in the codec path (`/codec/k/<key>/...`) in uvicorn's access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(KEY_IN_PATH.sub("/codec/k/***", a) if isinstance(a, str) else a for a in record.args)
+        return True

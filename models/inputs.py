@@ -1,0 +1,21 @@
+"""What a person sends (API bodies, Updates and Signals from the Web UI or CLI) is validated strictly:
+no unknown fields, no coercion ("1" is not a number, 0 is not false), so the API refuses exactly what
+its OpenAPI schema refuses."""
+
+from pydantic import ConfigDict
+
+STRICT_INPUT = ConfigDict(strict=True, extra="forbid")
+
+from typing import Annotated, Any  # noqa: E402
+
+from pydantic import BeforeValidator  # noqa: E402
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's `integer` includes 3.0: take it as 3 (3.5 and "3" stay refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]

@@ -1,0 +1,33 @@
+"""Tenants: every workflow id starts with its tenant (`<tenant>.<local id>`) and every workflow carries
+the `RaglineTenant` search attribute; every vector in Qdrant carries a `tenant` payload field.
+
+Job ids the API shows are workflow ids, tenant prefix included. A job id a caller sends is always
+read inside the caller's own tenant (`scoped`), so another tenant's job can only ever be "not found".
+"""
+
+from __future__ import annotations
+
+import re
+
+TENANT_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
+TENANT_RE = re.compile(TENANT_PATTERN)
+# Inputs built by hand (tests, the CLI) that do not say otherwise belong to this tenant.
+DEFAULT_TENANT = "default"
+
+
+def is_tenant(name: str) -> bool:
+    return TENANT_RE.match(name) is not None
+
+
+def workflow_id(tenant: str, local_id: str) -> str:
+    return f"{tenant}.{local_id}"
+
+
+def scoped(tenant: str, job_id: str) -> str:
+    """The workflow id a caller of `tenant` means by `job_id` (with or without the tenant prefix)."""
+    return job_id if job_id.startswith(f"{tenant}.") else workflow_id(tenant, job_id)
+
+
+def local_id(workflow_id_: str) -> str:
+    """The id without its tenant prefix."""
+    return workflow_id_.split(".", 1)[1] if "." in workflow_id_ else workflow_id_

@@ -1,0 +1,43 @@
+"""The audit log: who decided each review and operated each dead-lettered job through the API.
+
+One JSON object per line in <data_dir>/audit.log (append-only), and the same event in the API log.
+Decisions sent straight to Temporal (Web UI, CLI) are recorded by the job itself (its result's
+`decisions` / `operator_decisions`, and its history), not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("ragline.audit")
+_lock = threading.Lock()
+
+
+def record(data_dir: Path, *, action: str, tenant: str, key: str, key_name: str, job_id: str,
+           outcome: str, **details: Any) -> dict:
+    entry = {"at": datetime.now(timezone.utc).isoformat(), "action": action, "tenant": tenant, "key": key,
+             "key_name": key_name, "job_id": job_id, "outcome": outcome,
+             **{k: v for k, v in details.items() if v is not None}}
+    path = Path(data_dir) / "audit.log"
+    line = json.dumps(entry, ensure_ascii=False) + "\n"
+    with _lock:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(line)
+    log.info("audit", **entry)
+    return entry
+
+
+def read(data_dir: Path) -> list[dict]:
+    path = Path(data_dir) / "audit.log"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,181 @@
+"""API keys and per-tenant limits: one TOML file (RAGLINE_API_KEYS_FILE, default <data>/api_keys.toml).
+
+    [[keys]]
+    tenant = "acme"                # [a-z0-9][a-z0-9-]{0,31}
+    sha256 = "<hex sha256 of the key>"   # the key itself is never stored
+    name = "ci"                    # optional, shown in the audit log
+    role = "member"                # member | reviewer (a reviewer may also decide reviews and operate
+                                   # dead-lettered jobs, and use the codec endpoint)
+    requests_per_minute = 120      # optional; RAGLINE_RATE_LIMIT_PER_MINUTE otherwise
+
+    [tenants.acme]                 # optional per-tenant limits, each below the server's own
+    max_running_jobs = 4           # RAGLINE_TENANT_MAX_RUNNING_JOBS
+    max_upload_mb = 10             # RAGLINE_MAX_UPLOAD_MB
+    max_pages = 100                # RAGLINE_MAX_PAGES
+
+`python -m ragline.keys create --tenant acme --role reviewer [--name ci] [--rpm 120]` adds a key and
+prints it once. The file is re-read when it changes: a new key works without restarting the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import threading
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from models.tenancy import TENANT_PATTERN
+
+Role = Literal["member", "reviewer"]
+KEY_PREFIX = "rgl_"
+
+
+class KeyEntry(BaseModel):
+    tenant: str = Field(pattern=TENANT_PATTERN)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    name: str | None = None
+    role: Role = "member"
+    requests_per_minute: int | None = Field(None, ge=1)
+
+
+class TenantLimits(BaseModel):
+    max_running_jobs: int | None = Field(None, ge=1)
+    max_upload_mb: float | None = Field(None, gt=0)
+    max_pages: int | None = Field(None, ge=1)
+
+
+class KeysFile(BaseModel):
+    keys: list[KeyEntry] = []
+    tenants: dict[str, TenantLimits] = {}
+
+
+class KeysFileError(ValueError):
+    pass
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load(path: Path) -> KeysFile:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return KeysFile()
+    except tomllib.TOMLDecodeError as exc:
+        raise KeysFileError(f"{path} is not valid TOML: {exc}") from None
+    try:
+        return KeysFile.model_validate(data)
+    except ValidationError as exc:
+        raise KeysFileError(f"{path}: {exc}") from None
+
+
+@dataclass
+class KeyRing:
+    """The keys file, re-read when its modification time changes."""
+    path: Path
+    _stamp: tuple[int, int] | None = None
+    _loaded: bool = False
+    _file: KeysFile = field(default_factory=KeysFile)
+    _by_digest: dict[str, KeyEntry] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _refresh(self) -> None:
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        with self._lock:
+            if self._loaded and stamp == self._stamp:
+                return
+            self._file = load(self.path)
+            self._by_digest = {k.sha256: k for k in self._file.keys}
+            self._stamp, self._loaded = stamp, True
+
+    def find(self, key: str) -> KeyEntry | None:
+        self._refresh()
+        wanted = digest(key)
+        for known, entry in self._by_digest.items():
+            if hmac.compare_digest(known, wanted):
+                return entry
+        return None
+
+    def limits(self, tenant: str) -> TenantLimits:
+        self._refresh()
+        return self._file.tenants.get(tenant, TenantLimits())
+
+    def __len__(self) -> int:
+        self._refresh()
+        return len(self._by_digest)
+
+
+def create(path: Path, tenant: str, role: Role = "member", name: str | None = None,
+           requests_per_minute: int | None = None) -> str:
+    """Append a new key to the file and return it (the only time it is ever shown)."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    entry = KeyEntry(tenant=tenant, sha256=digest(key), name=name, role=role, requests_per_minute=requests_per_minute)
+    lines = ["", "[[keys]]"] + [f"{k} = {json.dumps(v)}" for k, v in entry.model_dump(exclude_none=True).items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    load(path)  # the file is still valid
+    return key
+
+
+def remove(path: Path, name: str) -> int:
+    """Drop every key named `name` (the file is rewritten without comments). Returns how many."""
+    data = load(path)
+    kept = [k for k in data.keys if k.name != name]
+    out: list[str] = []
+    for k in kept:
+        out += ["[[keys]]"] + [f"{f} = {json.dumps(v)}" for f, v in k.model_dump(exclude_none=True).items()] + [""]
+    for tenant, limits in data.tenants.items():
+        out += [f"[tenants.{tenant}]"] + [f"{f} = {json.dumps(v)}" for f, v in
+                                          limits.model_dump(exclude_none=True).items()] + [""]
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(out))
+    os.replace(tmp, path)
+    return len(data.keys) - len(kept)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ragline.settings import get_settings
+
+    parser = argparse.ArgumentParser(prog="python -m ragline.keys", description="Ragline API keys")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("create", help="create a key and print it once")
+    c.add_argument("--tenant", required=True)
+    c.add_argument("--role", choices=["member", "reviewer"], default="member")
+    c.add_argument("--name")
+    c.add_argument("--rpm", type=int, help="requests per minute for this key")
+    sub.add_parser("list", help="list keys (tenant, name, role; never the keys)")
+    parser.add_argument("--file", type=Path, help="keys file (default: RAGLINE_API_KEYS_FILE)")
+    args = parser.parse_args(argv)
+    path = args.file or get_settings().effective_api_keys_file
+    if args.command == "create":
+        try:
+            key = create(path, args.tenant, args.role, args.name, args.rpm)
+        except (ValidationError, KeysFileError) as exc:
+            parser.error(str(exc))
+        print(key)
+        return 0
+    for k in load(path).keys:
+        print(f"{k.tenant}\t{k.role}\t{k.name or '-'}\t{k.sha256[:12]}…")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,360 @@
+"""Security against the real stack: API keys and roles, rate limits, tenants that cannot see each
+other (two tenants, the same collection name, every endpoint), per-tenant limits, encrypted payloads
+and the codec endpoint, masking of sensitive data, and the audit log."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import subprocess
+import uuid
+
+import httpx
+import pytest
+from temporalio.api.common.v1 import Payload
+
+from devtools.devserver import temporal_binary
+from ragline import audit, keys as api_keys, logs
+from ragline.llm import ChatModel
+from ragline.redact import redact
+from ragline.settings import Settings
+from temporal import codec as codec_mod
+from tests.helpers import delegate_until, waiting_reviews
+
+DOC_A = "The {tag} lighthouse of Acme is painted red and white and has 120 steps."
+DOC_B = "The {tag} granary of Globex stores barley and opens at dawn every Monday."
+
+
+def _client(stack, key: str | None, **headers) -> httpx.AsyncClient:
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.AsyncClient(base_url=stack.base_url, timeout=60, headers=headers)
+
+
+# -- who is calling --------------------------------------------------------------------------------
+
+async def test_every_route_but_healthz_needs_a_known_key(stack):
+    async with _client(stack, None) as anonymous, _client(stack, "rgl_not-a-key") as wrong:
+        assert (await anonymous.get("/healthz")).status_code in (200, 503)
+        routes = [("GET", "/v1/documents"), ("GET", "/v1/jobs"), ("GET", "/v1/reviews"),
+                  ("POST", "/v1/search"), ("GET", "/v1/jobs/acme.agent-x"), ("GET", "/v1/chats/s1"),
+                  ("POST", "/v1/chats"), ("POST", "/v1/agents"), ("GET", "/v1/jobs/acme.agent-x/events"),
+                  ("POST", "/v1/jobs/x/retry"), ("POST", "/v1/jobs/x/discard"), ("POST", "/v1/jobs/x/review"),
+                  ("POST", "/v1/documents")]
+        for http in (anonymous, wrong):
+            for method, path in routes:
+                r = await http.request(method, path, json={} if method == "POST" else None)
+                assert r.status_code == 401, (method, path, r.status_code, r.text)
+                assert r.json()["error"]["code"] == "unauthenticated"
+                assert r.headers["www-authenticate"] == "Bearer"
+    async with _client(stack, None, **{"X-API-Key": stack.keys["member"]}) as by_header:
+        assert (await by_header.get("/v1/jobs")).status_code == 200
+    assert (await stack.member_http.get("/v1/jobs")).status_code == 200
+
+
+async def test_member_keys_cannot_decide_or_operate(stack):
+    for path in ("/v1/jobs/acme.agent-x/review", "/v1/jobs/acme.agent-x/retry", "/v1/jobs/acme.agent-x/discard"):
+        body = {"decision": "approve", "reviewer": "m"} if path.endswith("review") else {}
+        r = await stack.member_http.post(path, json=body)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", (path, r.text)
+        # A reviewer gets past the role check: that job simply does not exist.
+        assert (await stack.http.post(path, json=body)).status_code == 404
+
+
+async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tmp_path):
+    path = tmp_path / "keys.toml"
+    out = subprocess.run([_python(), "-m", "ragline.keys", "--file", str(path), "create", "--tenant", "initech",
+                          "--role", "reviewer", "--name", "ops"], capture_output=True, text=True, check=True)
+    key = out.stdout.strip()
+    assert key.startswith("rgl_")
+    stored = path.read_text()
+    assert key not in stored and api_keys.digest(key) in stored
+    [entry] = api_keys.load(path).keys
+    assert (entry.tenant, entry.role, entry.name) == ("initech", "reviewer", "ops")
+    bad = subprocess.run([_python(), "-m", "ragline.keys", "--file", str(path), "create", "--tenant", "Not OK"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0
+
+
+async def test_a_key_over_its_rate_gets_429_with_retry_after(stack):
+    key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "slow", requests_per_minute=3)
+    async with _client(stack, key) as http:
+        codes = [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(3)]
+        assert codes == [200, 200, 200]
+        r = await http.get("/v1/jobs?limit=1")
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+    # Another key is not held back by it.
+    assert (await stack.member_http.get("/v1/jobs?limit=1")).status_code == 200
+
+
+# -- tenants ---------------------------------------------------------------------------------------
+
+async def test_tenants_see_only_their_own_documents_search_hits_jobs_and_chats(stack):
+    tag = uuid.uuid4().hex[:8]
+    collection = f"shared-{tag}"  # the same collection name in both tenants
+    same = f"Both tenants upload this very file about the {tag} ferry.".encode()
+    mine = await stack.upload((f"a-{tag}.txt", DOC_A.format(tag=tag).encode()), ("same.txt", same),
+                              collection=collection)
+    r = await stack.other_http.post("/v1/documents", data={"collection": collection}, files=[
+        ("files", (f"b-{tag}.txt", DOC_B.format(tag=tag).encode())), ("files", ("same.txt", same))])
+    assert r.status_code == 202, r.text
+    theirs = r.json()
+    # The same bytes in the same collection are two documents, two jobs: no sharing, no "duplicate".
+    assert theirs["duplicate"] is False
+    assert {d["document_id"] for d in mine["documents"]}.isdisjoint(d["document_id"] for d in theirs["documents"])
+    assert mine["job_id"].startswith("acme.") and theirs["job_id"].startswith("globex.")
+    assert (await stack.wait_job(mine["job_id"]))["status"] == "completed"
+    assert (await _wait(stack.other_http, theirs["job_id"]))["status"] == "completed"
+
+    # Documents
+    docs_a = (await stack.http.get(f"/v1/documents?collection={collection}")).json()["documents"]
+    docs_b = (await stack.other_http.get(f"/v1/documents?collection={collection}")).json()["documents"]
+    assert {d["document_id"] for d in docs_a} == {d["document_id"] for d in mine["documents"]}
+    assert {d["document_id"] for d in docs_b} == {d["document_id"] for d in theirs["documents"]}
+
+    # Search: each tenant finds only its own passages, even for the other's words.
+    for http, own, foreign in ((stack.http, "lighthouse", "granary"), (stack.other_http, "granary", "lighthouse")):
+        for query in (f"{tag} lighthouse steps", f"{tag} granary barley"):
+            r = await http.post("/v1/search", json={"query": query, "collection": collection, "top_k": 10})
+            hits = r.json()["hits"]
+            assert hits and not any(foreign in h["text"] for h in hits), (query, hits)
+    # Qdrant itself: the points carry the tenant, and counting is per tenant.
+    assert stack.index.count("acme", collection) > 0 and stack.index.count("globex", collection) > 0
+    assert stack.index.count("nobody", collection) == 0
+
+    # Jobs: listing, reading, events, operating another tenant's job: 404, never 403.
+    listed_b = {j["job_id"] for j in (await stack.other_http.get("/v1/jobs?limit=1000")).json()["jobs"]}
+    assert mine["job_id"] not in listed_b and theirs["job_id"] in listed_b
+    assert all(j.startswith("globex.") for j in listed_b)
+    child = (await stack.http.get(f"/v1/jobs/{mine['job_id']}")).json()["result"]["documents"][0]["job_id"]
+    local = mine["job_id"].split(".", 1)[1]
+    for job_id in (mine["job_id"], local, child):
+        for method, path, body in (("GET", f"/v1/jobs/{job_id}", None), ("GET", f"/v1/jobs/{job_id}/events", None),
+                                   ("POST", f"/v1/jobs/{job_id}/retry", {}), ("POST", f"/v1/jobs/{job_id}/discard", {}),
+                                   ("POST", f"/v1/jobs/{job_id}/review", {"decision": "approve", "reviewer": "x"})):
+            r = await stack.other_http.request(method, path, json=body)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", (method, path, r.text)
+
+    # Chats: the same session id (and Idempotency-Key) in both tenants are two sessions.
+    session = f"sess-{tag}"
+    a = await stack.chat(f"How many steps has the {tag} lighthouse?", session_id=session, collection=collection,
+                         idempotency_key="k1")
+    r = await stack.other_http.post("/v1/chats", headers={"Idempotency-Key": "k1"}, json={
+        "message": f"When does the {tag} granary open?", "session_id": session, "collection": collection})
+    assert r.status_code == 202, r.text
+    b = r.json()
+    assert b["duplicate"] is False and a["job_id"] != b["job_id"]
+    turn_a = await stack.wait_job(a["job_id"])
+    turn_b = await _wait(stack.other_http, b["job_id"])
+    assert turn_a["status"] == turn_b["status"] == "completed", (turn_a, turn_b)
+    own_a = {d["document_id"] for d in mine["documents"]}
+    own_b = {d["document_id"] for d in theirs["documents"]}
+    assert {c["document_id"] for c in turn_a["result"]["citations"]} <= own_a
+    assert {c["document_id"] for c in turn_b["result"]["citations"]} <= own_b
+    view_a = (await stack.http.get(f"/v1/chats/{session}")).json()
+    view_b = (await stack.other_http.get(f"/v1/chats/{session}")).json()
+    assert [t["job_id"] for t in view_a["turns"]] == [a["job_id"]]
+    assert [t["job_id"] for t in view_b["turns"]] == [b["job_id"]]
+    assert (await stack.other_http.get(f"/v1/chats/only-{tag}")).status_code == 404
+
+
+async def test_tenants_see_only_their_own_agents_and_reviews(stack, scripted_llm):
+    token = f"tok{uuid.uuid4().hex[:8]}"
+    scripted_llm.script_fn("agent", delegate_until(leaf_depth=1, token=token), when=token)
+    try:
+        r = await stack.http.post("/v1/agents", json={"goal": f"Survey {token}", "max_depth": 0})
+        job_id = r.json()["job_id"]
+        [review] = await waiting_reviews(stack, job_id)
+        assert review["workflow_id"] == job_id and job_id.startswith("acme.")
+        theirs = (await stack.other_http.get("/v1/reviews")).json()["reviews"]
+        assert all(not x["job_id"].startswith("acme.") for x in theirs)
+        r = await stack.other_http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "eve"})
+        assert r.status_code == 404
+        assert (await stack.http.get(f"/v1/jobs/{job_id}")).json()["status"] == "waiting_review"
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review",
+                                  json={"decision": "approve", "reviewer": "Ada", "extra_depth": 1})
+        assert r.status_code == 200, r.text
+        assert (await stack.wait_done(job_id))["status"] == "completed"
+    finally:
+        scripted_llm.clear_script(when=token)
+    # The audit log names the key that decided, and the refused attempt of the other tenant is not there
+    # under this job's tenant.
+    entries = [e for e in audit.read(stack.settings.data_dir) if e["job_id"] == job_id]
+    [decided] = [e for e in entries if e["outcome"] == "accepted"]
+    assert decided["tenant"] == "acme" and decided["key_name"] == "acme-reviewer"
+    assert decided["action"] == "review" and decided["decision"] == "approve" and decided["reviewer"] == "Ada"
+
+
+# -- per-tenant limits -------------------------------------------------------------------------------
+
+async def test_a_tenant_upload_limit_from_the_keys_file(stack):
+    path = stack.settings.effective_api_keys_file
+    key = api_keys.create(path, "initech", "member", "initech-member")
+    with path.open("a") as f:
+        f.write("\n[tenants.initech]\nmax_upload_mb = 0.001\nmax_pages = 1\n")
+    async with _client(stack, key) as http:
+        r = await http.post("/v1/documents", files=[("files", ("big.txt", b"x" * 2000))])
+        assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large", r.text
+        r = await http.post("/v1/documents", files=[("files", ("small.txt", b"a small text of one page"))])
+        assert r.status_code == 202, r.text
+    # acme keeps the server's limit.
+    await stack.upload(("big.txt", b"x " * 2000), collection="limits")
+
+
+# -- encrypted payloads ------------------------------------------------------------------------------
+
+def _python() -> str:
+    import sys
+    return sys.executable
+
+
+async def _workflow_show(stack, workflow_id: str, *extra: str) -> str:
+    """`temporal workflow show` as a subprocess (async: the API it may call runs in this event loop)."""
+    proc = await asyncio.create_subprocess_exec(
+        temporal_binary(), "workflow", "show", "--address", stack.settings.temporal_address, "-w", workflow_id,
+        "-o", "json", *extra, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    # Payload data is base64 in the JSON: read it as text, as the Web UI would show it.
+    texts: list[str] = [out.decode()]
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "data" and isinstance(v, str):
+                    texts.append(base64.b64decode(v).decode("utf-8", "replace"))
+                else:
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(out))
+    return "\n".join(texts)
+
+
+async def test_histories_are_encrypted_and_readable_through_the_codec_endpoint(stack):
+    tag = uuid.uuid4().hex[:8]
+    secret = f"The {tag} vault code is kept in the blue cabinet."
+    body = await stack.upload((f"{tag}.txt", secret.encode()), collection=f"enc-{tag}")
+    await stack.wait_job(body["job_id"])
+    question = f"Where is the {tag} vault code kept?"
+    turn = await stack.chat(question, collection=f"enc-{tag}")
+    done = await stack.wait_job(turn["job_id"])
+    assert done["status"] == "completed"
+    plain = await _workflow_show(stack, turn["job_id"])
+    # Search attributes (the collection name here) stay readable; payloads do not.
+    assert question not in plain and "blue cabinet" not in plain and "vault" not in plain
+    assert base64.b64encode(b"binary/encrypted").decode() in plain
+    decoded = await _workflow_show(stack, turn["job_id"], "--codec-endpoint", f"{stack.base_url}/codec",
+                             "--codec-auth", f"Bearer {stack.keys['reviewer']}")
+    assert question in decoded and "blue cabinet" in decoded
+
+
+async def test_codec_endpoint_contract_cors_and_roles(stack):
+    origin = f"http://127.0.0.1:{stack.settings.temporal_ui_port}"
+    payload = {"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
+               "data": base64.b64encode(b'{"hello": "world"}').decode()}
+    async with _client(stack, None) as http:
+        pre = await http.options(f"/codec/k/{stack.keys['reviewer']}/decode", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,x-namespace"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin
+        assert "x-namespace" in pre.headers["access-control-allow-headers"].lower()
+        enc = await http.post(f"/codec/k/{stack.keys['reviewer']}/encode", json={"payloads": [payload]},
+                              headers={"Origin": origin, "X-Namespace": "default"})
+        assert enc.status_code == 200 and enc.headers["access-control-allow-origin"] == origin
+        [sealed] = enc.json()["payloads"]
+        assert base64.b64decode(sealed["metadata"]["encoding"]) == b"binary/encrypted"
+        assert b"hello" not in base64.b64decode(sealed["data"])
+        dec = await http.post("/codec/decode", json={"payloads": [sealed]},
+                              headers={"X-API-Key": stack.keys["reviewer"], "X-Namespace": "default"})
+        assert dec.json()["payloads"] == [payload]
+        # Plain text is not accepted as input; a member or no key gets nothing.
+        assert (await http.post("/codec/decode", json={"payloads": [payload]},
+                                headers={"X-API-Key": stack.keys["reviewer"]})).status_code == 400
+        assert (await http.post(f"/codec/k/{stack.keys['member']}/decode", json={"payloads": [sealed]})).status_code == 403
+        assert (await http.post("/codec/decode", json={"payloads": [sealed]})).status_code == 401
+        assert (await http.post("/codec/k/rgl_wrong/decode", json={"payloads": [sealed]})).status_code == 401
+        evil = await http.options("/codec/decode", headers={"Origin": "http://evil.example",
+                                                           "Access-Control-Request-Method": "POST"})
+        assert evil.headers.get("access-control-allow-origin") != "http://evil.example"
+
+
+async def test_keys_rotate_and_old_payloads_stay_readable(tmp_path):
+    path = tmp_path / "codec.toml"
+    first = codec_mod.load_or_create(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    old = codec_mod.EncryptionCodec(first)
+    [sealed] = await old.encode([Payload(metadata={"encoding": b"json/plain"}, data=b'"secret"')])
+    new_id = codec_mod.rotate(path)
+    rotated = codec_mod.load_keys(path)
+    assert rotated.current == new_id != first.current and set(rotated.keys) == {new_id, first.current}
+    new = codec_mod.EncryptionCodec(rotated)
+    [fresh] = await new.encode([Payload(metadata={"encoding": b"json/plain"}, data=b'"secret"')])
+    assert fresh.metadata["encryption-key-id"] == new_id.encode()
+    [opened] = await new.decode([sealed])
+    assert opened.data == b'"secret"'
+    # Without the old key the old payload cannot be read; tampering is detected.
+    only_new = codec_mod.EncryptionCodec(codec_mod.CodecKeys(current=new_id, keys={new_id: rotated.keys[new_id]}))
+    with pytest.raises(codec_mod.CodecError, match="unknown key"):
+        await only_new.decode([sealed])
+    tampered = Payload(metadata=dict(fresh.metadata), data=fresh.data[:-1] + bytes([fresh.data[-1] ^ 1]))
+    with pytest.raises(codec_mod.CodecError, match="tampered"):
+        await new.decode([tampered])
+
+
+# -- sensitive data ----------------------------------------------------------------------------------
+
+def test_redaction_masks_phones_emails_and_id_numbers():
+    assert redact("call 13812345678 or +1 (555) 123-4567") == "call 138****5678 or 155****4567"
+    assert redact("mail ana.b@example.co.uk") == "mail [email]"
+    assert redact("ID 11010519491231002X, SSN 123-45-6789") == "ID [id], SSN [id]"
+    assert redact("in 2023-2024 revenue grew 15% over 12 months") == "in 2023-2024 revenue grew 15% over 12 months"
+
+
+async def test_text_sent_to_a_remote_model_and_logs_are_masked(scripted_llm, tmp_path, capsys):
+    token = f"tok{uuid.uuid4().hex[:8]}"
+    secret = f"{token} Reach Ana at 13812345678 or ana@example.com, ID 11010519491231002X."
+    remote = ChatModel(Settings(data_dir=tmp_path, llm_base_url=scripted_llm.base_url, llm_model="scripted",
+                                redact_pii=True, llm_local=False))
+    local = ChatModel(Settings(data_dir=tmp_path, llm_base_url=scripted_llm.base_url, llm_model="scripted",
+                               redact_pii=True))
+    try:
+        await remote.complete([{"role": "user", "content": secret}], step="test")
+        await local.complete([{"role": "user", "content": secret + " local"}], step="test")
+    finally:
+        await remote.close()
+        await local.close()
+    sent = [c.text for c in scripted_llm.calls if token in c.text]
+    remote_text = next(t for t in sent if "local" not in t)
+    assert "13812345678" not in remote_text and "ana@example.com" not in remote_text
+    assert "138****5678" in remote_text and "[email]" in remote_text and "[id]" in remote_text
+    assert "13812345678" in next(t for t in sent if "local" in t)  # a local model sees the text as is
+
+    import structlog
+    logs.configure("INFO", json=True, redact=True)
+    try:
+        structlog.get_logger("t").info("question", text=secret)
+        logging.getLogger("t").warning("plain %s", secret)
+    finally:
+        logs.configure("INFO", json=False)
+        for handler in logging.getLogger().handlers:
+            handler.filters = [f for f in handler.filters if type(f).__name__ != "RedactingFilter"]
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert token in text and "13812345678" not in text and "ana@example.com" not in text
+
+
+async def _wait(http: httpx.AsyncClient, job_id: str, timeout: float = 120) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        job = (await http.get(f"/v1/jobs/{job_id}")).json()
+        if job["status"] in ("completed", "failed", "dead_lettered", "waiting_review", "cancelled"):
+            return job
+        assert loop.time() < deadline, job
+        await asyncio.sleep(0.2)
