@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from api.app import create_app
+from ragline import keys as api_keys
 from ragline.settings import Settings
 from tests.conftest import free_port
 
@@ -18,10 +19,12 @@ PROJECT = Path(__file__).resolve().parent.parent
 
 async def test_api_answers_503_while_temporal_is_down(tmp_path):
     settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{free_port()}", temporal_rpc_timeout=2)
+    key = api_keys.create(settings.effective_api_keys_file, "acme", "member")
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://api",
+                                     headers={"Authorization": f"Bearer {key}"}) as http:
             health = await http.get("/healthz")
             assert health.status_code == 503
             assert health.json()["components"]["temporal"]["status"] == "down"
