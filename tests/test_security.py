@@ -13,6 +13,7 @@ import uuid
 
 import httpx
 import pytest
+from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload
 
 from devtools.devserver import temporal_binary
@@ -273,9 +274,14 @@ async def test_codec_endpoint_contract_cors_and_roles(stack):
         dec = await http.post("/codec/decode", json={"payloads": [sealed]},
                               headers={"X-API-Key": stack.keys["reviewer"], "X-Namespace": "default"})
         assert dec.json()["payloads"] == [payload]
-        # Plain text is not accepted as input; a member or no key gets nothing.
-        assert (await http.post("/codec/decode", json={"payloads": [payload]},
-                                headers={"X-API-Key": stack.keys["reviewer"]})).status_code == 400
+        # A payload that is not encrypted (the tracing header in a history) is shown as it is, so the
+        # Web UI and the CLI can show whole histories; the worker's own decoding refuses it as input.
+        shown = await http.post("/codec/decode", json={"payloads": [payload]},
+                                headers={"X-API-Key": stack.keys["reviewer"]})
+        assert shown.status_code == 200 and shown.json()["payloads"] == [payload]
+        with pytest.raises(codec_mod.CodecError, match="not encrypted"):
+            await stack.client.data_converter.payload_codec.decode([json_format.ParseDict(payload, Payload())])
+        # A member or no key gets nothing.
         assert (await http.post(f"/codec/k/{stack.keys['member']}/decode", json={"payloads": [sealed]})).status_code == 403
         assert (await http.post("/codec/decode", json={"payloads": [sealed]})).status_code == 401
         assert (await http.post("/codec/k/rgl_wrong/decode", json={"payloads": [sealed]})).status_code == 401

@@ -279,10 +279,10 @@ async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(
         assert [o.filename for o in result.documents] == ["a.txt", "locked.pdf", "b.txt"]  # the upload's order
         for name, doc in (("a.txt", docs[0]), ("b.txt", docs[2])):
             assert outcomes[name].status == "indexed" and (outcomes[name].pages, outcomes[name].chunks) == (2, 5)
-            assert outcomes[name].job_id == document_workflow_id(doc.document_id)
+            assert outcomes[name].job_id == document_workflow_id(doc.tenant, doc.document_id)
         locked = outcomes["locked.pdf"]
         assert locked.status == "failed" and locked.error == "encrypted: password required"
-        assert locked.job_id == document_workflow_id(docs[1].document_id)
+        assert locked.job_id == document_workflow_id(docs[1].tenant, docs[1].document_id)
 
         # Bad input is not retried, and nothing after extraction ran for it.
         locked_calls = [c for c in fakes.calls if getattr(c.arg, "document_id", None) == docs[1].document_id]
@@ -312,14 +312,14 @@ async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(
         assert {c.queue for c in fakes.calls} == {queues.queue_name(queue, "cpu")}
 
         # Each document's own job shows the five steps, with the retried batch's attempts.
-        good = await env.client.get_workflow_handle(document_workflow_id(docs[0].document_id)).query(
+        good = await env.client.get_workflow_handle(document_workflow_id(docs[0].tenant, docs[0].document_id)).query(
             IngestDocumentWorkflow.progress)
         assert [s.name for s in good.steps] == DOC_STEPS
         assert all(s.status == "completed" and s.started_at <= s.finished_at for s in good.steps)
         steps = {s.name: s for s in good.steps}
         assert steps["embed_chunks"].attempts == 2 and steps["embed_chunks"].detail == "3/3 batches"
         assert steps["index_chunks"].detail == "3/3 batches" and steps["chunk_text"].attempts == 1
-        bad = await env.client.get_workflow_handle(document_workflow_id(docs[1].document_id)).query(
+        bad = await env.client.get_workflow_handle(document_workflow_id(docs[1].tenant, docs[1].document_id)).query(
             IngestDocumentWorkflow.progress)
         assert [(s.name, s.status) for s in bad.steps] == [("extract_text", "failed")] + [
             (name, "skipped") for name in DOC_STEPS[1:]]
@@ -335,7 +335,7 @@ async def test_document_job_tolerates_a_server_without_ragline_search_attributes
     doc = document("a.txt", "bare")
     async with fake_worker(bare_env, fakes) as queue:
         handle = await bare_env.client.start_workflow(IngestDocumentWorkflow.run, doc,
-                                                      id=document_workflow_id(doc.document_id), task_queue=queue)
+                                                      id=document_workflow_id(doc.tenant, doc.document_id), task_queue=queue)
 
         async def ended_or_stuck():
             history = (await handle.fetch_history()).events

@@ -26,13 +26,14 @@ from fastapi import FastAPI, Header, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from google.protobuf import json_format
-from temporalio.api.common.v1 import Payloads
+from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.converter import PayloadCodec
 
 from api import errors
 from api.auth import Guard, admit
 from api.errors import ApiError
 from ragline.settings import Settings
+from temporal.codec import ENCODING
 
 KEY_IN_PATH = re.compile(r"/codec/k/[^/\s]+")
 
@@ -69,8 +70,10 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
         except Exception as exc:
             raise ApiError(400, "invalid_payloads", f"not a payloads object: {exc}") from None
         try:
-            fn = codec.encode if action == "encode" else codec.decode
-            out = Payloads(payloads=await fn(list(payloads.payloads)))
+            if action == "encode":
+                out = Payloads(payloads=await codec.encode(list(payloads.payloads)))
+            else:
+                out = Payloads(payloads=[await _decode_for_display(codec, p) for p in payloads.payloads])
         except Exception as exc:
             raise ApiError(400, "codec_error", str(exc)) from None
         return Response(json_format.MessageToJson(out), media_type="application/json")
@@ -89,6 +92,17 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
         app.post(f"/k/{{key}}/{action}")(with_path_key)
 
     return app
+
+
+async def _decode_for_display(codec: PayloadCodec, payload: Payload) -> Payload:
+    """Decrypt what is encrypted and show the rest as it is. Histories also hold payloads that are not
+    ours to encrypt (the tracing header, which Temporal leaves outside the codec), and the Web UI and
+    the CLI give up on a whole history when one of its payloads fails to decode. The worker's own
+    decoding stays strict: plain-text input is never accepted there."""
+    if payload.metadata.get("encoding") != ENCODING:
+        return payload
+    (decoded,) = await codec.decode([payload])
+    return decoded
 
 
 class HideCodecKey(logging.Filter):
