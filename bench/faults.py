@@ -20,6 +20,7 @@ import httpx
 
 from bench import config, report
 from bench.measure import percentile
+from bench import procs
 from bench.procs import ROOT
 
 SESSIONS = 10
@@ -124,7 +125,7 @@ async def run_one(stack, rate: float, n_chats: int, n_ingests: int, deadline_s: 
     await stack.llm_control(clear_calls=True, faults=faults, retry_after=1)
     tag = f"f{int(rate * 100)}-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
-    async with httpx.AsyncClient(base_url=stack.api_url, timeout=120, trust_env=False) as http:
+    async with procs.client(stack.api_url, 120) as http:
         (chats, chat_err), (ings, ing_err) = await asyncio.gather(
             _post_chats(http, tag, n_chats, question, collection), _post_ingests(http, tag, n_ingests))
         posted = dict(chats + ings)

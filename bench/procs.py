@@ -48,6 +48,23 @@ def temporal_ports() -> tuple[int, int]:
     raise RuntimeError("could not find free ports for the Temporal dev server")
 
 
+_api_headers: dict[str, dict[str, str]] = {}
+
+
+def register_api_key(base_url: str, key: str) -> None:
+    """Requests that `client()` makes to `base_url` carry this API key."""
+    _api_headers[base_url.rstrip("/")] = {"Authorization": f"Bearer {key}"}
+
+
+def client(base_url: str, timeout: float | httpx.Timeout, connections: int | None = None) -> httpx.AsyncClient:
+    """An HTTP client for one of the bench's servers: loopback only (no proxy from the environment), the
+    API key registered for it if any, room for `connections` at once."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections) if connections \
+        else httpx.Limits()
+    return httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=timeout, limits=limits,
+                             headers=_api_headers.get(base_url.rstrip("/"), {}))
+
+
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     """Our environment without any RAGLINE_* of the caller's shell (the bench is self-contained),
     loopback exempt from proxies, unbuffered output, plus `extra`."""

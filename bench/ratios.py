@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench import timeline
+from bench import procs, timeline
 from bench.measure import Burst, burst, percentile, sequences
 from bench.sse import TurnTimes, chat_turn
 from models.chat import session_workflow_id
@@ -34,9 +34,7 @@ Log = Callable[[str], None]
 
 
 def _client(base_url: str, n: int, timeout: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=base_url, trust_env=False,
-                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                             timeout=httpx.Timeout(timeout, connect=60.0))
+    return procs.client(base_url, httpx.Timeout(timeout, connect=60.0), n)
 
 
 def stats(values: list[float | None]) -> dict[str, Any]:
@@ -49,7 +47,7 @@ def stats(values: list[float | None]) -> dict[str, Any]:
 # acceptance, each session's requests in order
 
 
-async def in_order(stack, client, *, sessions: int, per_session: int, timeout: float, question: str,  # noqa: ANN001
+async def in_order(stack, client, *, tenant: str, sessions: int, per_session: int, timeout: float, question: str,  # noqa: ANN001
                    collection: str, noop_workflow: str, noop_queue: str, log: Log) -> dict:
     run = uuid.uuid4().hex[:8]
     total = sessions * per_session
@@ -128,7 +126,7 @@ async def in_order(stack, client, *, sessions: int, per_session: int, timeout: f
     log(f"      {in_order_sessions}/{sessions} sessions numbered in send order ({contiguous} as 1..n)")
 
     log("terminating this phase's sessions and turns (their model calls would run for minutes)")
-    ids = [session_workflow_id(f"{tag}-s{s}") for s in range(sessions)] + [j for js in jobs.values() for j in js]
+    ids = [session_workflow_id(tenant, f"{tag}-s{s}") for s in range(sessions)] + [j for js in jobs.values() for j in js]
     out["terminated"] = await _terminate(client, ids)
     await asyncio.sleep(3)
     return out
@@ -138,7 +136,7 @@ async def _turn_numbers(api_url: str, job_ids: list[str], deadline: float) -> di
     found: dict[str, int | None] = {j: None for j in job_ids}
     sem = asyncio.Semaphore(16)
     end = time.monotonic() + deadline
-    async with httpx.AsyncClient(base_url=api_url, timeout=60, trust_env=False) as http:
+    async with procs.client(api_url, 60) as http:
         async def one(jid: str) -> None:
             async with sem:
                 try:
@@ -179,7 +177,8 @@ async def _terminate(client, workflow_ids: list[str]) -> int:  # noqa: ANN001
 # a burst of chats, each followed on its event stream
 
 
-async def burst_stream(api_url: str, n: int, timeout: float, question: str, collection: str, log: Log) -> dict:
+async def burst_stream(api_url: str, client, n: int, timeout: float, question: str, collection: str,  # noqa: ANN001
+                       log: Log) -> dict:
     tag = f"bst-{uuid.uuid4().hex[:8]}"
     async with _client(api_url, 2 * n, timeout) as http:
         async def call(i: int):
@@ -199,8 +198,11 @@ async def burst_stream(api_url: str, n: int, timeout: float, question: str, coll
            "terminal": stats([t.terminal for t in turns]),
            "no_delta": sum(1 for t in turns if t.first_delta is None),
            "wall": b.wall, "turns": [t.as_dict() for t in turns]}
-    log(f"      {out['completed']}/{n} completed, first delta p50 {out['first_delta']['p50']}, "
-        f"all done after {b.wall:.1f} s")
+    log(f"      {out['completed']}/{n} completed, first delta p50 {_ms(out['first_delta']['p50'])}, "
+        f"all done after {b.wall:.1f} s; reading the {n} turns' histories")
+    timelines = await timeline.turn_timelines(client, turns)
+    out["segments"] = timeline.segment_stats(timelines, timeline.FIRST_DELTA_SEGMENTS, stats)
+    out["turn_segments"] = timeline.segment_stats(timelines, timeline.TURN_SEGMENTS, stats)
     return out
 
 
@@ -244,8 +246,8 @@ async def flush_model(oai, model: str) -> None:  # noqa: ANN001
                                       max_tokens=1, temperature=0.0)
 
 
-async def first_delta(api_url: str, llm_base_url: str, model: str, max_tokens: int, messages: list[dict],
-                      turns: int, question: str, collection: str, timeout: float, log: Log,
+async def first_delta(api_url: str, client, llm_base_url: str, model: str, max_tokens: int,  # noqa: ANN001
+                      messages: list[dict], turns: int, question: str, collection: str, timeout: float, log: Log,
                       flush: bool = False) -> dict:
     """`turns` rounds of (a chat turn in a fresh session, followed to its end) and (a bare streamed call
     with the prompt that turn's answer step sends), alternating which goes first."""
@@ -273,7 +275,8 @@ async def first_delta(api_url: str, llm_base_url: str, model: str, max_tokens: i
                 else:
                     b = await bare()
                     t = await turn()
-                rows.append({"turn": t.as_dict(), "bare": b})
+                rows.append({"turn": t.as_dict(), "bare": b,
+                             "timeline": (await timeline.turn_timelines(client, [t]))[0]})
                 log(f"  turn {i + 1}/{turns}: first delta {_ms(t.first_delta)}, bare TTFT {_ms(b['ttft'])}"
                     + (f" ({t.error})" if t.error else ""))
         finally:
@@ -281,6 +284,7 @@ async def first_delta(api_url: str, llm_base_url: str, model: str, max_tokens: i
     ragline = stats([r["turn"]["first_delta"] for r in rows])
     floor = stats([r["bare"]["ttft"] for r in rows])
     return {"turns": turns, "ragline": ragline, "bare": floor,
+            "segments": timeline.segment_stats([r["timeline"] for r in rows], timeline.FIRST_DELTA_SEGMENTS, stats),
             "completed": sum(1 for r in rows if r["turn"]["terminal_type"] == "ragline.job.completed"),
             "bare_total": stats([r["bare"]["total"] for r in rows]),
             "turn_total": stats([r["turn"]["terminal"] for r in rows]), "rows": rows}
@@ -322,14 +326,14 @@ async def overhead(api_url: str, client, *, turns: int, warm: int, floor_workflo
             row: dict[str, Any] = {"turn": t.as_dict(), "bare": b}
             if t.job_id and t.completed:
                 row["turn_timeline"] = await timeline.turn_timeline(client, t.job_id, t.session_id, t.wall_post,
-                                                                    t.terminal)
+                                                                    t.terminal, t.first_delta)
             row["bare_timeline"] = await timeline.bare_timeline(client, b["id"], b["wall"], b["total"])
             rows.append(row)
     ragline = stats([r["turn"]["terminal"] for r in rows if r["turn"]["terminal_type"] == "ragline.job.completed"])
     floor = stats([r["bare"]["total"] for r in rows])
-    turn_segments = {name: stats([timeline.segments(r["turn_timeline"]["points"], timeline.TURN_SEGMENTS)[name]
-                                  for r in rows if "turn_timeline" in r])
-                     for name, _ in timeline.TURN_SEGMENTS}
+    turn_segments = timeline.segment_stats([r.get("turn_timeline") for r in rows], timeline.TURN_SEGMENTS, stats)
+    delta_segments = timeline.segment_stats([r.get("turn_timeline") for r in rows], timeline.FIRST_DELTA_SEGMENTS,
+                                            stats)
     bare_segments = {name: stats([timeline.segments(r["bare_timeline"]["points"], timeline.BARE_SEGMENTS)[name]
                                   for r in rows]) for name, _ in timeline.BARE_SEGMENTS}
     history = {side: {k: stats([r["turn_timeline"][side][k] for r in rows if "turn_timeline" in r])["p50"]
@@ -342,7 +346,7 @@ async def overhead(api_url: str, client, *, turns: int, warm: int, floor_workflo
             "accept": stats([r["turn"]["accepted"] for r in rows]),
             "first_delta": stats([r["turn"]["first_delta"] for r in rows]),
             "completed": sum(1 for r in rows if r["turn"]["terminal_type"] == "ragline.job.completed"),
-            "turn_segments": turn_segments, "bare_segments": bare_segments, "history": history, "rows": rows}
+            "turn_segments": turn_segments, "segments": delta_segments, "bare_segments": bare_segments, "history": history, "rows": rows}
 
 
 # --------------------------------------------------------------------------------------------------

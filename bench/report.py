@@ -184,9 +184,11 @@ def render(r: dict) -> str:
         if order.get("answers"):
             notes.append(f"Model calls are handed out first come first served: the {order['answers']} answer calls "
                          f"started {secs(order['answers_from'])} … {secs(order['answers_to'])} after the first "
-                         f"model call, the {order['side']} side-step calls (summarize, extract_entities) "
-                         f"{secs(order['side_from'])} … {secs(order['side_to'])}; first turn done after "
-                         f"{secs(e2e['first_done_after'])}, p50 {secs(e2e['p50'])}.")
+                         f"model call (half of them by {secs(order.get('answers_half'))}, when "
+                         f"{order.get('side_before_half', '?')} side-step calls had started), the {order['side']} "
+                         f"side-step calls (summarize, extract_entities) {secs(order['side_from'])} … "
+                         f"{secs(order['side_to'])}; first turn done after {secs(e2e['first_done_after'])}, p50 "
+                         f"{secs(e2e['p50'])}.")
     if ver:
         notes.append(f"Checked every recorded Ragline job with `GET /v1/jobs/{{id}}`: {ver['completed']}/"
                      f"{ver['checked']} completed, {ver['model_answers']} with an answer from the model (retrieval "
@@ -265,7 +267,10 @@ def render_ratios(r: dict) -> str:
         f"apart on the same machine; targets are issue 9's. Percentiles are nearest-rank. "
         f"Settings in force, read from `ragline.settings.Settings` built with the environment the API and the "
         f"worker were started with (\"default\": the bench leaves it unset): {'; '.join(st.get('lines') or [])}; "
-        f"model calls in flight: {st.get('llm_slots_text', '?')}.")
+        f"model calls in flight: {st.get('llm_slots_text', '?')}."
+        + (f" The bench's API key (tenant `{key['tenant']}`, role {key['role']}) has its own "
+           f"`requests_per_minute` = {key['requests_per_minute']:,} in the keys file, so the per-key rate limit "
+           f"is in the path but never reached." if (key := r.get("api_key")) else ""))
     lines.append("")
 
     # -- acceptance -----------------------------------------------------------------------------
@@ -371,10 +376,11 @@ def render_ratios(r: dict) -> str:
         lines.append(f"| bare workflow, one activity, start → result | {o['bare']['n']} | {ms(o['bare']['p50'])} | "
                      f"{ms(o['bare']['p90'])} | {ms(o['bare']['max'])} | 1 |")
         lines.append("")
-        lines.extend(_overhead_breakdown(o, m))
+        lines.extend(_overhead_extra(o))
     else:
         lines.append("Not run (`overhead` not in --phases).")
         lines.append("")
+    lines.extend(_breakdown(rt, p))
 
     notes = _ratio_notes(r)
     lines += [f"- {n}" for n in notes]
@@ -391,29 +397,63 @@ def _ttfd_row(label: str, t: dict) -> str:
             f"{_bold_if(done, t['completed'] < t['turns'])} |")
 
 
-def _overhead_breakdown(o: dict, m: dict) -> list[str]:
-    from bench.timeline import BARE_SEGMENTS, TURN_SEGMENTS
+def _seg(stats: dict | None, key: str = "p50") -> str:
+    return ms((stats or {}).get(key))
 
-    lines = [f"Where a turn's time goes at a 0 s model (p50 of each segment over the {o['ragline']['n']} turns, "
-             f"from the Temporal histories of the turn's job and its session; each segment ends at the moment "
-             f"named and starts where the one before ended, the first at the POST):", "",
-             "| segment (ends when …) | p50 | p90 | share of the p50 turn |", "| --- | --- | --- | --- |"]
-    total = o["ragline"]["p50"] or 0
-    for name, what in TURN_SEGMENTS:
-        seg = o["turn_segments"].get(name) or {}
-        share = f"{seg['p50'] / total:.0%}" if seg.get("p50") is not None and total else "–"
-        lines.append(f"| {what} | {ms(seg.get('p50'))} | {ms(seg.get('p90'))} | {share} |")
+
+def _breakdown(rt: dict, p: dict) -> list[str]:
+    """Where a turn's time goes, per phase: the segments of bench/timeline.py, p50 over the phase's turns."""
+    from bench.timeline import TURN_SEGMENTS
+
+    o, t, b = rt.get("overhead"), rt.get("ttfd"), rt.get("burst")
+    cols = [(f"0 s model, {o['ragline']['n']} turns one at a time (to `ragline.job.completed`)", o, "turn_segments")
+            if o else None,
+            (f"first delta, scripted model ({p['ttfd_delay']:g} s to its first piece), {t['turns']} turns one at a "
+             f"time", t, "segments") if t else None,
+            (f"first delta in the burst ({b['n']} at once, {p['delay']:g} s model)", b, "segments") if b else None]
+    cols = [c for c in cols if c and c[1].get(c[2])]
+    if not cols:
+        return []
+    lines = ["**Where a turn's time goes** (p50 of each segment over the phase's turns, from the Temporal histories "
+             "of the turn's job and its session, server timestamps, one clock; each segment ends at the moment named "
+             "and starts where the one before it ended, the first at the POST; the first-delta columns end with "
+             "the client reading the first delta, the 0 s column goes on to the end of the job):", "",
+             "| segment (ends when …) | " + " | ".join(c[0] for c in cols) + " |",
+             "| --- | " + " | ".join("---" for _ in cols) + " |"]
+    prefix = [name for name, _ in TURN_SEGMENTS[:8]]
+    rows = [(name, what) for name, what in TURN_SEGMENTS[:8]]
+    rows.append(("first_delta", "the client reads the first `ragline.answer.delta` (model's first piece, "
+                                "published, relayed by the API)"))
+    rows += [(name, what) for name, what in TURN_SEGMENTS[8:]]
+    for name, what in rows:
+        cells = []
+        for _, data, key in cols:
+            segs = data.get(key) or {}
+            if key == "turn_segments":
+                cells.append(_seg(segs.get(name)) if name != "first_delta" else "")
+            else:
+                cells.append(_seg(segs.get(name)) if name in prefix or name == "first_delta" else "")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    totals = [ms((data.get("first_delta") if data is b else data.get("ragline") or {}).get("p50"))
+              for _, data, _ in cols]
+    lines.append("| **total, p50 of the whole** (not the sum of the p50s) | " + " | ".join(totals) + " |")
     lines.append("")
+    return lines
+
+
+def _overhead_extra(o: dict) -> list[str]:
+    from bench.timeline import BARE_SEGMENTS
+
     bare = ", ".join(f"{what.split(' (')[0]} {ms((o['bare_segments'].get(name) or {}).get('p50'))}"
                      for name, what in BARE_SEGMENTS)
     h = o.get("history") or {}
     t, s_, bw = h.get("turn") or {}, h.get("session") or {}, h.get("bare") or {}
-    lines.append(f"The bare workflow's segments (p50): {bare}. History per turn (p50): the turn's job "
-                 f"{t.get('events')} events, {t.get('workflow_tasks')} workflow tasks, {t.get('signals')} signals "
-                 f"(answer deltas and `proceed`), {t.get('updates')} accepted Updates (event-stream polls), "
-                 f"{t.get('activities')} activities; its session {s_.get('events')} events, "
-                 f"{s_.get('workflow_tasks')} workflow tasks; the bare workflow {bw.get('events')} events, "
-                 f"{bw.get('workflow_tasks')} workflow tasks.")
+    lines = [f"The bare workflow's segments (p50): {bare}. History per turn (p50): the turn's job "
+             f"{t.get('events')} events, {t.get('workflow_tasks')} workflow tasks, {t.get('signals')} signals "
+             f"(batches of answer deltas; `proceed` when the go did not come with the start), {t.get('updates')} "
+             f"accepted Updates (event-stream polls), {t.get('activities')} activities; its session "
+             f"{s_.get('events')} events, {s_.get('workflow_tasks')} workflow tasks; the bare workflow "
+             f"{bw.get('events')} events, {bw.get('workflow_tasks')} workflow tasks."]
     cpu = o.get("cpu") or {}
     n = (o.get("turns") or 0) + (o.get("warm") or 0)
     if cpu and n:
@@ -450,16 +490,46 @@ def _ratio_notes(r: dict) -> list[str]:
             notes.append("Burst, CPU seconds by process: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05)
                 + f" (over {secs(b['wall'])}).")
-        llm = b.get("llm") or {}
+        llm, co = b.get("llm") or {}, b.get("call_order") or {}
         if llm.get("max_concurrency"):
             notes.append(f"Burst: at most {llm['max_concurrency']} model calls in flight "
-                         f"({st.get('llm_slots_text', '?')}); {b['no_delta']} turns saw no answer delta.")
+                         f"({st.get('llm_slots_text', '?')}); {b['no_delta']} turns saw no answer delta."
+                         + (f" Half of the {co['answers']} answer calls had started {secs(co['answers_half'])} after "
+                            f"the first model call, and {co['side_before_half']} of the {co['side']} side-step calls "
+                            f"(summarize, extract_entities) had started before that: the `llm` task queue hands "
+                            f"out tasks in arrival order, so the side steps of early turns take slots ahead of the "
+                            f"answers of later ones." if co.get("answers") else ""))
     for key in ("ttfd", "local"):
         t = rt.get(key)
         if t and not t.get("skipped") and t["completed"] < t["turns"]:
             bad = [row["turn"].get("error") or row["turn"].get("terminal_type") for row in t["rows"]
                    if row["turn"].get("terminal_type") != "ragline.job.completed"]
             notes.append(f"**{key}: {t['turns'] - t['completed']} turns did not complete:** {'; '.join(map(str, bad[:3]))}.")
+    accept_order = r.get("ragline_call_order") or {}
+    burst_order = (b or {}).get("call_order") or {}
+    if accept_order.get("answers") and burst_order.get("answers"):
+        notes.append(f"The same kind of burst without event streams (the acceptance burst, its turns followed by "
+                     f"polling `GET /v1/jobs`): half of its {accept_order['answers']} answer calls had started "
+                     f"{secs(accept_order['answers_half'])} after the first model call, after "
+                     f"{accept_order['side_before_half']} side-step calls; with one SSE stream per chat "
+                     f"{secs(burst_order['answers_half'])}, after {burst_order['side_before_half']}. Every stream "
+                     f"reads its job through Updates to the job's workflow (`temporalio.contrib.workflow_streams`), "
+                     f"and each Update is a workflow task the worker runs next to the turns' own."
+                     + (f" (Processes that are not the bench's used {other_b:.0f} CPU-s during the burst and "
+                        f"{other_a:.0f} during the acceptance burst's drain: part of the difference may be theirs.)"
+                        if (other_b := ((b or {}).get("cpu") or {}).get("other processes")) is not None
+                        and (other_a := ((r.get("cpu_seconds") or {}).get("ragline_drain") or {})
+                             .get("other processes")) is not None else ""))
+    busy = []
+    cores = (r.get("machine") or {}).get("nproc") or 1
+    for key in ("burst", "order", "ttfd", "overhead", "local"):
+        ph = rt.get(key) or {}
+        other, wall = (ph.get("cpu") or {}).get("other processes", 0.0), ph.get("phase_wall")
+        if wall and other > 0.1 * wall * cores:
+            busy.append(f"`{key}` {other:.0f} of {wall * cores:.0f} CPU-s")
+    if busy:
+        notes.append(f"**The machine was not idle**: processes that are not the bench's used {', '.join(busy)} "
+                     f"({cores} CPUs × the phase's wall time); the ratios compare numbers taken under that load.")
     local = rt.get("local")
     if local and not local.get("skipped"):
         notes.append(f"Local model: llama.cpp started as `{local.get('llama_argv', '?')}`; before each measured "

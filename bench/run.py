@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from bench import config, floor_worker, ratios, report
+from bench import config, floor_worker, procs, ratios, report
 from bench.measure import Burst, Drain, burst, percentile
 from bench.procs import LOOPBACK, ROOT, Proc, child_env, free_port, http_ok, temporal_ports
 from bench.sse import chat_turn
@@ -56,7 +56,11 @@ COLLECTION = "bench"
 NOOP_WORKFLOW = "BenchNoop"
 NOOP_QUEUE = "bench-noop-unpolled"
 FLOOR_QUEUE = "bench-one-step"
-PHASES = ("accept", "burst", "order", "ttfd", "overhead", "local", "faults")
+TENANT = "bench"
+# The bench's key may send this many requests per minute (its `requests_per_minute` in the keys file):
+# a run sends thousands within a minute, far above what one client of a deployment would.
+API_KEY_RPM = 1_000_000
+PHASES = ("accept", "burst", "ttfd", "overhead", "local", "order", "faults")
 QUESTION = "Which company runs the Lisbon data centre, and what does it use for cooling?"
 DOCUMENT = """\
 Northwind Analytics opened its Lisbon data centre in March 2024. The building is cooled with sea water
@@ -82,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=ROOT / "BENCHMARKS.md", help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the results, do not touch BENCHMARKS.md")
     p.add_argument("--keep-data", action="store_true", help="keep the temp data folder and logs")
+    p.add_argument("--from-results", type=Path, metavar="JSON",
+                   help="run nothing: render the sections again from a raw results file of an earlier run "
+                        "(bench/results/chat-*.json) and write them (with --output, unless --no-write)")
     r = p.add_argument_group("Ragline against its floors (bench/ratios.py)")
     r.add_argument("--phases", default=",".join(PHASES),
                    help=f"comma-separated subset of {','.join(PHASES)} (default: all; the report notes what "
@@ -131,10 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def http_client(base_url: str, n: int, timeout: float) -> httpx.AsyncClient:
-    """Room for n connections at once, loopback only (no proxy from the environment)."""
-    return httpx.AsyncClient(base_url=base_url, trust_env=False,
-                             limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                             timeout=httpx.Timeout(timeout, connect=60.0))
+    """Room for n connections at once, loopback only (no proxy from the environment), with the API key."""
+    return procs.client(base_url, httpx.Timeout(timeout, connect=60.0), n)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,6 +159,7 @@ class Stack:
         self.env: dict[str, str] = {}         # the RAGLINE_* environment of the API (and of the worker)
         self.worker_env: dict[str, str] = {}  # the worker's, as it runs now (restarts may add to it)
         self.sync_threads: int | None = None  # the sync app's thread pool (it reports it)
+        self.api_key: dict | None = None      # the bench's API key entry (without the key)
 
     @property
     def settings(self):  # noqa: ANN201 - ragline.settings.Settings
@@ -166,6 +172,7 @@ class Stack:
 
     async def start(self, delay: float) -> None:
         from devtools.devserver import DevServer
+        from ragline.settings import Settings
 
         py = sys.executable
         llm_port, api_port, sync_port = free_port(), free_port(), free_port()
@@ -186,9 +193,13 @@ class Stack:
                "RAGLINE_TEMPORAL_UI_PORT": str(ui_port), "RAGLINE_TASK_QUEUE": "ragline",
                "RAGLINE_LLM_BASE_URL": f"{self.llm_url}/v1", "RAGLINE_LLM_MODEL": "scripted",
                "RAGLINE_LLM_API_KEY": "unused", "RAGLINE_API_HOST": LOOPBACK, "RAGLINE_API_PORT": str(api_port)}
+        # The worker serves its metrics on a port of its own (the default one may be taken on a shared machine).
+        if "worker_metrics_port" in Settings.model_fields:
+            env[config.env_name("worker_metrics_port")] = str(free_port())
         self.env = dict(env)
         self.worker_env = dict(env)
         settings = self.settings
+        self._create_api_key(settings)
         log(f"Temporal dev server on {self.temporal_address} (data in {self.data_dir})")
         self.temporal = DevServer(settings, startup_timeout=60)
         await self.temporal.start()
@@ -218,6 +229,20 @@ class Stack:
         await floor.wait_ready(self._logged(floor, floor_worker.READY_LINE), 60)
         if not worker.alive():
             raise RuntimeError(f"the worker exited:\n{worker.log_tail()}")
+
+    def _create_api_key(self, settings) -> None:  # noqa: ANN001
+        """One key for the bench, in the keys file the API reads (ragline.keys), if this version has keys.
+        Its own requests per minute (API_KEY_RPM): the bench sends far more than a client would."""
+        if "api_keys_file" not in type(settings).model_fields:
+            return
+        from ragline import keys
+
+        path = settings.effective_api_keys_file
+        key = keys.create(path, TENANT, role="reviewer", name="bench", requests_per_minute=API_KEY_RPM)
+        procs.register_api_key(self.api_url, key)
+        self.api_key = {"tenant": TENANT, "role": "reviewer", "requests_per_minute": API_KEY_RPM,
+                        "file": str(path.relative_to(self.data_dir)) if path.is_relative_to(self.data_dir) else str(path)}
+        log(f"API key for tenant '{TENANT}' (reviewer, {API_KEY_RPM:,} requests per minute) in {path}")
 
     @staticmethod
     def _logged(proc: Proc, line: str):  # noqa: ANN205
@@ -285,7 +310,7 @@ async def wait_job(http: httpx.AsyncClient, job_id: str, timeout: float) -> dict
 
 
 async def ingest(api_url: str) -> dict:
-    async with httpx.AsyncClient(base_url=api_url, timeout=60, trust_env=False) as http:
+    async with procs.client(api_url, 60) as http:
         r = await http.post("/v1/documents", data={"collection": COLLECTION},
                             files=[("files", ("bench.txt", DOCUMENT.encode(), "text/plain"))])
         if r.status_code != 202:
@@ -310,7 +335,7 @@ async def warm_up(stack: Stack, client) -> None:  # noqa: ANN001
     """A few of each call with the model delay at 0: imports, sandbox, pools and caches get warm."""
     await stack.llm_control(delay=0)
     run = uuid.uuid4().hex[:8]
-    async with httpx.AsyncClient(base_url=stack.api_url, timeout=60, trust_env=False) as http:
+    async with procs.client(stack.api_url, 60) as http:
         replies = await asyncio.gather(*(http.post("/v1/chats", json=chat_body(i, f"warm-{run}")) for i in range(3)))
         for r in replies:
             if r.status_code != 202:
@@ -319,13 +344,13 @@ async def warm_up(stack: Stack, client) -> None:  # noqa: ANN001
         for job in jobs:
             if not answered_by_model(job):
                 raise RuntimeError(f"warm-up chat did not get a model answer: {json.dumps(job)[:800]}")
-    async with httpx.AsyncClient(base_url=stack.sync_url, timeout=60, trust_env=False) as http:
+    async with procs.client(stack.sync_url, 60) as http:
         for r in await asyncio.gather(*(http.post("/v1/chats", json=chat_body(i, "warm")) for i in range(5))):
             r.raise_for_status()
     await asyncio.gather(*(client.start_workflow(NOOP_WORKFLOW, id=f"bench-noop-warm-{run}-{i}", task_queue=NOOP_QUEUE)
                            for i in range(5)))
     # The event stream (SSE) path and the floor worker, once each.
-    async with httpx.AsyncClient(base_url=stack.api_url, timeout=60, trust_env=False) as http:
+    async with procs.client(stack.api_url, 60) as http:
         t = await chat_turn(http, chat_body(0, f"warm-sse-{run}"), 60)
         if not t.completed or t.first_delta is None:
             raise RuntimeError(f"warm-up chat on its event stream: {t.as_dict()}")
@@ -368,7 +393,7 @@ async def drain(api_url: str, d: Drain, posted: dict[str, float], timeout: float
     `posted`: session id -> time the POST was sent (one turn per session)."""
     start = time.monotonic()
     next_note = start + 15
-    async with httpx.AsyncClient(base_url=api_url, timeout=30, trust_env=False) as http:
+    async with procs.client(api_url, 30) as http:
         while True:
             d.polls += 1
             try:
@@ -411,7 +436,7 @@ async def verify(api_url: str, job_ids: list[str]) -> dict:
     sem = asyncio.Semaphore(8)
     out = {"checked": 0, "completed": 0, "model_answers": 0, "no_context_answers": 0, "retried_steps": 0,
            "errors": [], "sample_answer": None}
-    async with httpx.AsyncClient(base_url=api_url, timeout=60, trust_env=False) as http:
+    async with procs.client(api_url, 60) as http:
         async def one(jid: str) -> None:
             async with sem:
                 r = await http.get(f"/v1/jobs/{jid}")
@@ -476,7 +501,8 @@ def cpu_snapshot(stack: Stack) -> dict[str, float]:
 def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """CPU seconds per process of the bench between two snapshots, and `other processes`: what the rest
     of the machine used meanwhile (other people's tests, say), which would skew the numbers."""
-    out = {k: round(after[k] - before[k], 2) for k in after if k in before and k != "_machine"}
+    # A process started in between (a restarted worker, the local model) counts from 0.
+    out = {k: round(after[k] - before.get(k, 0.0), 2) for k in after if k != "_machine"}
     if "_machine" in before and "_machine" in after:
         out["other processes"] = round(max(0.0, after["_machine"] - before["_machine"] - sum(out.values())), 2)
     return out
@@ -484,15 +510,18 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
 
 def call_order(stats: dict) -> dict:
     """From the model server's call records: when the answer calls and the side-step calls (summarize,
-    extract_entities) started, in seconds after the first model call."""
+    extract_entities) started, in seconds after the first model call, and how many side-step calls
+    started before half of the answer calls had."""
     calls = stats.get("calls") or []
-    side = [c["started_at"] for c in calls if c.get("task") in ("summarize", "extract_entities")]
-    answers = [c["started_at"] for c in calls if c.get("task") == "answer"]
+    side = sorted(c["started_at"] for c in calls if c.get("task") in ("summarize", "extract_entities"))
+    answers = sorted(c["started_at"] for c in calls if c.get("task") == "answer")
     if not side or not answers:
         return {}
     first = min(c["started_at"] for c in calls)
-    return {"answers": len(answers), "answers_from": min(answers) - first, "answers_to": max(answers) - first,
-            "side": len(side), "side_from": min(side) - first, "side_to": max(side) - first}
+    half = answers[(len(answers) - 1) // 2]
+    return {"answers": len(answers), "answers_from": answers[0] - first, "answers_to": answers[-1] - first,
+            "answers_half": half - first, "side_before_half": sum(1 for x in side if x < half),
+            "side": len(side), "side_from": side[0] - first, "side_to": side[-1] - first}
 
 
 def machine_facts() -> dict:
@@ -533,7 +562,8 @@ def _dirty(porcelain: str) -> list[str]:
 
 
 SETTINGS_SHOWN = ("temporal_rpc_timeout", "llm_concurrency", "llm_requests_per_second", "llm_timeout",
-                  "llm_max_tokens", "worker_io_concurrency", "worker_cpu_concurrency")
+                  "llm_max_tokens", "worker_io_concurrency", "worker_cpu_concurrency", "rate_limit_per_minute",
+                  "tenant_max_running_jobs", "encrypt_payloads", "redact_pii")
 
 
 def settings_digest(env: dict[str, str]) -> dict:
@@ -600,7 +630,7 @@ async def scripted_prompt(stack: Stack) -> list[dict] | None:
     """The messages the answer step sends for QUESTION in a fresh session, from the scripted model's records
     (one turn at the current model knobs)."""
     await stack.llm_control(clear_calls=True)
-    async with httpx.AsyncClient(base_url=stack.api_url, timeout=120, trust_env=False) as http:
+    async with procs.client(stack.api_url, 120) as http:
         t = await chat_turn(http, {"message": QUESTION, "collection": COLLECTION,
                                    "session_id": f"prompt-{uuid.uuid4().hex[:8]}"}, 120)
     if not t.completed:
@@ -608,8 +638,9 @@ async def scripted_prompt(stack: Stack) -> list[dict] | None:
     return ratios.recorded_prompt(await stack.llm_stats(calls=True), QUESTION)
 
 
-async def local_phase(stack: Stack, args: argparse.Namespace, messages: list[dict]) -> dict:
+async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: list[dict]) -> dict:  # noqa: ANN001
     """First answer delta with the local llama.cpp model: the worker restarted against it."""
+    before = cpu_snapshot(stack)
     from devtools.localmodel import LocalModelError, ensure_model, llama_server_argv
     from ragline.settings import Settings
 
@@ -647,15 +678,16 @@ async def local_phase(stack: Stack, args: argparse.Namespace, messages: list[dic
             await ratios.bare_stream(oai, worker.llm_model, messages, worker.llm_max_tokens)
         finally:
             await oai.close()
-        async with httpx.AsyncClient(base_url=stack.api_url, timeout=300, trust_env=False) as http:
+        async with procs.client(stack.api_url, 300) as http:
             t = await chat_turn(http, {"message": QUESTION, "collection": COLLECTION,
                                        "session_id": f"local-warm-{uuid.uuid4().hex[:6]}"}, 300)
         if not t.completed:
             log(f"[local] warm-up turn did not complete: {t.error or t.terminal_type}")
         log(f"[local] {args.local_turns} sequential turns and bare streamed calls (a 1-token call to another "
             f"prompt before each, so llama.cpp's prompt cache helps neither)")
-        out = await ratios.first_delta(stack.api_url, base_url, worker.llm_model, worker.llm_max_tokens, messages,
+        out = await ratios.first_delta(stack.api_url, client, base_url, worker.llm_model, worker.llm_max_tokens, messages,
                                        args.local_turns, QUESTION, COLLECTION, 300, log, flush=True)
+        out["cpu"] = cpu_delta(before, cpu_snapshot(stack))  # before the model server stops
         out.update(model=key, llama_argv=" ".join(Path(a).name if a.startswith("/") else a
                                                    for a in llama_server_argv(llm_settings, model_path)[1:]),
                    worker_settings=settings_digest(stack.worker_env))
@@ -663,6 +695,30 @@ async def local_phase(stack: Stack, args: argparse.Namespace, messages: list[dic
     finally:
         await llama.stop()
         stack.procs.remove(llama)
+        if stack.worker_env != stack.env:
+            log("[local] restarting the worker against the scripted model again")
+            await stack.restart_worker({}, name="worker-scripted")
+
+
+async def settle(stack: Stack, limit: float = 60.0) -> None:
+    """Wait until the scripted model has no call in flight (the terminated turns' last calls end)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if (await stack.llm_stats()).get("in_flight", 0) == 0:
+            break
+        await asyncio.sleep(0.5)
+    log(f"      settled after {time.monotonic() - t0:.1f} s (no model call in flight)")
+
+
+async def measured(stack: Stack, phase) -> dict:  # noqa: ANN001 - a coroutine returning a dict
+    """Run a phase; add the CPU seconds each process used meanwhile and the phase's wall time (a phase that
+    stops a process of its own puts its CPU time in `cpu` itself)."""
+    before = cpu_snapshot(stack)
+    t0 = time.monotonic()
+    out = await phase
+    out.setdefault("cpu", cpu_delta(before, cpu_snapshot(stack)))
+    out["phase_wall"] = round(time.monotonic() - t0, 1)
+    return out
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -696,7 +752,7 @@ async def run(args: argparse.Namespace) -> int:
                        "ttfd_turns": args.ttfd_turns, "ttfd_delay": args.ttfd_delay,
                        "ttfd_chunk_delay": args.ttfd_chunk_delay, "overhead_turns": args.overhead_turns,
                        "local_turns": args.local_turns, "argv": sys.argv[1:]},
-            "machine": machine_facts(), "settings": settings_digest(stack.env),
+            "machine": machine_facts(), "settings": settings_digest(stack.env), "api_key": stack.api_key,
             "sync_threads": stack.sync_threads, "cpu_seconds": {}, "bench_seconds": None}
         rt: dict[str, Any] = {}
         results["ratios"] = rt
@@ -706,18 +762,12 @@ async def run(args: argparse.Namespace) -> int:
             log(f"[burst] {args.burst_chats} chats at once, model delay {args.delay:g} s, each POST followed by "
                 f"its event stream (SSE) to the end")
             await stack.llm_control(delay=args.delay, stream_chunk_delay=0, clear_calls=True)
-            before = cpu_snapshot(stack)
-            rt["burst"] = await ratios.burst_stream(stack.api_url, args.burst_chats, max(args.e2e_timeout, 60),
-                                                    QUESTION, COLLECTION, log)
-            rt["burst"]["cpu"] = cpu_delta(before, cpu_snapshot(stack))
-            rt["burst"]["llm"] = _llm_digest(await stack.llm_stats())
+            rt["burst"] = await measured(stack, ratios.burst_stream(
+                stack.api_url, client, args.burst_chats, max(args.e2e_timeout, 60), QUESTION, COLLECTION, log))
+            burst_llm = await stack.llm_stats(calls=True)
+            rt["burst"]["llm"] = _llm_digest(burst_llm)
+            rt["burst"]["call_order"] = call_order(burst_llm)
             await asyncio.sleep(1)
-        if "order" in phases:
-            await stack.llm_control(delay=args.delay, stream_chunk_delay=0, clear_calls=True)
-            rt["order"] = await ratios.in_order(
-                stack, client, sessions=args.seq_sessions, per_session=args.seq_requests // args.seq_sessions,
-                timeout=args.request_timeout, question=QUESTION, collection=COLLECTION,
-                noop_workflow=NOOP_WORKFLOW, noop_queue=NOOP_QUEUE, log=log)
         prompt: list[dict] | None = None
         if "ttfd" in phases:
             await stack.llm_control(delay=args.ttfd_delay, stream_chunk_delay=args.ttfd_chunk_delay)
@@ -727,25 +777,30 @@ async def run(args: argparse.Namespace) -> int:
             log(f"[ttfd] {args.ttfd_turns} sequential turns and bare streamed calls, scripted model "
                 f"(reply after {args.ttfd_delay:g} s, {args.ttfd_chunk_delay:g} s between pieces)")
             ws = stack.worker_settings
-            rt["ttfd"] = await ratios.first_delta(stack.api_url, f"{stack.llm_url}/v1", ws.llm_model,
-                                                  ws.llm_max_tokens, prompt, args.ttfd_turns, QUESTION, COLLECTION,
-                                                  120, log)
+            rt["ttfd"] = await measured(stack, ratios.first_delta(
+                stack.api_url, client, f"{stack.llm_url}/v1", ws.llm_model, ws.llm_max_tokens, prompt, args.ttfd_turns,
+                QUESTION, COLLECTION, 120, log))
             rt["ttfd"]["prompt_chars"] = sum(len(m["content"]) for m in prompt)
         if "overhead" in phases:
             await stack.llm_control(delay=0, stream_chunk_delay=0, clear_calls=True)
             log(f"[overhead] {args.overhead_turns} sequential turns with a 0 s model, and as many bare "
                 f"'{floor_worker.WORKFLOW}' workflows (one activity), alternating")
-            before = cpu_snapshot(stack)
-            rt["overhead"] = await ratios.overhead(stack.api_url, client, turns=args.overhead_turns, warm=3,
-                                                   floor_workflow=floor_worker.WORKFLOW, floor_queue=FLOOR_QUEUE,
-                                                   question=QUESTION, collection=COLLECTION, timeout=120, log=log)
-            rt["overhead"]["cpu"] = cpu_delta(before, cpu_snapshot(stack))
+            rt["overhead"] = await measured(stack, ratios.overhead(
+                stack.api_url, client, turns=args.overhead_turns, warm=3, floor_workflow=floor_worker.WORKFLOW,
+                floor_queue=FLOOR_QUEUE, question=QUESTION, collection=COLLECTION, timeout=120, log=log))
             rt["overhead"]["llm"] = _llm_digest(await stack.llm_stats())
         if "local" in phases:
             await stack.llm_control(delay=0, stream_chunk_delay=0)
             if prompt is None:
                 prompt = await scripted_prompt(stack)
-            rt["local"] = await local_phase(stack, args, prompt)
+            rt["local"] = await measured(stack, local_phase(stack, client, args, prompt))
+        if "order" in phases:
+            await stack.llm_control(delay=args.delay, stream_chunk_delay=0, clear_calls=True)
+            rt["order"] = await measured(stack, ratios.in_order(
+                stack, client, tenant=TENANT, sessions=args.seq_sessions, per_session=args.seq_requests // args.seq_sessions,
+                timeout=args.request_timeout, question=QUESTION, collection=COLLECTION,
+                noop_workflow=NOOP_WORKFLOW, noop_queue=NOOP_QUEUE, log=log))
+            await settle(stack)
 
         results["bench_seconds"] = round(time.monotonic() - t_begin, 1)
         out_dir = ROOT / "bench" / "results"
@@ -809,8 +864,25 @@ def _e2e_digest(d: Drain, posted: dict[str, float], t0_wall: float) -> dict:
             "p50": percentile(lat, 50), "p99": percentile(lat, 99), "max": lat[-1] if lat else None}
 
 
+def rerender(args: argparse.Namespace) -> int:
+    results = json.loads(args.from_results.read_text())
+    sections = []
+    if results.get("ragline"):
+        sections.append((report.HEADING, report.render(results)))
+    if results.get("ratios"):
+        sections.append((report.RATIOS_HEADING, report.render_ratios(results)))
+    for heading, text in sections:
+        print(text)
+        if not args.no_write:
+            report.write_section(args.output, text, heading, after=report.HEADING)
+            log(f"updated section '{heading}' in {args.output} from {args.from_results}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_results:
+        return rerender(args)
     try:
         return asyncio.run(run(args))
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Any
 
@@ -15,7 +16,7 @@ ATTR = "_event_attributes"
 TURN_SEGMENTS = [
     ("session_task", "session's first workflow task starts (after the signal-with-start)"),
     ("job_started", "the session has started the turn's job (child workflow)"),
-    ("proceed", "the turn's job has its go (`proceed` signal from the session)"),
+    ("proceed", "the turn's job has its go (`proceed` signal from the session, or with its start)"),
     ("retrieve_scheduled", "`retrieve_context` scheduled (a workflow task of the turn)"),
     ("retrieve_started", "`retrieve_context` picked up by the worker (queue wait)"),
     ("retrieve_done", "`retrieve_context` done (embedding + vector search)"),
@@ -27,6 +28,10 @@ TURN_SEGMENTS = [
     ("side_done", "both done"),
     ("job_closed", "the job's workflow completed (terminal event, handlers drained)"),
     ("seen", "the client reads `ragline.job.completed` on the SSE stream"),
+]
+# Up to the first answer delta: the turn's segments up to the answer step's start, then the client's read.
+FIRST_DELTA_SEGMENTS = TURN_SEGMENTS[:8] + [
+    ("first_delta", "the client reads the first `ragline.answer.delta` (model's first token, published, relayed)"),
 ]
 BARE_SEGMENTS = [
     ("activity_scheduled", "activity scheduled (first workflow task)"),
@@ -79,19 +84,17 @@ def counts(events: list) -> dict[str, int]:
 
 
 async def turn_timeline(client, job_id: str, session_id: str, wall_post: float,  # noqa: ANN001
-                        seen_after: float | None) -> dict[str, Any]:
+                        seen_after: float | None, first_delta: float | None = None) -> dict[str, Any]:
     """Moments (seconds after the POST) of each point of TURN_SEGMENTS, and the history counts."""
     turn = await history(client, job_id)
-    session = await history(client, session_workflow_id(session_id))
+    session = await history(client, _session_workflow(job_id, session_id))
     points: dict[str, float | None] = {name: None for name, _ in TURN_SEGMENTS}
 
     for e in session:
         kind = _kind(e)
         if kind == "workflow_task_started" and points["session_task"] is None:
             points["session_task"] = _t(e)
-        elif kind == "child_workflow_execution_started" and \
-                e.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id == job_id:
-            points["job_started"] = _t(e)
+    started = next((_t(e) for e in turn if _kind(e) == "workflow_execution_started"), None)
     for e in turn:
         kind = _kind(e)
         if kind == "workflow_execution_signaled" and e.workflow_execution_signaled_event_attributes.signal_name \
@@ -99,6 +102,9 @@ async def turn_timeline(client, job_id: str, session_id: str, wall_post: float, 
             points["proceed"] = _t(e)
         elif kind in ("workflow_execution_completed", "workflow_execution_failed"):
             points["job_closed"] = _t(e)
+    points["job_started"] = started
+    if points["proceed"] is None:  # the go came with the start (nothing ran before it in the session)
+        points["proceed"] = started
     acts = _activities(turn)
     retrieve, answer = acts.get("retrieve_context", {}), acts.get("generate_answer", {})
     side = [acts[n] for n in ("summarize_context", "extract_entities") if n in acts]
@@ -114,7 +120,24 @@ async def turn_timeline(client, job_id: str, session_id: str, wall_post: float, 
         points["side_done"] = max(s["done"] for s in side)
     rel = {k: (v - wall_post if v is not None else None) for k, v in points.items()}
     rel["seen"] = seen_after
+    rel["first_delta"] = first_delta
     return {"points": rel, "turn": counts(turn), "session": counts(session)}
+
+
+async def turn_timelines(client, turns: list, concurrency: int = 16) -> list[dict | None]:  # noqa: ANN001
+    """turn_timeline of each TurnTimes (None where it failed or has no job)."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(t) -> dict | None:  # noqa: ANN001
+        if not t.job_id:
+            return None
+        async with sem:
+            try:
+                return await turn_timeline(client, t.job_id, t.session_id, t.wall_post, t.terminal, t.first_delta)
+            except Exception:  # noqa: BLE001 - a missing history leaves a gap, not a failed bench
+                return None
+
+    return list(await asyncio.gather(*(one(t) for t in turns)))
 
 
 async def bare_timeline(client, workflow_id: str, wall_start: float, seen_after: float) -> dict[str, Any]:  # noqa: ANN001
@@ -127,6 +150,21 @@ async def bare_timeline(client, workflow_id: str, wall_start: float, seen_after:
     rel: dict[str, float | None] = {k: (v - wall_start if v is not None else None) for k, v in points.items()}
     rel["seen"] = seen_after
     return {"points": rel, "workflow": counts(events)}
+
+
+def _session_workflow(job_id: str, session_id: str) -> str:
+    """The session workflow's id, in the turn's tenant (the prefix of its job id) when ids carry one."""
+    import inspect
+
+    if len(inspect.signature(session_workflow_id).parameters) == 2:
+        return session_workflow_id(job_id.split(".", 1)[0], session_id)
+    return session_workflow_id(session_id)
+
+
+def segment_stats(timelines: list[dict | None], order: list[tuple[str, str]], stats) -> dict[str, dict]:  # noqa: ANN001
+    """Per segment of `order`, `stats` (bench.ratios.stats) over the timelines that have it."""
+    rows = [segments(t["points"], order) for t in timelines if t]
+    return {name: stats([r[name] for r in rows]) for name, _ in order}
 
 
 def segments(points: dict[str, float | None], order: list[tuple[str, str]]) -> dict[str, float | None]:
