@@ -208,6 +208,8 @@ def process_specs(settings: Settings) -> list[ProcessSpec]:
         # No hosted model configured: serve the local one and point the worker and API at it.
         specs.append(llm_spec(settings))
         llm_env = {"RAGLINE_LLM_BASE_URL": settings.effective_llm_base_url}
+        # The worker now sees a base URL; keep the local server's bound (2 calls on 2 cores).
+        llm_env["RAGLINE_LLM_CONCURRENCY"] = str(settings.effective_llm_concurrency)
     if settings.prometheus:
         specs.append(prometheus_spec(settings))
     return specs + [

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from temporalio import activity
-from temporalio.common import RetryPolicy
+from temporalio.common import Priority, RetryPolicy
 
 from temporal import queues
 
@@ -56,6 +56,7 @@ class _Partial(BaseModel):
     max_attempts: int | None = None
     non_retryable: list[str] | None = None
     queue: queues.QueueKind | None = None
+    priority: int | None = None
 
     @field_validator("start_to_close", "heartbeat", "initial_interval", "max_interval", mode="before")
     @classmethod
@@ -67,6 +68,13 @@ class _Partial(BaseModel):
     def _backoff(cls, value: float | None) -> float | None:
         if value is not None and value < 1:
             raise ValueError("backoff must be >= 1")
+        return value
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= 5:
+            raise ValueError("priority must be 1 (first) to 5 (last); 3 when unset")
         return value
 
     @field_validator("max_attempts")
@@ -84,12 +92,17 @@ class ActivityPolicy(BaseModel):
     # Which task queue runs it (temporal/queues.py): "main" (with the workflows, many I/O waits at
     # once), "cpu" (a few at a time) or "llm" (model calls, bounded per model endpoint).
     queue: queues.QueueKind = "main"
+    # Temporal task-queue priority: among tasks waiting on one queue, lower numbers are handed out first
+    # (the answer a person waits for before side steps that can come later).
+    priority: int | None = None
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     def as_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {"start_to_close_timeout": self.start_to_close, "retry_policy": self.retry}
         if self.heartbeat:
             options["heartbeat_timeout"] = self.heartbeat
+        if self.priority is not None:
+            options["priority"] = Priority(priority_key=self.priority)
         return options
 
 
@@ -142,6 +155,7 @@ def parse(text: str, activities: Iterable[str], source: str = "policies") -> dic
                 non_retryable_error_types=list(merged.non_retryable or []),
             ),
             queue=merged.queue or "main",
+            priority=merged.priority,
         )
     return policies
 

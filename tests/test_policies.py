@@ -147,3 +147,16 @@ def test_worker_with_a_bad_policy_file_stops_at_start(tmp_path, bad, named):
     output = proc.stdout + proc.stderr
     assert named in output and "invalid policy file" in output
     assert "Traceback" not in output
+
+
+def test_priority_orders_tasks_on_a_queue_and_is_checked():
+    parsed = policies.parse(policies.DEFAULT_FILE.read_text(), worker.activity_names())
+    # The answer a person waits for is handed out before the side steps waiting on the same queue.
+    answer = parsed["generate_answer"].as_options()["priority"].priority_key
+    side = [parsed[n].as_options()["priority"].priority_key for n in ("summarize_context", "extract_entities")]
+    assert parsed["generate_answer"].queue == parsed["summarize_context"].queue == "llm"
+    assert all(answer < p for p in side)
+    assert "priority" not in parsed["chunk_text"].as_options()
+    with pytest.raises(policies.PolicyError, match="priority"):
+        policies.parse('[defaults]\nstart_to_close = "1m"\n[activities.chunk_text]\npriority = 9\n',
+                       worker.activity_names())
