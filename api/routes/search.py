@@ -1,4 +1,5 @@
-"""POST /v1/search: runs in the worker, which alone holds the vector store."""
+"""POST /v1/search: runs in the worker that holds the vector store (role vector or all): SearchWorkflow
+on the vector queue, with the search as a local activity in that same process."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from api.errors import ApiError
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, error_responses
 from api.validators import validate_collection
 from models.ingest import SearchInput, SearchOutput
+from temporal.queues import search_queue
 from workflows.search import SearchWorkflow
 
 router = APIRouter(prefix="/v1", tags=["search"])
@@ -34,7 +36,7 @@ async def search(req: SearchRequest, client: ClientDep, settings: SettingsDep, t
     try:
         return await asyncio.wait_for(client.execute_workflow(
             SearchWorkflow.run, SearchInput(query=req.query, collection=req.collection, top_k=req.top_k),
-            id=f"search-{uuid.uuid4().hex}", task_queue=settings.task_queue,
+            id=f"search-{uuid.uuid4().hex}", task_queue=search_queue(settings.task_queue),
             execution_timeout=timedelta(seconds=seconds), rpc_timeout=timeout), seconds)
     except asyncio.TimeoutError:
         raise ApiError(503, "worker_unavailable",
