@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     worker_deployment_name: str = "ragline"
     worker_build_id: str | None = None
     # Seconds a stopping worker lets activities in flight finish before cancelling them.
-    worker_graceful_shutdown: float = 10.0
+    worker_graceful_shutdown: float = 0.0
 
     # Agents: server-side ceilings on what a request may ask for (above them: 422).
     agent_max_depth: int = 6
