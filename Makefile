@@ -55,6 +55,7 @@ test: install $(CHROMIUM) $(WEBUI_STAMP)
 
 bench: install
 	$(BIN)/python -m bench
+	$(BIN)/python -m bench scaleout
 
 clean:
 	rm -rf $(VENV) *.egg-info
