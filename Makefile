@@ -67,6 +67,7 @@ test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS)
 
 bench: install
 	$(BIN)/python -m bench
+	$(BIN)/python -m bench scaleout
 
 clean:
 	rm -rf $(VENV) *.egg-info

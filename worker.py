@@ -1,16 +1,27 @@
-"""The Ragline worker: runs every workflow and activity. Start it with `python worker.py`."""
+"""The Ragline worker. `python worker.py` runs every workflow and activity in one process (role
+`all`); `python worker.py --role ROLE` runs one role (temporal/queues.py: workflows, cpu, llm, vector),
+so that each role is sized and scaled on its own. The policy file decides which activity runs on
+which queue; a role polls only its own queues and registers only the activities routed there."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 import signal
+import socket
 import sys
+from datetime import timedelta
+from typing import Any
 
 import structlog
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
+from temporalio.worker import (
+    PollerBehaviorAutoscaling, ResourceBasedSlotConfig, Worker, WorkerDeploymentConfig, WorkerTuner,
+)
 
 from activities.agent import AgentActivities
 from activities.chat import ChatActivities
@@ -37,7 +48,32 @@ log = structlog.get_logger("ragline.worker")
 
 WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
              AgentWorkflow]
+# Workflows per queue kind: every job on main; SearchWorkflow on vector, next to the store, so that a
+# search stays one local activity in the process that holds the store.
+QUEUE_WORKFLOWS: dict[str, list[type]] = {
+    "main": [IngestWorkflow, IngestDocumentWorkflow, ChatSessionWorkflow, ChatTurnWorkflow, AgentWorkflow],
+    "vector": [SearchWorkflow],
+}
 ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities)
+
+# What each activity needs besides the blob store and the Temporal client. A role builds only what the
+# activities routed to its queues need: the llm role loads no embedding model, and only a role that
+# runs store activities opens the vector store.
+_NAME = policies.activity_name
+NEEDS: dict[str, frozenset[str]] = {
+    "index": frozenset(map(_NAME, (
+        IngestActivities.index_chunks, IngestActivities.prune_stale_chunks, ChatActivities.retrieve_context,
+        AgentActivities.search_documents, SearchActivities.search_chunks))),
+    "embedder": frozenset(map(_NAME, (
+        IngestActivities.embed_chunks, ChatActivities.retrieve_context, AgentActivities.search_documents,
+        SearchActivities.search_chunks))),
+}
+SEARCH = _NAME(SearchActivities.search_chunks)
+
+
+class RoleError(ValueError):
+    """The policy file and the role disagree (e.g. a store activity outside the vector queue while
+    the store is embedded)."""
 
 
 def activity_names() -> list[str]:
@@ -46,15 +82,54 @@ def activity_names() -> list[str]:
             if hasattr(fn, "__temporal_activity_definition")]
 
 
+def served_activities(role: str) -> set[str]:
+    """Names of the activities the role runs: those the (loaded) policy file puts on its queues."""
+    kinds = queues.ROLES[role]
+    return {name for name in activity_names() if policies.policy(name).queue in kinds}
+
+
+def role_needs(role: str) -> set[str]:
+    served = served_activities(role)
+    return {what for what, names in NEEDS.items() if served & names}
+
+
+def check_role(settings: Settings, role: str) -> None:
+    """Raise RoleError if this role cannot run what the policy file routes to it."""
+    if policies.policy(SEARCH).queue != "vector":
+        raise RoleError(f"{SEARCH} runs as a local activity of SearchWorkflow on the vector queue: "
+                        'its policy must say queue = "vector"')
+    if settings.qdrant_url or "vector" in queues.ROLES[role]:
+        return
+    stray = sorted(served_activities(role) & NEEDS["index"])
+    if stray:
+        raise RoleError(
+            f"role {role!r} would run {', '.join(stray)}, which open(s) the vector store, but the embedded "
+            'store belongs to the vector role: put them on queue = "vector" in the policy file, or set '
+            "RAGLINE_QDRANT_URL to a Qdrant server")
+
+
+class _Unavailable:
+    """Stands in for a component a role does not build; using it is a wiring bug, said plainly."""
+
+    def __init__(self, what: str, role: str) -> None:
+        self._what, self._role = what, role
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the {self._what} is not available in a worker of role {self._role!r}; "
+                           "check the queue of this activity in the policy file")
+
+
 class RaglineWorker:
-    """One worker per task queue (temporal/queues.py), run together: main (workflows and I/O-bound
-    activities), cpu and llm, each with its own slot count.
+    """One SDK worker per task queue of the role (temporal/queues.py), run together, each with its
+    own slot count: main (workflows and I/O-bound activities), cpu, llm and vector."""
 
-    Every activity is registered on each, so the policy file alone decides where each one runs.
-    """
-
-    def __init__(self, workers: list[Worker]) -> None:
+    def __init__(self, workers: list[Worker], role: str = "all") -> None:
         self.workers = workers
+        self.role = role
+
+    @property
+    def task_queues(self) -> list[str]:
+        return [w.task_queue for w in self.workers]
 
     async def run(self) -> None:
         await asyncio.gather(*(w.run() for w in self.workers))
@@ -72,48 +147,137 @@ class RaglineWorker:
             await w.__aexit__(*exc)
 
 
-def build_worker(client: Client, settings: Settings, index: VectorIndex,
-                 executor: concurrent.futures.ThreadPoolExecutor) -> RaglineWorker:
-    """One place that wires workflows and activities; used by `main()` and by the tests."""
+# Versioning behaviour of each workflow, chosen on purpose (applied only with worker versioning on: the
+# server rejects a behaviour from an unversioned worker). Jobs that finish in minutes stay PINNED to the
+# build that started them, and the old build drains. The long-lived ones move to the new build
+# (AUTO_UPGRADE): a chat session lives for days (continue-as-new every 100 turns), a turn queues behind
+# its session's earlier turns and may wait 24 h for a review, an agent may wait 24 h for a review.
+# Pinning them would keep every old build running for as long as its longest session; instead their
+# code changes must replay old histories (tests/test_replay.py, `workflow.patched` where needed).
+VERSIONING_BEHAVIORS: dict[type, VersioningBehavior] = {
+    IngestWorkflow: VersioningBehavior.PINNED,
+    IngestDocumentWorkflow: VersioningBehavior.PINNED,
+    SearchWorkflow: VersioningBehavior.PINNED,
+    ChatSessionWorkflow: VersioningBehavior.AUTO_UPGRADE,
+    ChatTurnWorkflow: VersioningBehavior.AUTO_UPGRADE,
+    AgentWorkflow: VersioningBehavior.AUTO_UPGRADE,
+}
+
+
+def _apply_versioning_behaviors() -> None:
+    for cls, behavior in VERSIONING_BEHAVIORS.items():
+        defn = getattr(cls, "__temporal_workflow_definition")
+        if defn.versioning_behavior != behavior:
+            defn = dataclasses.replace(defn, versioning_behavior=behavior)
+            setattr(cls, "__temporal_workflow_definition", defn)
+            setattr(defn.run_fn, "__temporal_workflow_definition", defn)
+
+
+def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
+    """Worker versioning, when a build id is set: every role of one build is one deployment version,
+    and each workflow gets its behaviour from VERSIONING_BEHAVIORS."""
+    if not settings.worker_build_id:
+        return None
+    _apply_versioning_behaviors()
+    return WorkerDeploymentConfig(
+        version=WorkerDeploymentVersion(deployment_name=settings.worker_deployment_name,
+                                        build_id=settings.worker_build_id),
+        use_worker_versioning=True, default_versioning_behavior=VersioningBehavior.PINNED)
+
+
+def _slots(settings: Settings, kind: str) -> dict[str, Any]:
+    """The slot options of the worker on one queue kind, from settings."""
+    if kind == "main":
+        return {"max_concurrent_activities": settings.worker_io_concurrency,
+                "max_concurrent_workflow_tasks": settings.worker_workflow_concurrency}
+    if kind == "cpu":
+        if settings.worker_resource_tuning:
+            return {"tuner": WorkerTuner.create_resource_based(
+                target_memory_usage=settings.worker_target_memory, target_cpu_usage=settings.worker_target_cpu,
+                activity_config=ResourceBasedSlotConfig(
+                    minimum_slots=1, maximum_slots=settings.worker_cpu_concurrency,
+                    ramp_throttle=timedelta(milliseconds=500)))}
+        return {"max_concurrent_activities": settings.worker_cpu_concurrency}
+    if kind == "llm":
+        # Model calls in flight are bounded here, per model endpoint, not by a semaphore in an activity.
+        return {"max_concurrent_activities": settings.effective_llm_concurrency,
+                "max_task_queue_activities_per_second": settings.llm_requests_per_second}
+    return {"max_concurrent_activities": settings.worker_vector_concurrency,
+            "max_concurrent_local_activities": settings.worker_vector_concurrency}
+
+
+def _pollers(settings: Settings) -> dict[str, Any]:
+    if settings.worker_max_pollers <= 0:
+        return {}
+    top = settings.worker_max_pollers
+    behavior = PollerBehaviorAutoscaling(minimum=1, maximum=top, initial=min(5, top))
+    return {"workflow_task_poller_behavior": behavior, "activity_task_poller_behavior": behavior}
+
+
+def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
+                 executor: concurrent.futures.ThreadPoolExecutor, role: str = "all") -> RaglineWorker:
+    """One place that wires workflows and activities for a role; used by `main()` and by the tests.
+    `index` may be None for a role that runs no store activity."""
+    if role not in queues.ROLES:
+        raise RoleError(f"unknown role {role!r} (roles: {', '.join(queues.ROLES)})")
+    policies.load(settings.policies, activity_names(), dead_letter_ttl=settings.dead_letter_ttl)
+    check_role(settings, role)
+    needs = role_needs(role)
+    if "index" in needs and index is None:
+        raise RoleError(f"role {role!r} runs activities that need the vector store, and none was given")
     blobs = BlobStore(settings.blob_dir)
-    embedder = build_embedder(settings)
+    embedder = build_embedder(settings) if "embedder" in needs else _Unavailable("embedding model", role)
+    store = index if index is not None else _Unavailable("vector store", role)
     model = ChatModel(settings)
     activities = [
-        *IngestActivities(settings, blobs, embedder, index).all(),
-        *SearchActivities(embedder, index).all(),
+        *IngestActivities(settings, blobs, embedder, store).all(),
+        *SearchActivities(embedder, store).all(),
         *JobActivities(client).all(),
-        *ChatActivities(settings, blobs, embedder, index, model).all(),
-        *AgentActivities(embedder, index, model).all(),
+        *ChatActivities(settings, blobs, embedder, store, model).all(),
+        *AgentActivities(embedder, store, model).all(),
     ]
-    policies.load(settings.policies, [policies.activity_name(a) for a in activities],
-                  dead_letter_ttl=settings.dead_letter_ttl)
-    queue = settings.task_queue
-    telemetry = [StepTelemetry()]  # step latency/attempts, log context; tracing comes from the client
-    return RaglineWorker([
-        Worker(client, task_queue=queue, workflows=WORKFLOWS, activities=activities, interceptors=telemetry,
-               activity_executor=executor, max_concurrent_activities=settings.worker_io_concurrency),
-        Worker(client, task_queue=queues.queue_name(queue, "cpu"), activities=activities, interceptors=telemetry,
-               activity_executor=executor, max_concurrent_activities=settings.worker_cpu_concurrency),
-        # Model calls in flight are bounded here, per model endpoint, not by a semaphore in an activity.
-        Worker(client, task_queue=queues.queue_name(queue, "llm"), activities=activities, interceptors=telemetry,
-               activity_executor=executor, max_concurrent_activities=settings.effective_llm_concurrency,
-               max_task_queue_activities_per_second=settings.llm_requests_per_second),
-    ])
+    common: dict[str, Any] = {"activity_executor": executor, **_pollers(settings),
+                              "graceful_shutdown_timeout": timedelta(seconds=settings.worker_graceful_shutdown),
+                              # step latency/attempts, log context; tracing comes from the client
+                              "interceptors": [StepTelemetry()]}
+    if (deployment := deployment_config(settings)) is not None:
+        common["deployment_config"] = deployment
+    workers = []
+    for kind in queues.ROLES[role]:
+        mine = [a for a in activities if policies.policy(policies.activity_name(a)).queue == kind]
+        flows = QUEUE_WORKFLOWS.get(kind, [])
+        if not mine and not flows:
+            log.info("nothing routed to this queue: not polling it", queue_kind=kind)
+            continue
+        workers.append(Worker(client, task_queue=queues.queue_name(settings.task_queue, kind), workflows=flows,
+                              activities=mine, **_slots(settings, kind), **common))
+    return RaglineWorker(workers, role)
 
 
-async def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=list(queues.ROLES), default="all",
+                        help="what this process runs (default: all, in one process)")
+    return parser.parse_args(argv)
+
+
+async def main(argv: list[str] | None = None) -> int:
+    role = parse_args(argv).role
     settings = get_settings()
     logs.configure(settings.log_level, settings.log_json, redact=settings.redact_pii)
     try:
         policies.load(settings.policies, activity_names(), dead_letter_ttl=settings.dead_letter_ttl)
-    except policies.PolicyError as exc:
-        log.error("invalid policy file", error=str(exc))
+        check_role(settings, role)
+    except (policies.PolicyError, RoleError) as exc:
+        log.error("invalid policy file for this role", role=role, error=str(exc))
         return 2
-    try:
-        index = open_index(settings)
-    except StoreUnavailableError as exc:
-        log.error("cannot open the vector store", error=exc.message)
-        return 3
+    index = None
+    if "index" in role_needs(role):
+        try:
+            index = open_index(settings)
+        except StoreUnavailableError as exc:
+            log.error("cannot open the vector store", error=exc.message)
+            return 3
     tracing.configure("ragline-worker")
     runtime = None
     if settings.worker_metrics_port:
@@ -124,25 +288,29 @@ async def main() -> int:
             log.error("cannot serve worker metrics (RAGLINE_WORKER_METRICS_PORT)", address=address, error=str(exc))
             return 4
         log.info("worker metrics", url=f"http://{address}/metrics")
-    client = await connect(settings, identity=f"ragline-worker@{os.getpid()}", runtime=runtime)
-    await ensure_registered(client, settings.temporal_namespace)
+    client = await connect(settings, identity=f"ragline-{role}@{socket.gethostname()}:{os.getpid()}",
+                           runtime=runtime)
+    if role in ("all", "workflows"):
+        await ensure_registered(client, settings.temporal_namespace)
     poller = asyncio.create_task(ServerStatsPoller(client, settings, runtime).run()) if runtime else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # Threads for the CPU-bound activities, plus room for sync activities on the main queue (search).
-    threads = settings.worker_cpu_concurrency + 4
+    # Threads for the sync activities: CPU-bound ones and the vector store's.
+    threads = settings.worker_cpu_concurrency + settings.worker_vector_concurrency + 4
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as executor:
-        worker = build_worker(client, settings, index, executor)
-        log.info("worker polling", task_queue=settings.task_queue, temporal=settings.temporal_address,
-                 vector_store=settings.qdrant_url or str(settings.qdrant_path))
+        worker = build_worker(client, settings, index, executor, role)
+        log.info("worker polling", role=role, task_queues=worker.task_queues, temporal=settings.temporal_address,
+                 vector_store=(settings.qdrant_url or str(settings.qdrant_path)) if index else None,
+                 build_id=settings.worker_build_id)
         async with worker:
             await stop.wait()
-            log.info("worker stopping")
+            log.info("worker stopping", role=role)
     if poller:
         poller.cancel()
-    index.close()
+    if index is not None:
+        index.close()
     return 0
 
 

@@ -224,12 +224,21 @@ class SessionView(BaseModel):
     turns: list[TurnView]
 
 
+class QueuePollers(BaseModel):
+    kind: str
+    workflow_pollers: int | None = None
+    activity_pollers: int
+
+
 class Component(BaseModel):
     status: Literal["up", "down", "unknown"]
     address: str | None = None
     pollers: int | None = None
     task_queue: str | None = None
+    # Workers polling each task queue of the deployment (roles: temporal/queues.py), by queue name.
+    queues: dict[str, QueuePollers] | None = None
     reason: str | None = None
+
 
 
 class Health(BaseModel):

@@ -4,8 +4,11 @@ A small supervisor:
   * uses the Temporal server already answering at RAGLINE_TEMPORAL_ADDRESS, or starts the dev server
     (SQLite file in the data folder, so a second run finds its workflows again);
   * starts the processes of `process_specs()` in order (today: the local llama.cpp server unless
-    RAGLINE_LLM_BASE_URL is set, then worker, then API), each in its own process group, waiting for
-    each to be ready before starting the next;
+    RAGLINE_LLM_BASE_URL is set, then the workers, then API), each in its own process group, waiting
+    for each to be ready before starting the next. RAGLINE_WORKERS (e.g. "workflows:1,cpu:1,llm:2,vector:1")
+    says how many worker processes of each role (`worker.py --role ROLE`); unset, one of role `all`;
+  * never starts a dev server for a RAGLINE_TEMPORAL_ADDRESS that is not on this machine (a cluster,
+    Temporal Cloud): it waits for that server instead;
   * prefixes their output with their name on stdout and keeps it in <data_dir>/logs/<name>.log;
   * restarts a process (or the dev server it started) that exits unexpectedly, with backoff 1, 2, 4 ... 30 s;
   * on Ctrl-C / SIGTERM / SIGHUP stops the processes in reverse order, then Temporal, and exits 0.
@@ -212,13 +215,7 @@ def process_specs(settings: Settings) -> list[ProcessSpec]:
         llm_env["RAGLINE_LLM_CONCURRENCY"] = str(settings.effective_llm_concurrency)
     if settings.prometheus:
         specs.append(prometheus_spec(settings))
-    return specs + [
-        ProcessSpec(
-            name="worker",
-            argv=[sys.executable, "worker.py"],
-            alive_for=2.0,
-            env=llm_env,
-        ),
+    return specs + worker_specs(settings, llm_env) + [
         ProcessSpec(
             name="api",
             argv=[sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port)],
@@ -227,6 +224,29 @@ def process_specs(settings: Settings) -> list[ProcessSpec]:
             env=llm_env,
         ),
     ]
+
+
+def worker_specs(settings: Settings, env: Mapping[str, str] | None = None) -> list[ProcessSpec]:
+    """The worker processes of RAGLINE_WORKERS: `worker.py --role ROLE`, as many of each role as asked.
+    Unset: one process of role `all`, named "worker" as before. The vector role goes first: with the
+    embedded store it is the one process that opens it."""
+    workers = settings.worker_processes
+    if workers == [("all", 1)]:
+        return [ProcessSpec(name="worker", argv=[sys.executable, "worker.py"], alive_for=2.0, env=dict(env or {}))]
+    order = {"vector": 0, "all": 0, "workflows": 1, "cpu": 2, "llm": 3}
+    specs = []
+    for role, count in sorted(workers, key=lambda rc: order[rc[0]]):
+        for i in range(1, count + 1):
+            specs.append(ProcessSpec(name=f"worker-{role}-{i}" if count > 1 else f"worker-{role}",
+                                     argv=[sys.executable, "worker.py", "--role", role], alive_for=2.0,
+                                     env=dict(env or {})))
+    return specs
+
+
+def temporal_is_local(address: str) -> bool:
+    """`make run` may start a dev server only for an address on this machine."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    return host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "") or host.startswith("127.")
 
 
 def chat_model_description(settings: Settings) -> str:
@@ -499,7 +519,12 @@ class Supervisor:
                 raise StartupError(f"{spec.name}: {problem}")
 
         self._prepare_security()
-        if await temporal_reachable(s.temporal_address, timeout=2.0):
+        if not temporal_is_local(s.temporal_address):
+            say(f"Temporal: using the server at {s.temporal_address} (namespace {s.temporal_namespace!r}"
+                f"{', TLS' if s.temporal_uses_tls else ''}{', API key' if s.temporal_api_key else ''}); "
+                "no dev server is started for an address elsewhere")
+            await self._unless_stopped(self._register_search_attributes())
+        elif await temporal_reachable(s.temporal_address, timeout=2.0):
             say(f"Temporal: using the server already answering at {s.temporal_address}")
             await self._unless_stopped(self._register_search_attributes())
         else:
@@ -549,14 +574,12 @@ class Supervisor:
         return f"{api_base_url(s)}/codec/k/{key}"
 
     async def _register_search_attributes(self) -> None:
-        from temporalio.client import Client
-
+        from temporal.client import connect
         from temporal.search_attributes import ensure_registered
 
         s = self.settings
         try:
-            client = await asyncio.wait_for(
-                Client.connect(s.temporal_address, namespace=s.temporal_namespace), 10)
+            client = await asyncio.wait_for(connect(s, identity="ragline-run"), 10)
             await asyncio.wait_for(ensure_registered(client, s.temporal_namespace), 10)
         except Exception as e:  # noqa: BLE001
             raise StartupError(
@@ -686,7 +709,12 @@ class Supervisor:
 
 
 async def amain(settings: Settings | None = None, specs: Sequence[ProcessSpec] | None = None) -> int:
-    return await Supervisor(settings or get_settings(), specs).run()
+    try:
+        supervisor = Supervisor(settings or get_settings(), specs)
+    except ValueError as e:  # e.g. a bad RAGLINE_WORKERS
+        say(f"ERROR: {e}")
+        return 1
+    return await supervisor.run()
 
 
 def main() -> None:

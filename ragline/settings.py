@@ -19,6 +19,14 @@ class Settings(BaseSettings):
     temporal_address: str = "127.0.0.1:7233"
     temporal_ui_port: int = 8233
     temporal_namespace: str = "default"
+    # Beyond the dev server: TLS (server CA; client cert + key for mTLS) and/or an API key (Temporal
+    # Cloud style; implies TLS). temporal_tls_server_name overrides the name checked in the certificate.
+    temporal_tls: bool = False
+    temporal_tls_ca: Path | None = None
+    temporal_tls_cert: Path | None = None
+    temporal_tls_key: Path | None = None
+    temporal_tls_server_name: str | None = None
+    temporal_api_key: str | None = None
     task_queue: str = "ragline"
     # Seconds an API call to Temporal may take before the API answers 503.
     temporal_rpc_timeout: float = 10.0
@@ -63,9 +71,30 @@ class Settings(BaseSettings):
     embed_batch_size: int = 16
     embed_parallelism: int = 4
 
-    # Activities in flight per worker: model calls and waits (I/O) / extraction and embedding (CPU).
+    # Activities in flight per worker: model calls and waits (I/O) / extraction and embedding (CPU) /
+    # vector store activities and searches (the `vector` role).
     worker_io_concurrency: int = 64
     worker_cpu_concurrency: int = 4
+    worker_vector_concurrency: int = 8
+    # Workflow tasks in flight per worker (the `workflows` role; `all` too).
+    worker_workflow_concurrency: int = 64
+    # Processes `make run` starts, per role, e.g. "workflows:1,cpu:1,llm:2,vector:1". Unset: one
+    # process of role `all` (every queue).
+    workers: str | None = None
+    # The cpu role sizes its slots by CPU and memory use (the SDK's resource-based tuner), between 1
+    # and RAGLINE_WORKER_CPU_CONCURRENCY, instead of a fixed count.
+    worker_resource_tuning: bool = False
+    worker_target_cpu: float = 0.8
+    worker_target_memory: float = 0.8
+    # Pollers per queue scale with the backlog (the SDK's poller autoscaling), up to this many; 0: the
+    # SDK's fixed default (5 per queue).
+    worker_max_pollers: int = 0
+    # Worker versioning: with a build id, workers join deployment `worker_deployment_name` as version
+    # `worker_build_id`, and new workflows start on the deployment's current version.
+    worker_deployment_name: str = "ragline"
+    worker_build_id: str | None = None
+    # Seconds a stopping worker lets activities in flight finish before cancelling them.
+    worker_graceful_shutdown: float = 0.0
 
     # Agents: server-side ceilings on what a request may ask for (above them: 422).
     agent_max_depth: int = 6
@@ -159,6 +188,17 @@ class Settings(BaseSettings):
             return True
         from urllib.parse import urlparse
         return (urlparse(self.llm_base_url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+    def temporal_uses_tls(self) -> bool:
+        return bool(self.temporal_tls or self.temporal_tls_ca or self.temporal_tls_cert or self.temporal_api_key)
+
+    @property
+    def worker_processes(self) -> list[tuple[str, int]]:
+        """RAGLINE_WORKERS parsed and checked: [(role, processes), ...]."""
+        from temporal.queues import check_topology, parse_workers
+
+        workers = parse_workers(self.workers) if self.workers else [("all", 1)]
+        check_topology(workers, embedded_store=not self.qdrant_url)
+        return workers
 
     @property
     def blob_dir(self) -> Path:

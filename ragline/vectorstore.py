@@ -1,8 +1,10 @@
 """The chunk index in Qdrant: embedded (a folder in the data dir) by default, a server when
 RAGLINE_QDRANT_URL is set.
 
-The embedded store is a single-process database, so only the worker opens it; the API reaches it
-through Temporal. A second process gets `StoreUnavailableError` with a message saying what to do.
+The embedded store is a single-process database, so only the worker of role `vector` (or `all`) opens
+it; the API and the other roles reach it through activities on the vector queue (temporal/queues.py).
+With a Qdrant server every role could, but the policy file still routes store work to the vector queue.
+A second process gets `StoreUnavailableError` with a message saying what to do.
 
 Tenants share a Qdrant collection per Ragline collection name: every point carries a `tenant` payload
 field and every search, count and delete filters on it (there is no method without a tenant). Point
@@ -135,7 +137,10 @@ class _NoLock:
 
 def open_index(settings: Settings) -> VectorIndex:
     if settings.qdrant_url:
-        client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key, timeout=30)
+        # No request at construction (check_compatibility off): a worker starts while Qdrant is still
+        # coming up, and the first store activity retries until it answers.
+        client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key, timeout=30,
+                              check_compatibility=False)
         return VectorIndex(client, settings.embeddings_dim, embedded=False)
     path = settings.qdrant_path
     path.mkdir(parents=True, exist_ok=True)
@@ -145,8 +150,9 @@ def open_index(settings: Settings) -> VectorIndex:
         if "already accessed" in str(exc):
             raise StoreUnavailableError(
                 f"the embedded Qdrant store at {path} is already open in another process "
-                "(another Ragline worker on the same RAGLINE_DATA_DIR?). Only one process can open it: "
-                "stop the other worker, use another RAGLINE_DATA_DIR, or set RAGLINE_QDRANT_URL to a Qdrant server."
+                "(another Ragline worker of role vector or all on the same RAGLINE_DATA_DIR?). Only one process "
+                "can open it: stop the other worker, use another RAGLINE_DATA_DIR, or set RAGLINE_QDRANT_URL "
+                "to a Qdrant server."
             ) from None
         raise
     return VectorIndex(client, settings.embeddings_dim, embedded=True)

@@ -42,11 +42,13 @@ def test_default_file_sets_timeouts_retries_and_queues():
     # Waiting on another job never gives up; everything else does.
     assert parsed["await_document"].retry.maximum_attempts == 0
     assert all(p.retry.maximum_attempts > 0 for n, p in parsed.items() if not n.startswith("await_"))
-    # Model calls go to the llm queue, CPU work to the cpu queue.
+    # Model calls go to the llm queue, CPU work to the cpu queue, whatever opens the store to the vector queue.
     for name in ("generate_answer", "summarize_context", "extract_entities", "agent_plan"):
         assert parsed[name].queue == "llm", name
     for name in ("extract_text", "chunk_text", "embed_chunks"):
         assert parsed[name].queue == "cpu", name
+    for name in ("index_chunks", "prune_stale_chunks", "retrieve_context", "search_documents", "search_chunks"):
+        assert parsed[name].queue == "vector", name
     assert policies.parse_dead_letter_ttl(text) == timedelta(days=7)
     assert policies.parse_dead_letter_ttl(text, override="12h") == timedelta(hours=12)
 

@@ -238,15 +238,15 @@ async def env(tmp_path_factory):
 
 @asynccontextmanager
 async def fake_worker(env: WorkflowEnvironment, fakes: Fakes):
-    """The real workflows and the fakes on a fresh task queue and its -cpu and -llm queues, as the
-    worker runs them, under the test policy file loaded for the fakes' names."""
+    """The real workflows and the fakes on a fresh task queue and its -cpu, -llm and -vector queues, as
+    the worker runs them, under the test policy file loaded for the fakes' names."""
     queue = f"wf-{uuid.uuid4().hex[:8]}"
     activities = fakes.all()
     policies.load(FAST_POLICIES, [policies.activity_name(a) for a in activities])
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(Worker(env.client, task_queue=queue, workflows=worker.WORKFLOWS,
                                                activities=activities))
-        for kind in ("cpu", "llm"):
+        for kind in ("cpu", "llm", "vector"):
             await stack.enter_async_context(Worker(env.client, task_queue=queues.queue_name(queue, kind),
                                                    activities=activities))
         yield queue
@@ -308,8 +308,10 @@ async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(
             assert all(c.finished < prune.started for c in [chunk, *embeds, *indexes])
             assert prune.arg.keep_chunks == 5
 
-        # The policy file routes the ingestion steps to the cpu queue.
-        assert {c.queue for c in fakes.calls} == {queues.queue_name(queue, "cpu")}
+        # The policy file routes the ingestion steps to the cpu queue, and the store's to the vector queue.
+        assert {c.name: c.queue for c in fakes.calls} == {
+            **{n: queues.queue_name(queue, "cpu") for n in ("extract_text", "chunk_text", "embed_chunks")},
+            **{n: queues.queue_name(queue, "vector") for n in ("index_chunks", "prune_stale_chunks")}}
 
         # Each document's own job shows the five steps, with the retried batch's attempts.
         good = await env.client.get_workflow_handle(document_workflow_id(docs[0].tenant, docs[0].document_id)).query(
@@ -423,7 +425,7 @@ async def test_chat_turn_waits_for_its_go_then_answers_before_the_side_steps(bar
                                                         context_ref="ctx:When do zebras cross?")
     # Model calls go to the llm queue, retrieval to the cpu queue.
     assert {c.name: c.queue for c in fakes.calls} == {
-        "retrieve_context": queues.queue_name(queue, "cpu"), "generate_answer": queues.queue_name(queue, "llm"),
+        "retrieve_context": queues.queue_name(queue, "vector"), "generate_answer": queues.queue_name(queue, "llm"),
         "summarize_context": queues.queue_name(queue, "llm"), "extract_entities": queues.queue_name(queue, "llm")}
 
     assert isinstance(result, TurnResult)

@@ -1,5 +1,7 @@
 """Search: the API cannot open the embedded Qdrant store (one process per folder), so queries run in
-the worker as a local activity behind a short workflow."""
+the worker that holds it: this short workflow runs on the vector queue (temporal/queues.py), polled
+only by the vector (or all) role, and searches in a local activity there: one workflow task, no
+activity round trip, whichever process owns the store."""
 
 from __future__ import annotations
 

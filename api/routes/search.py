@@ -1,4 +1,5 @@
-"""POST /v1/search: runs in the worker, which alone holds the vector store."""
+"""POST /v1/search: runs in the worker that holds the vector store (role vector or all): SearchWorkflow
+on the vector queue, with the search as a local activity in that same process."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from models.inputs import STRICT_INPUT, Int
 from models.jobs import COLLECTION_PATTERN
 from models.tenancy import workflow_id
 from temporal import search_attributes as sa
+from temporal.queues import search_queue
 from workflows.search import SearchWorkflow
 
 router = APIRouter(prefix="/v1", tags=["search"])
@@ -43,7 +45,7 @@ async def search(req: SearchRequest, client: ClientDep, caller: CallerDep, setti
         return await asyncio.wait_for(client.execute_workflow(
             SearchWorkflow.run,
             SearchInput(tenant=caller.tenant, query=req.query, collection=req.collection, top_k=req.top_k),
-            id=workflow_id(caller.tenant, f"search-{uuid.uuid4().hex}"), task_queue=settings.task_queue,
+            id=workflow_id(caller.tenant, f"search-{uuid.uuid4().hex}"), task_queue=search_queue(settings.task_queue),
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.TENANT, caller.tenant)]),
             execution_timeout=timedelta(seconds=seconds), rpc_timeout=timeout), seconds)
     except asyncio.TimeoutError:

@@ -1,0 +1,138 @@
+"""Record the histories the replay test (tests/test_replay.py) replays: `python -m tests.record_histories`.
+
+Runs each scenario against a fresh dev server with the real worker (role all), the real API and the
+scripted model, and saves every workflow's history (`WorkflowHistory.to_json()`) under
+tests/histories/<scenario>--<WorkflowType>--<n>.json (their workflow ids in
+tests/histories/workflow_ids.json). Re-record after a deliberate, versioned change to
+workflow code (README: "Running on a cluster"); never to make a failing replay pass.
+
+Scenarios: an ingestion (two documents: the batch and its children), a chat session with several turns
+that continues as new, an agent tree whose depth guard waits for a review that approves it, a chat turn
+dead-lettered by a failing model and retried by an operator, and a search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.testing import WorkflowEnvironment
+
+from devtools.devserver import temporal_binary
+from devtools.scripted_llm import ScriptedLLM
+from models.chat import SessionState, session_workflow_id
+from temporal import search_attributes as sa
+from tests.conftest import running_stack
+from tests.helpers import delegate_until, waiting_reviews
+from workflows.chat import ChatSessionWorkflow
+
+HISTORIES = Path(__file__).resolve().parent / "histories"
+ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
+
+
+# Workflow ids by file name (a replay needs the recorded id: child ids derive from it).
+ids: dict[str, str] = {}
+
+
+async def _save(client, scenario: str, query: str) -> list[Path]:
+    saved = []
+    counts: dict[str, int] = {}
+    async for execution in client.list_workflows(query):
+        handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
+        history = await handle.fetch_history()
+        n = counts[execution.workflow_type] = counts.get(execution.workflow_type, 0) + 1
+        path = HISTORIES / f"{scenario}--{execution.workflow_type}--{n}.json"
+        path.write_text(json.dumps(json.loads(history.to_json()), indent=1) + "\n")
+        saved.append(path)
+        ids[path.name] = execution.id
+    return saved
+
+
+async def record() -> list[Path]:
+    HISTORIES.mkdir(exist_ok=True)
+    for old in HISTORIES.glob("*--*.json"):
+        old.unlink()
+    env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
+                                                search_attributes=list(sa.ALL))
+    llm = ScriptedLLM()
+    await llm.start()
+    saved: list[Path] = []
+    try:
+        address = env.client.service_client.config.target_host
+        async with running_stack(address, llm, Path(tempfile.mkdtemp(prefix="ragline-record-"))) as stack:
+            client = stack.client
+
+            # An ingestion of two documents.
+            up = await stack.upload(("a.txt", b"The harbour of Ostra has a red lighthouse and two piers."),
+                                    ("b.txt", b"Keepers light the lamps at dusk and log every ship."),
+                                    collection="record")
+            assert (await stack.wait_job(up["job_id"]))["status"] == "completed"
+            await asyncio.sleep(1)  # visibility
+            saved += await _save(client, "ingestion", f"WorkflowId = '{up['job_id']}'")
+            saved += await _save(client, "ingestion", "WorkflowType = 'IngestDocumentWorkflow'")
+
+            # A chat session of three turns that continues as new after two.
+            session = f"rec-{uuid.uuid4().hex[:6]}"
+            await client.start_workflow(
+                ChatSessionWorkflow.run, SessionState(session_id=session, turns_per_run=2),
+                id=session_workflow_id(session), task_queue=stack.settings.task_queue,
+                search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                         SearchAttributePair(sa.SESSION, session)]))
+            turns = [await stack.chat(f"Question {i}: what colour is the lighthouse?", session_id=session,
+                                      collection="record") for i in range(1, 4)]
+            for t in turns:
+                assert (await stack.wait_job(t["job_id"]))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-session", f"WorkflowId = '{session_workflow_id(session)}'")
+            saved += await _save(client, "chat-session", f"WorkflowId = '{turns[-1]['job_id']}'")
+
+            # An agent tree: the depth guard waits for a review, which approves one level more.
+            stack.llm.script_fn("agent", delegate_until(leaf_depth=2))
+            r = await stack.http.post("/v1/agents", json={"goal": "Map the harbour records", "collection": "record",
+                                                          "max_depth": 1})
+            agent_id = r.json()["job_id"]
+            [review] = await waiting_reviews(stack, agent_id)
+            await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
+                                  json={"decision": "approve", "reviewer": "rec", "extra_depth": 1})
+            assert (await stack.wait_done(agent_id))["status"] == "completed"
+            stack.llm.script_fn("agent", None)
+            await asyncio.sleep(1)
+            saved += await _save(client, "agent-review", f"WorkflowId STARTS_WITH '{agent_id}'")
+
+            # A turn dead-lettered by a failing model, then retried by an operator.
+            stack.llm.script("answer", ["503"] * ATTEMPTS)
+            parked = await stack.chat("Question: who keeps the log?", collection="record")
+            assert (await stack.wait_job(parked["job_id"]))["status"] == "dead_lettered"
+            await stack.http.post(f"/v1/jobs/{parked['job_id']}/retry", json={"operator": "rec", "reason": "back"})
+            assert (await stack.wait_done(parked["job_id"]))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "dead-letter-retry", f"WorkflowId = '{parked['job_id']}'")
+
+            # A search.
+            assert await stack.search("lighthouse colour", collection="record")
+            await asyncio.sleep(1)
+            saved += await _save(client, "search", "WorkflowType = 'SearchWorkflow'")
+    finally:
+        await llm.stop()
+        await env.shutdown()
+    (HISTORIES / "workflow_ids.json").write_text(json.dumps(dict(sorted(ids.items())), indent=1) + "\n")
+    return saved
+
+
+def main() -> int:
+    saved = asyncio.run(record())
+    for path in saved:
+        print(path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,173 @@
+"""The cluster manifests in deploy/ (none of it can run here: no container engine, no Qdrant or
+Temporal server binaries) are parsed and checked against the code: names, ports, settings, queues."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ragline.settings import Settings
+from temporal import queues
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROLES = [r for r in queues.ROLES if r != "all"]
+
+
+def _docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def objects() -> dict[tuple[str, str], dict]:
+    found: dict[tuple[str, str], dict] = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in _docs(path):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in found, f"{key} defined twice"
+            found[key] = doc
+    return found
+
+
+@pytest.fixture(scope="module")
+def config(objects) -> dict[str, str]:
+    return objects[("ConfigMap", "ragline-config")]["data"]
+
+
+def _container(deployment: dict) -> dict:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _env(objects, deployment: dict) -> dict[str, str]:
+    """The container's environment as the pod sees it: envFrom ConfigMaps/Secrets, then env."""
+    c = _container(deployment)
+    env: dict[str, str] = {}
+    for source in c.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(objects[("ConfigMap", source["configMapRef"]["name"])]["data"])
+        else:
+            env.update(objects[("Secret", source["secretRef"]["name"])]["stringData"])
+    env.update({e["name"]: e.get("value") for e in c.get("env", [])})
+    return env
+
+
+def test_every_manifest_parses_and_has_the_basics(objects):
+    assert objects
+    for (kind, name), doc in objects.items():
+        assert doc["apiVersion"] and doc["metadata"]["name"] == name
+    kinds = {k for k, _ in objects}
+    assert {"Deployment", "Service", "StatefulSet", "ScaledObject", "Secret", "ConfigMap",
+            "TriggerAuthentication", "PersistentVolumeClaim"} <= kinds
+
+
+def test_every_ragline_variable_is_a_setting_and_parses(objects):
+    fields = {f"RAGLINE_{name.upper()}" for name in Settings.model_fields}
+    for (kind, name), doc in objects.items():
+        if kind != "Deployment":
+            continue
+        env = _env(objects, doc)
+        unknown = {k for k in env if k.startswith("RAGLINE_")} - fields
+        assert not unknown, f"{name}: not settings: {unknown}"
+        settings = Settings(**{k[len("RAGLINE_"):].lower(): v for k, v in env.items()
+                               if k.startswith("RAGLINE_") and v not in (None, "")})
+        settings.worker_processes  # the topology check passes with these settings
+        assert settings.qdrant_url, f"{name}: on a cluster every role talks to the Qdrant server"
+
+
+def test_a_deployment_per_role_running_that_role(objects, config):
+    for role in ROLES:
+        deployment = objects[("Deployment", f"ragline-worker-{role}")]
+        command = _container(deployment)["command"]
+        assert command[-3:] == ["worker.py", "--role", role]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > float(config["RAGLINE_WORKER_GRACEFUL_SHUTDOWN"])
+    workers = {n for k, n in objects if k == "Deployment" and n.startswith("ragline-worker-")}
+    assert workers == {f"ragline-worker-{r}" for r in ROLES}
+
+
+def test_keda_scales_each_role_on_its_own_queues(objects, config):
+    task_queue = config["RAGLINE_TASK_QUEUE"]
+    for role in ROLES:
+        scaled = objects[("ScaledObject", f"ragline-worker-{role}")]
+        assert scaled["spec"]["scaleTargetRef"]["name"] == f"ragline-worker-{role}"
+        triggers = scaled["spec"]["triggers"]
+        assert {t["type"] for t in triggers} == {"temporal"}
+        assert sorted(t["metadata"]["taskQueue"] for t in triggers) == sorted(queues.role_queues(task_queue, role))
+        for t in triggers:
+            meta = t["metadata"]
+            kind = next(k for k in queues.ROLES[role] if queues.queue_name(task_queue, k) == meta["taskQueue"])
+            types = set(meta["queueTypes"].split(","))
+            assert types == ({"workflow", "activity"} if kind in queues.WORKFLOW_KINDS else {"activity"}), role
+            assert meta["endpoint"] == config["RAGLINE_TEMPORAL_ADDRESS"]
+            assert meta["namespace"] == config["RAGLINE_TEMPORAL_NAMESPACE"]
+            assert int(meta["targetQueueSize"]) >= 1
+            assert meta["workerDeploymentName"] == config["RAGLINE_WORKER_DEPLOYMENT_NAME"]
+            assert meta["workerDeploymentBuildId"] == config["RAGLINE_WORKER_BUILD_ID"]
+            assert ("TriggerAuthentication", t["authenticationRef"]["name"]) in objects
+        assert scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+
+
+def test_the_build_id_is_the_image_tag(objects, config):
+    for (kind, name), doc in objects.items():
+        if kind == "Deployment" and name.startswith("ragline-"):
+            assert _container(doc)["image"].rsplit(":", 1)[1] == config["RAGLINE_WORKER_BUILD_ID"], name
+
+
+def test_api_ports_and_probe(objects):
+    api = objects[("Deployment", "ragline-api")]
+    c = _container(api)
+    env = _env(objects, api)
+    port = Settings(api_port=env["RAGLINE_API_PORT"]).api_port
+    assert c["ports"][0]["containerPort"] == port and c["command"][-1] == str(port)
+    assert env["RAGLINE_API_HOST"] == "0.0.0.0"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    service = objects[("Service", "ragline-api")]
+    assert service["spec"]["ports"][0]["targetPort"] == c["ports"][0]["name"]
+    assert service["spec"]["selector"].items() <= api["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_qdrant_server_matches_the_url_and_the_key(objects, config):
+    from urllib.parse import urlsplit
+
+    url = urlsplit(config["RAGLINE_QDRANT_URL"])
+    service = objects[("Service", url.hostname.split(".")[0])]
+    assert url.port in {p["port"] for p in service["spec"]["ports"]}
+    statefulset = objects[("StatefulSet", "qdrant")]
+    c = _container(statefulset)
+    assert url.port in {p["containerPort"] for p in c["ports"]}
+    [key] = [e for e in c["env"] if e["name"] == "QDRANT__SERVICE__API_KEY"]
+    ref = key["valueFrom"]["secretKeyRef"]
+    assert ref["key"] in objects[("Secret", ref["name"])]["stringData"]
+    assert ref["key"] == "RAGLINE_QDRANT_API_KEY"  # the workers get the same key under its setting name
+
+
+def test_mounted_secrets_and_volumes_exist(objects, config):
+    tls_dir = str(Path(config["RAGLINE_TEMPORAL_TLS_CA"]).parent)
+    for (kind, name), doc in objects.items():
+        if kind != "Deployment":
+            continue
+        spec = doc["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in _container(doc)["volumeMounts"]}
+        secret = volumes[mounts[tls_dir]]["secret"]["secretName"]
+        stored = objects[("Secret", secret)]["stringData"]
+        for setting in ("RAGLINE_TEMPORAL_TLS_CA", "RAGLINE_TEMPORAL_TLS_CERT", "RAGLINE_TEMPORAL_TLS_KEY"):
+            assert Path(config[setting]).name in stored, setting
+        # The blob store is shared by the API and every worker.
+        blobs = volumes[mounts[str(Settings(data_dir=config["RAGLINE_DATA_DIR"]).blob_dir)]]
+        claim = blobs["persistentVolumeClaim"]["claimName"]
+        assert "ReadWriteMany" in objects[("PersistentVolumeClaim", claim)]["spec"]["accessModes"]
+
+
+def test_temporal_helm_values_on_postgresql():
+    [values] = _docs(DEPLOY / "helm" / "temporal-values.yaml")
+    config = values["server"]["config"]
+    shards = config["numHistoryShards"]
+    assert shards >= 1 and shards & (shards - 1) == 0, "a power of two"
+    for store in ("default", "visibility"):
+        sql = config["persistence"][store]["sql"]
+        assert config["persistence"][store]["driver"] == "sql" and sql["driver"] == "postgres12"

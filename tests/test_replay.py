@@ -1,0 +1,70 @@
+"""Safe deploys: the histories recorded from real runs of every workflow type (tests/histories/, made by
+`python -m tests.record_histories`) replay against today's workflow code without non-determinism. A
+change that would break a running chat session or agent (both AUTO_UPGRADE to a new build) fails here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from temporalio import workflow
+from temporalio.client import WorkflowHistory
+from temporalio.worker import Replayer
+
+import worker
+from ragline.blobstore import BlobStore
+from temporal import policies
+from temporal.converter import build_data_converter
+from tests.conftest import FIXTURES
+
+HISTORIES = Path(__file__).resolve().parent / "histories"
+FILES = sorted(HISTORIES.glob("*--*.json"))
+IDS = json.loads((HISTORIES / "workflow_ids.json").read_text())
+
+
+def _history(path: Path) -> WorkflowHistory:
+    return WorkflowHistory.from_json(IDS[path.name], path.read_text())
+
+
+@workflow.defn(name="IngestWorkflow", sandboxed=False)
+class ChangedIngest:
+    """An ingestion that no longer starts its children: what a careless change looks like."""
+
+    @workflow.run
+    async def run(self, req: dict) -> None:
+        await workflow.sleep(1)
+
+
+@pytest.fixture
+def replayer(tmp_path, restore_policies) -> Replayer:
+    policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())
+    return Replayer(workflows=worker.WORKFLOWS, data_converter=build_data_converter(BlobStore(tmp_path)))
+
+
+def test_every_workflow_type_and_scenario_is_recorded():
+    types = {p.stem.split("--")[1] for p in FILES}
+    assert types == {cls.__name__ for cls in worker.WORKFLOWS}
+    scenarios = {p.stem.split("--")[0] for p in FILES}
+    assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry"}
+    session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
+    assert any("workflowExecutionContinuedAsNewEventAttributes" in e for run in session_runs for e in run["events"])
+    agents = "".join(p.read_text() for p in FILES if p.stem.startswith("agent-review--"))
+    assert '"review"' in agents  # the review update reached the tree
+    parked = next(p for p in FILES if p.stem.startswith("dead-letter-retry--")).read_text()
+    assert '"retry"' in parked
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+async def test_recorded_history_replays_without_nondeterminism(replayer, path):
+    result = await replayer.replay_workflow(_history(path), raise_on_replay_failure=True)
+    assert result.replay_failure is None
+
+
+async def test_a_changed_workflow_fails_the_replay(tmp_path, restore_policies):
+    """The guard works: an ingestion that no longer starts its children is caught."""
+    policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())
+    replayer = Replayer(workflows=[ChangedIngest], data_converter=build_data_converter(BlobStore(tmp_path)))
+    path = next(p for p in FILES if p.stem.startswith("ingestion--IngestWorkflow"))
+    result = await replayer.replay_workflow(_history(path), raise_on_replay_failure=False)
+    assert result.replay_failure is not None
