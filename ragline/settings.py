@@ -188,6 +188,8 @@ class Settings(BaseSettings):
             return True
         from urllib.parse import urlparse
         return (urlparse(self.llm_base_url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+
+    @property
     def temporal_uses_tls(self) -> bool:
         return bool(self.temporal_tls or self.temporal_tls_ca or self.temporal_tls_cert or self.temporal_api_key)
 
