@@ -18,6 +18,7 @@ from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
 from activities.search import SearchActivities
 from ragline import logs
+from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
 from ragline.embeddings import build_embedder
 from ragline.errors import StoreUnavailableError
@@ -71,6 +72,15 @@ class RaglineWorker:
             await w.__aexit__(*exc)
 
 
+def fallback_model(settings: Settings) -> ChatModel | None:
+    """The lighter model a turn falls back to (RAGLINE_FALLBACK_LLM_*), or None when none is configured."""
+    if not settings.fallback_llm_base_url:
+        return None
+    return ChatModel(settings.model_copy(update={
+        "llm_base_url": settings.fallback_llm_base_url, "llm_model": settings.fallback_llm_model or settings.llm_model,
+        "llm_api_key": settings.fallback_llm_api_key}))
+
+
 def build_worker(client: Client, settings: Settings, index: VectorIndex,
                  executor: concurrent.futures.ThreadPoolExecutor) -> RaglineWorker:
     """One place that wires workflows and activities; used by `main()` and by the tests."""
@@ -81,7 +91,8 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
         *IngestActivities(settings, blobs, embedder, index).all(),
         *SearchActivities(embedder, index).all(),
         *JobActivities(client).all(),
-        *ChatActivities(settings, blobs, embedder, index, model).all(),
+        *ChatActivities(settings, blobs, embedder, index, model, cache=AnswerCache(settings.answer_cache_size),
+                        fallback=fallback_model(settings)).all(),
         *AgentActivities(embedder, index, model).all(),
     ]
     policies.load(settings.policies, [policies.activity_name(a) for a in activities],

@@ -32,10 +32,8 @@ def model() -> dict:
     return tomllib.loads(MODEL_FILE.read_text(encoding="utf-8"))
 
 
-def threshold() -> float:
-    from ragline.settings import get_settings
-
-    override = get_settings().relevance_threshold
+def threshold(override: float | None = None) -> float:
+    """RAGLINE_RELEVANCE_THRESHOLD when set (pass `settings.relevance_threshold`), else the calibrated one."""
     return float(override if override is not None else model()["threshold"])
 
 

@@ -43,7 +43,7 @@ async def test_question_is_answered_from_the_document_with_a_citation(stack, cha
     assert result["usage"]["prompt_tokens"] > 0 and result["usage"]["completion_tokens"] > 0
     assert stack.llm.count("answer") == before + 1
     assert [s["name"] for s in job["steps"]] == ["retrieve_context", "generate_answer", "summarize_context",
-                                                 "extract_entities"]
+                                                 "extract_entities", "cache_answer"]
     steps = {s["name"]: s for s in job["steps"]}
     # The answer does not wait for the side steps: they start once it is generated.
     assert steps["generate_answer"]["finished_at"] <= steps["summarize_context"]["started_at"]

@@ -51,7 +51,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, setti
     if not duplicate:
         turn = TurnInput(job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
             exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
-            review_timeout_seconds=review_timeout_seconds(settings))
+            review_timeout_seconds=review_timeout_seconds(settings), fallback=bool(settings.fallback_llm_base_url))
         await client.start_workflow(
             ChatSessionWorkflow.run, SessionState(session_id=session_id), id=session_workflow_id(session_id),
             task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
