@@ -14,6 +14,7 @@ from temporalio.worker import Worker
 
 from activities.agent import AgentActivities
 from activities.chat import ChatActivities
+from activities.evaluation import EvaluationActivities
 from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
 from activities.search import SearchActivities
@@ -30,14 +31,16 @@ from temporal.client import connect
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.evaluation import EvaluationWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
 from workflows.search import SearchWorkflow
 
 log = structlog.get_logger("ragline.worker")
 
 WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
-             AgentWorkflow]
-ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities)
+             AgentWorkflow, EvaluationWorkflow]
+ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities,
+                    EvaluationActivities)
 
 
 def activity_names() -> list[str]:
@@ -94,6 +97,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex,
         *ChatActivities(settings, blobs, embedder, index, model, cache=AnswerCache(settings.answer_cache_size),
                         fallback=fallback_model(settings)).all(),
         *AgentActivities(embedder, index, model).all(),
+        *EvaluationActivities(settings, blobs, embedder, index, model).all(),
     ]
     policies.load(settings.policies, [policies.activity_name(a) for a in activities],
                   dead_letter_ttl=settings.dead_letter_ttl)

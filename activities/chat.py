@@ -71,8 +71,9 @@ class ChatActivities:
         hits = find_passages(self.embedder, self.index, req.collection, req.question, req.top_k)
         supported = any(h.relevance >= relevance.threshold(self.settings.relevance_threshold) for h in hits)
         if not supported:  # nothing to answer from: say so, in the question's language, without a model
+            refusal = prompts.not_covered_answer(req.question) if hits else prompts.no_context_answer(req.question)
             return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], supported=False,
-                                  refusal=prompts.not_covered_answer(req.question), cache_key=key, attempt=attempt)
+                                  refusal=refusal, cache_key=key, attempt=attempt)
         budget = self.settings.llm_context_tokens - self.settings.llm_max_tokens - PROMPT_OVERHEAD_TOKENS
         return RetrieveOutput(
             context_ref=self.blobs.put_json([h.model_dump() for h in hits]), passages=len(hits),

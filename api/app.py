@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors
-from api.routes import agents, chats, documents, events, health, jobs, search
+from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from ragline import logs
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings, get_settings
@@ -29,7 +29,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Ragline", version="0.1.0", lifespan=lifespan,
                   description="Durable GenAI pipelines on Temporal: every request answers 202 with a job.")
     errors.install(app)
-    for module in (documents, chats, agents, jobs, events, search, health):
+    for module in (documents, chats, agents, evaluations, jobs, events, search, health):
         app.include_router(module.router)
     return app
 

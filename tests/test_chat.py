@@ -109,7 +109,8 @@ async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
     assert types[0] == "ragline.job.accepted" and types[-1] == "ragline.job.completed"
     started = [e["data"]["step"] for _, e in events if e["type"] == "ragline.step.started"]
     assert started[:2] == ["retrieve_context", "generate_answer"]
-    assert set(started) == {"retrieve_context", "summarize_context", "extract_entities", "generate_answer"}
+    assert set(started) == {"retrieve_context", "summarize_context", "extract_entities", "generate_answer",
+                            "cache_answer"}
     # The answer streams and is complete before any side step starts.
     first_delta = types.index("ragline.answer.delta")
     answered = types.index("ragline.answer.completed")

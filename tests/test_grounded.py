@@ -121,3 +121,25 @@ async def test_a_turn_is_dead_lettered_only_when_the_fallback_fails_too(trusted,
     assert steps["generate_answer"] == "failed"
     r = await trusted.http.post(f"/v1/jobs/{accepted['job_id']}/discard", json={"operator": "t", "reason": "test"})
     assert r.status_code == 200, r.text
+
+
+async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collection(trusted):
+    golden = "\n".join([
+        '{"question": "What was the root cause of incident 4711?", "expected_document": "postmortem.txt", '
+        '"expected_answer": "4711"}',
+        '{"question": "单次大模型调用的超时阈值是多少秒？", "expected_document": "handbook-zh.txt"}',
+        '{"question": "How long are database backups kept?", "expected_document": "handbook-zh.txt"}',
+        '{"question": "What is the capital of Australia?", "expected_document": null}'])
+    r = await trusted.http.post("/v1/evaluations?collection=trust&answers=true", content=golden.encode())
+    assert r.status_code == 202, r.text
+    job = await trusted.wait_job(r.json()["job_id"])
+    assert job["status"] == "completed" and job["kind"] == "evaluation", job
+    listed = (await trusted.http.get("/v1/evaluations?collection=trust")).json()["evaluations"]
+    [mine] = [e for e in listed if e["job_id"] == r.json()["job_id"]]
+    report = mine["report"]
+    assert report["questions"] == 4 and report["in_corpus"] == 3 and report["out_of_corpus"] == 1
+    assert report["recall_at_k"] == 1.0 and report["mrr"] == 1.0 and report["honest_refusals"] == 1.0
+    # The scripted model always cites passage [1]; answers are scored only where an expected answer is given.
+    assert report["citation_correctness"] is not None and report["answer_accuracy"] == 1.0
+    bad = await trusted.http.post("/v1/evaluations?collection=trust", content=b'{"expected_document": "x"}')
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set"

@@ -41,8 +41,9 @@ MAX_SEEN = 1000             # job ids remembered per session, to skip a resent r
 
 @workflow.defn
 class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
+    # cache_answer is not planned: it shows as a step only when it runs (turns without history).
     PLANNED = (ChatActivities.retrieve_context, ChatActivities.generate_answer, ChatActivities.summarize_context,
-               ChatActivities.extract_entities, ChatActivities.cache_answer)
+               ChatActivities.extract_entities)
 
     def __init__(self) -> None:
         super().__init__()
