@@ -55,6 +55,7 @@ test: install $(CHROMIUM) $(WEBUI_STAMP)
 
 bench: install
 	$(BIN)/python -m bench
+	$(BIN)/python -m bench.quality
 
 clean:
 	rm -rf $(VENV) *.egg-info
