@@ -68,6 +68,7 @@ test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS)
 bench: install
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench scaleout
+	$(BIN)/python -m bench.quality
 
 clean:
 	rm -rf $(VENV) *.egg-info

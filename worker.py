@@ -25,10 +25,12 @@ from temporalio.worker import (
 
 from activities.agent import AgentActivities
 from activities.chat import ChatActivities
+from activities.evaluation import EvaluationActivities
 from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
 from activities.search import SearchActivities
 from ragline import logs, tracing
+from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
 from ragline.embeddings import build_embedder
 from ragline.errors import StoreUnavailableError
@@ -41,32 +43,37 @@ from temporal.telemetry import ServerStatsPoller, StepTelemetry, metrics_runtime
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.evaluation import EvaluationWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
 from workflows.search import SearchWorkflow
 
 log = structlog.get_logger("ragline.worker")
 
 WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
-             AgentWorkflow]
+             AgentWorkflow, EvaluationWorkflow]
 # Workflows per queue kind: every job on main; SearchWorkflow on vector, next to the store, so that a
 # search stays one local activity in the process that holds the store.
 QUEUE_WORKFLOWS: dict[str, list[type]] = {
-    "main": [IngestWorkflow, IngestDocumentWorkflow, ChatSessionWorkflow, ChatTurnWorkflow, AgentWorkflow],
+    "main": [IngestWorkflow, IngestDocumentWorkflow, ChatSessionWorkflow, ChatTurnWorkflow, AgentWorkflow,
+             EvaluationWorkflow],
     "vector": [SearchWorkflow],
 }
-ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities)
+ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities,
+                    EvaluationActivities)
 
 # What each activity needs besides the blob store and the Temporal client. A role builds only what the
 # activities routed to its queues need: the llm role loads no embedding model, and only a role that
 # runs store activities opens the vector store.
 _NAME = policies.activity_name
 NEEDS: dict[str, frozenset[str]] = {
+    # The answer cache lives with the index (it is keyed by the collection's version): cache_answer too.
     "index": frozenset(map(_NAME, (
         IngestActivities.index_chunks, IngestActivities.prune_stale_chunks, ChatActivities.retrieve_context,
-        AgentActivities.search_documents, SearchActivities.search_chunks))),
+        ChatActivities.cache_answer, AgentActivities.search_documents, SearchActivities.search_chunks,
+        EvaluationActivities.evaluate_collection))),
     "embedder": frozenset(map(_NAME, (
         IngestActivities.embed_chunks, ChatActivities.retrieve_context, AgentActivities.search_documents,
-        SearchActivities.search_chunks))),
+        SearchActivities.search_chunks, EvaluationActivities.evaluate_collection))),
 }
 SEARCH = _NAME(SearchActivities.search_chunks)
 
@@ -145,6 +152,15 @@ class RaglineWorker:
     async def __aexit__(self, *exc) -> None:
         for w in reversed(self.workers):
             await w.__aexit__(*exc)
+
+
+def fallback_model(settings: Settings) -> ChatModel | None:
+    """The lighter model a turn falls back to (RAGLINE_FALLBACK_LLM_*), or None when none is configured."""
+    if not settings.fallback_llm_base_url:
+        return None
+    return ChatModel(settings.model_copy(update={
+        "llm_base_url": settings.fallback_llm_base_url, "llm_model": settings.fallback_llm_model or settings.llm_model,
+        "llm_api_key": settings.fallback_llm_api_key}))
 
 
 # Versioning behaviour of each workflow, chosen on purpose (applied only with worker versioning on: the
@@ -233,8 +249,10 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
         *IngestActivities(settings, blobs, embedder, store).all(),
         *SearchActivities(embedder, store).all(),
         *JobActivities(client).all(),
-        *ChatActivities(settings, blobs, embedder, store, model).all(),
+        *ChatActivities(settings, blobs, embedder, store, model, cache=AnswerCache(settings.answer_cache_size),
+                        fallback=fallback_model(settings)).all(),
         *AgentActivities(embedder, store, model).all(),
+        *EvaluationActivities(settings, blobs, embedder, store, model).all(),
     ]
     common: dict[str, Any] = {"activity_executor": executor, **_pollers(settings),
                               "graceful_shutdown_timeout": timedelta(seconds=settings.worker_graceful_shutdown),

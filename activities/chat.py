@@ -14,11 +14,12 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 
 from activities.search import find_passages
 from models.chat import (
-    Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput, RetrieveInput, RetrieveOutput,
-    SummaryOutput, Usage,
+    CacheInput, CacheOutput, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
+    RetrieveInput, RetrieveOutput, SummaryOutput, TurnResult, Usage,
 )
 from models.ingest import SearchHit
-from ragline import prompts, tracing
+from ragline import answer_cache, prompts, relevance, tracing
+from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
 from ragline.llm import ChatModel, StreamedCompletion
@@ -31,9 +32,11 @@ log = structlog.get_logger("ragline.chat")
 
 ENTITY_TYPES = {"PERSON", "ORG", "PLACE", "DATE", "PRODUCT", "OTHER"}
 _CITATION = re.compile(r"\[(\d{1,2})\]")
-# Content words: runs of 4+ letters or digits outside CJK, and every overlapping pair of CJK
+# Content words: numbers, runs of 4+ letters outside CJK, and every overlapping pair of CJK
 # characters (Chinese has no spaces, so bigrams stand in for words).
-_WORD = re.compile(r"(?:(?![\u4e00-\u9fff])[^\W_]){4,}|(?=([\u4e00-\u9fff]{2}))", re.UNICODE)
+_WORD = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_\u4e00-\u9fff]{4,}|(?=([\u4e00-\u9fff]{2}))", re.UNICODE)
+_SENTENCE = re.compile(r"[^.!?。！？\n]+[.!?。！？]?")
+QUOTE_CHARS = 300
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # An uncited answer is attributed to the passages sharing at least this share of its content words.
 SUPPORT_THRESHOLD = 0.35
@@ -45,22 +48,47 @@ HEARTBEAT_EVERY = 5.0
 
 class ChatActivities:
     def __init__(self, settings: Settings, blobs: BlobStore, embedder: Embedder, index: VectorIndex,
-                 model: ChatModel) -> None:
+                 model: ChatModel, cache: AnswerCache | None = None, fallback: ChatModel | None = None) -> None:
         self.settings = settings
         self.blobs = blobs
         self.embedder = embedder
         self.index = index
         self.model = model
+        self.cache = cache or AnswerCache(settings.answer_cache_size)
+        self.fallback = fallback
 
     @activity.defn
     @translate_errors
     def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
+        """Retrieval, the relevance gate and the answer cache in one step: the answer waits for nothing else."""
+        attempt = activity.info().attempt
+        key = None
+        if req.use_cache:
+            key = answer_cache.cache_key(req.tenant, req.collection, self.index.version(req.tenant, req.collection),
+                                         req.question)
+            hit = self.cache.get(key)
+            answer_cache.record_lookup(hit is not None, req.collection)
+            if hit is not None:
+                return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], cache_key=key,
+                                      cached=TurnResult.model_validate(hit), attempt=attempt)
         hits = find_passages(self.embedder, self.index, req.tenant, req.collection, req.question, req.top_k)
+        supported = any(h.relevance >= relevance.threshold(self.settings.relevance_threshold) for h in hits)
+        if not supported:  # nothing to answer from: say so, in the question's language, without a model
+            refusal = prompts.not_covered_answer(req.question) if hits else prompts.no_context_answer(req.question)
+            return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], supported=False,
+                                  refusal=refusal, cache_key=key, attempt=attempt)
         budget = self.settings.llm_context_tokens - self.settings.llm_max_tokens - PROMPT_OVERHEAD_TOKENS
         return RetrieveOutput(
             context_ref=self.blobs.put_json([h.model_dump() for h in hits]), passages=len(hits),
-            citations=[citation(h) for h in hits],
-            fits=estimate_tokens(" ".join(h.text for h in hits)) <= budget, attempt=activity.info().attempt)
+            citations=[citation(h) for h in hits], cache_key=key,
+            fits=estimate_tokens(" ".join(h.text for h in hits)) <= budget, attempt=attempt)
+
+    @activity.defn
+    @translate_errors
+    def cache_answer(self, req: CacheInput) -> CacheOutput:
+        """Keep a finished turn's answer for the same question on the same collection version."""
+        self.cache.put(req.key, req.result.model_dump(mode="json"))
+        return CacheOutput(stored=True, attempt=activity.info().attempt)
 
     def _passages(self, context_ref: str) -> list[SearchHit]:
         return [SearchHit.model_validate(p) for p in self.blobs.get_json(context_ref)]
@@ -68,6 +96,20 @@ class ChatActivities:
     @activity.defn
     @translate_errors
     async def generate_answer(self, req: GenerateInput) -> GenerateOutput:
+        return await self._generate(req, self.model)
+
+    @activity.defn
+    @translate_errors
+    async def generate_answer_fallback(self, req: GenerateInput) -> GenerateOutput:
+        """The same answer from the lighter fallback model (RAGLINE_FALLBACK_LLM_*), after generate_answer
+        exhausted its retries on a retryable error."""
+        if self.fallback is None:
+            from ragline.errors import InputError
+
+            raise InputError("no fallback model is configured (RAGLINE_FALLBACK_LLM_BASE_URL)")
+        return await self._generate(req, self.fallback)
+
+    async def _generate(self, req: GenerateInput, model: ChatModel) -> GenerateOutput:
         passages = await asyncio.to_thread(self._passages, req.context_ref)
         attempt = activity.info().attempt
         if not passages:
@@ -78,14 +120,18 @@ class ChatActivities:
         if req.summary:  # the passages did not fit the context: answer from their summary, still citable
             context = f"SUMMARY OF THE PASSAGES: {req.summary}\n\n{prompts.format_passage_heads(passages)}"
         messages = prompts.messages("answer", passages=context, history=history, question=req.question)
-        result = StreamedCompletion(model=self.model.model)
+        result = StreamedCompletion(model=model.model)
         async with AnswerDeltas(attempt) as deltas:
-            async for piece in self.model.stream(messages, result, step="generate"):
+            async for piece in model.stream(messages, result, step="generate"):
                 await deltas.publish(piece)
         answer = result.text.strip()
-        return GenerateOutput(answer=answer, cited=cited_passages(answer, passages), model=result.model,
-                              usage=Usage(prompt_tokens=result.prompt_tokens,
-                                          completion_tokens=result.completion_tokens), attempt=attempt)
+        cited = cited_passages(answer, passages)
+        return GenerateOutput(answer=answer, cited=cited, grounded=bool(cited),
+                              citations=[citation(passages[i - 1], quote_for(answer, passages[i - 1].text))
+                                         for i in cited],
+                              model=result.model, usage=Usage(prompt_tokens=result.prompt_tokens,
+                                                              completion_tokens=result.completion_tokens),
+                              attempt=attempt)
 
     @activity.defn
     @translate_errors
@@ -123,7 +169,8 @@ class ChatActivities:
         return EntitiesOutput(entities=entities, warnings=warnings, usage=usage, attempt=activity.info().attempt)
 
     def all(self) -> list:
-        return [self.retrieve_context, self.generate_answer, self.summarize_context, self.extract_entities]
+        return [self.retrieve_context, self.generate_answer, self.generate_answer_fallback, self.summarize_context,
+                self.extract_entities, self.cache_answer]
 
 
 class AnswerDeltas:
@@ -163,9 +210,20 @@ class AnswerDeltas:
             activity.heartbeat(self.index)
 
 
-def citation(hit: SearchHit) -> Citation:
+def citation(hit: SearchHit, quote: str = "") -> Citation:
     return Citation(document_id=hit.document_id, filename=hit.filename, page=hit.page,
-                    chunk_id=f"{hit.document_id}:{hit.chunk}", score=round(hit.score, 4))
+                    chunk_id=f"{hit.document_id}:{hit.chunk}", score=round(hit.score, 4),
+                    relevance=hit.relevance, quote=quote or hit.text[:QUOTE_CHARS].strip())
+
+
+def quote_for(answer: str, passage: str) -> str:
+    """The sentence of the passage that shares the most words with the answer (the quoted span)."""
+    words = content_words(answer)
+    sentences = [s.strip() for s in _SENTENCE.findall(passage) if s.strip()]
+    if not sentences:
+        return passage[:QUOTE_CHARS].strip()
+    best = max(sentences, key=lambda s: len(words & content_words(s)))
+    return best[:QUOTE_CHARS]
 
 
 def estimate_tokens(text: str) -> int:

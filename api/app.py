@@ -9,7 +9,7 @@ from fastapi import Depends, FastAPI
 
 from api import errors, observability
 from api.auth import Guard, authenticate
-from api.routes import agents, chats, documents, events, health, jobs, search
+from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from api.routes.codec import HideCodecKey, create_codec_app
 from ragline import logs, tracing
 from ragline.blobstore import BlobStore
@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "`X-API-Key`) and sees only its tenant's documents and jobs.")
     app.state.guard = guard
     errors.install(app)
-    for module in (documents, chats, agents, jobs, events, search):
+    for module in (documents, chats, agents, evaluations, jobs, events, search):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
     app.include_router(health.router)
     observability.install(app)

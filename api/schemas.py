@@ -256,3 +256,31 @@ class JobEvent(BaseModel):
     subject: str
     datacontenttype: Literal["application/json"]
     data: dict[str, Any]
+
+
+# -- evaluations -------------------------------------------------------------------------------------
+
+from ragline.evaluation import EvaluationReport  # noqa: E402
+
+
+class EvaluationAccepted(BaseModel):
+    job_id: str
+    collection: str
+    questions: int
+    status_url: str
+    events_url: str
+
+
+class EvaluationView(BaseModel):
+    job_id: str
+    collection: str | None = None
+    status: JobStatus
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    # The report once the job completed (per-question outcomes are in the job's result blob).
+    report: EvaluationReport | None = None
+
+
+class EvaluationList(BaseModel):
+    evaluations: list[EvaluationView]
+    query: str

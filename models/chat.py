@@ -43,6 +43,8 @@ class TurnInput(BaseModel):
     review_timeout_seconds: float = 86400
     # Numbered by the session when it takes the turn, in acceptance order (0 until then).
     turn: int = 0
+    # A fallback model is configured: generate_answer_fallback answers when generate_answer keeps failing.
+    fallback: bool = False
     # Set by the session when nothing runs before this turn: its go comes with its start, no signal.
     context: TurnContext | None = None
     # The W3C traceparent of the request that made the turn: the session starts the turn's job in that
@@ -75,6 +77,9 @@ class Citation(BaseModel):
     page: int
     chunk_id: str
     score: float
+    # The calibrated relevance of the passage to the question (0..1) and the span of it the answer uses.
+    relevance: float = 0.0
+    quote: str = ""
 
 
 class Entity(BaseModel):
@@ -103,6 +108,13 @@ class TurnResult(BaseModel):
     usage: Usage
     warnings: list[str] = []
     review: ReviewRecord | None = None
+    # False when no passage was relevant enough (the answer says the documents do not cover it, and no
+    # model was called) or when the model's answer cites no passage and none supports it.
+    supported: bool = True
+    # Served from the answer cache (same question, same collection version): no model call.
+    cached: bool = False
+    # Set when the configured model kept failing and the fallback model answered.
+    fallback_model: str | None = None
 
 
 SESSION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -134,6 +146,8 @@ class RetrieveInput(BaseModel):
     question: str
     collection: str
     top_k: int
+    # Look the question up in the answer cache first (a turn without conversation history).
+    use_cache: bool = False
 
 
 class RetrieveOutput(StepResult):
@@ -143,6 +157,21 @@ class RetrieveOutput(StepResult):
     citations: list[Citation]
     # False when the passages exceed the model's context budget: the answer then works from a summary.
     fits: bool = True
+    # False when no passage reaches the relevance threshold: `refusal` is then the whole answer.
+    supported: bool = True
+    refusal: str | None = None
+    # The answer cache: its key for this question and collection version, and the answer when it hit.
+    cache_key: str | None = None
+    cached: TurnResult | None = None
+
+
+class CacheInput(BaseModel):
+    key: str
+    result: TurnResult
+
+
+class CacheOutput(StepResult):
+    stored: bool
 
 
 class ContextInput(BaseModel):
@@ -171,8 +200,11 @@ class GenerateInput(BaseModel):
 
 class GenerateOutput(StepResult):
     answer: str
-    # 1-based numbers of the passages the answer relies on.
+    # 1-based numbers of the passages the answer relies on, and their citations with the quoted span.
     cited: list[int]
+    citations: list[Citation] = []
+    # False when the answer cites no passage and no passage supports its content.
+    grounded: bool = True
     model: str
     usage: Usage = Usage()
 

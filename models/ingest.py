@@ -149,6 +149,8 @@ class SearchHit(BaseModel):
     page: int
     chunk: int
     score: float
+    # Calibrated probability (0..1) that the passage answers the query (ragline/relevance.py).
+    relevance: float = 0.0
 
 
 class SearchOutput(BaseModel):

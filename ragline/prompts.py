@@ -35,6 +35,11 @@ def no_context_answer(question: str) -> str:
     return templates()["no_context"][language_of(question)]
 
 
+def not_covered_answer(question: str) -> str:
+    """What a turn says when no passage is relevant enough (no model is called)."""
+    return templates()["not_covered"][language_of(question)]
+
+
 def format_passages(passages: list) -> str:
     """Numbered passages (objects with filename, page and text) as the prompts cite them: [1], [2]…"""
     return "\n\n".join(f"[{i}] ({p.filename}, page {p.page}) {p.text}" for i, p in enumerate(passages, 1))

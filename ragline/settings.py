@@ -106,6 +106,17 @@ class Settings(BaseSettings):
     # Hold chat answers without a supporting citation for review.
     review_unsupported_answers: bool = False
 
+    # Retrieval: a turn answers only from passages whose calibrated relevance (0..1) reaches this;
+    # unset: the calibrated threshold in ragline/relevance.toml.
+    relevance_threshold: float | None = None
+    # Answers cached per (collection version, normalised question), in the process that owns the index.
+    answer_cache_size: int = 1024
+
+    # A lighter model a turn falls back to when the configured one keeps failing; unset: none.
+    fallback_llm_base_url: str | None = None
+    fallback_llm_model: str | None = None
+    fallback_llm_api_key: str | None = None
+
     log_level: str = "INFO"
     log_json: bool = False
 

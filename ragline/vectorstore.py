@@ -1,6 +1,10 @@
 """The chunk index in Qdrant: embedded (a folder in the data dir) by default, a server when
 RAGLINE_QDRANT_URL is set.
 
+Retrieval is hybrid: e5 dense vectors (searched once per language group) and a BM25-style sparse
+index, fused by weighted reciprocal rank. Each tenant's collection has a version, bumped by every
+write, which keys the answer cache.
+
 The embedded store is a single-process database, so only the worker of role `vector` (or `all`) opens
 it; the API and the other roles reach it through activities on the vector queue (temporal/queues.py).
 With a Qdrant server every role could, but the policy file still routes store work to the vector queue.
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 from qdrant_client import QdrantClient, models
 
+from ragline import lexical
 from ragline.errors import StoreUnavailableError
 from ragline.settings import Settings
 
@@ -34,6 +39,22 @@ def qdrant_collection(collection: str) -> str:
     return f"ragline_{collection}"
 
 
+DENSE = "dense"
+LEXICAL = "lexical"
+# One point per collection holds its version, bumped by every write (upload, prune, delete): answers
+# cached for a collection are valid for one version only. (`ragline__meta` can't clash: collection
+# names have no double underscore at the start.)
+META_COLLECTION = "ragline__meta"
+# Hybrid retrieval: candidates per list, the RRF constant and the weight of each list. The dense side
+# runs once per language group, so a passage in another language than the question competes with its
+# own language's passages (e5-small scores same-language pairs higher whatever they say).
+CANDIDATES = 30
+RRF_K = 2
+DENSE_WEIGHT = 1.0
+LEXICAL_WEIGHT = 0.3
+LANGUAGES = ("en", "zh")
+
+
 @dataclass
 class ChunkPoint:
     document_id: str
@@ -44,8 +65,9 @@ class ChunkPoint:
 
 @dataclass
 class Hit:
-    score: float
+    score: float            # the fused rank score (hybrid) or the cosine (dense-only collections)
     payload: dict
+    cosine: float = 0.0     # cosine similarity of the query and the passage (e5)
 
 
 class VectorIndex:
@@ -56,6 +78,7 @@ class VectorIndex:
         # The embedded store is plain Python over SQLite: serialise access from activity threads.
         self._lock = threading.RLock() if embedded else _NoLock()
         self._known: set[str] = set()
+        self._layouts: dict[str, bool] = {}
 
     def _ensure_collection(self, collection: str) -> str:
         name = qdrant_collection(collection)
@@ -64,7 +87,8 @@ class VectorIndex:
         if not self.client.collection_exists(name):
             try:
                 self.client.create_collection(
-                    name, vectors_config=models.VectorParams(size=self.dim, distance=models.Distance.COSINE))
+                    name, vectors_config={DENSE: models.VectorParams(size=self.dim, distance=models.Distance.COSINE)},
+                    sparse_vectors_config={LEXICAL: models.SparseVectorParams(modifier=models.Modifier.IDF)})
             except Exception:
                 if not self.client.collection_exists(name):  # lost a creation race: fine
                     raise
@@ -73,20 +97,59 @@ class VectorIndex:
             else:
                 self.client.create_payload_index(name, "tenant", models.KeywordIndexParams(
                     type=models.KeywordIndexType.KEYWORD, is_tenant=True))
-                for field in ("document_id", "collection"):
+                for field in ("document_id", "collection", "lang"):
                     self.client.create_payload_index(name, field, models.PayloadSchemaType.KEYWORD)
         self._known.add(name)
         return name
 
+    def _hybrid(self, name: str) -> bool:
+        """Collections made before hybrid retrieval have one unnamed dense vector: searched dense-only
+        until their documents are uploaded again into a new collection."""
+        if name not in self._layouts:
+            vectors = self.client.get_collection(name).config.params.vectors
+            self._layouts[name] = isinstance(vectors, dict) and DENSE in vectors
+        return self._layouts[name]
+
+    def _point(self, name: str, tenant: str, p: ChunkPoint) -> models.PointStruct:
+        text = p.payload.get("text", "")
+        payload = {**p.payload, "tenant": tenant, "lang": lexical.language(text)}
+        if not self._hybrid(name):
+            return models.PointStruct(id=point_id(p.document_id, p.chunk_index), vector=p.vector, payload=payload)
+        ids, values = lexical.document_vector(text)
+        return models.PointStruct(id=point_id(p.document_id, p.chunk_index), payload=payload, vector={
+            DENSE: p.vector, LEXICAL: models.SparseVector(indices=ids, values=values)})
+
     def upsert(self, tenant: str, collection: str, points: list[ChunkPoint]) -> int:
         with self._lock:
             name = self._ensure_collection(collection)
-            self.client.upsert(name, wait=True, points=[
-                models.PointStruct(id=point_id(p.document_id, p.chunk_index), vector=p.vector,
-                                   payload={**p.payload, "tenant": tenant})
-                for p in points
-            ])
+            self.client.upsert(name, wait=True, points=[self._point(name, tenant, p) for p in points])
+            self._bump(tenant, collection)
         return len(points)
+
+    # -- the collection's version (per tenant) -----------------------------------------------------
+    def _meta(self) -> str:
+        if META_COLLECTION not in self._known:
+            if not self.client.collection_exists(META_COLLECTION):
+                try:
+                    self.client.create_collection(META_COLLECTION, vectors_config=models.VectorParams(
+                        size=1, distance=models.Distance.DOT))
+                except Exception:
+                    if not self.client.collection_exists(META_COLLECTION):
+                        raise
+            self._known.add(META_COLLECTION)
+        return META_COLLECTION
+
+    def version(self, tenant: str, collection: str) -> int:
+        """Changes with every write to the tenant's collection (0: never written)."""
+        with self._lock:
+            found = self.client.retrieve(self._meta(), ids=[_meta_id(tenant, collection)], with_payload=True)
+        return int(found[0].payload.get("version", 0)) if found else 0
+
+    def _bump(self, tenant: str, collection: str) -> None:
+        version = self.version(tenant, collection) + 1
+        self.client.upsert(self._meta(), wait=True, points=[models.PointStruct(
+            id=_meta_id(tenant, collection), vector=[1.0],
+            payload={"tenant": tenant, "collection": collection, "version": version})])
 
     def prune(self, tenant: str, collection: str, document_id: str, keep_chunks: int) -> None:
         """Remove points of a document beyond its current chunk count (left by an older chunking)."""
@@ -96,6 +159,15 @@ class VectorIndex:
                 must=[_tenant(tenant),
                       models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)),
                       models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))])))
+            self._bump(tenant, collection)
+
+    def delete_document(self, tenant: str, collection: str, document_id: str) -> None:
+        with self._lock:
+            name = self._ensure_collection(collection)
+            self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
+                must=[_tenant(tenant),
+                      models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))])))
+            self._bump(tenant, collection)
 
     def count(self, tenant: str, collection: str, document_id: str | None = None) -> int:
         with self._lock:
@@ -107,14 +179,48 @@ class VectorIndex:
                 must.append(models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)))
             return self.client.count(name, count_filter=models.Filter(must=must), exact=True).count
 
-    def search(self, tenant: str, collection: str, vector: list[float], top_k: int) -> list[Hit]:
+    def search(self, tenant: str, collection: str, vector: list[float], top_k: int,
+               text: str | None = None) -> list[Hit]:
+        """The tenant's top_k passages for a query: hybrid (dense per language group + BM25, fused by
+        weighted reciprocal rank) when the query's text is given and the collection has the hybrid
+        layout, else dense only."""
         with self._lock:
             name = qdrant_collection(collection)
             if not self.client.collection_exists(name):
                 return []
-            result = self.client.query_points(name, query=vector, limit=top_k, with_payload=True,
-                                              query_filter=models.Filter(must=[_tenant(tenant)]))
-        return [Hit(score=p.score, payload=p.payload or {}) for p in result.points]
+            mine = _tenant(tenant)
+            if text is None or not self._hybrid(name):
+                using = DENSE if self._hybrid(name) else None
+                result = self.client.query_points(name, query=vector, using=using, limit=top_k, with_payload=True,
+                                                  query_filter=models.Filter(must=[mine]))
+                return [Hit(score=p.score, payload=p.payload or {}, cosine=p.score) for p in result.points]
+            ids, values = lexical.query_vector(text)
+            requests = [models.QueryRequest(
+                query=vector, using=DENSE, limit=CANDIDATES, with_payload=True, filter=models.Filter(must=[
+                    mine, models.FieldCondition(key="lang", match=models.MatchValue(value=lang))]))
+                for lang in LANGUAGES]
+            weights = [DENSE_WEIGHT] * len(LANGUAGES)
+            if ids:
+                requests.append(models.QueryRequest(query=models.SparseVector(indices=ids, values=values),
+                                                    using=LEXICAL, limit=CANDIDATES, with_payload=True,
+                                                    with_vector=[DENSE], filter=models.Filter(must=[mine])))
+                weights.append(LEXICAL_WEIGHT)
+            responses = self.client.query_batch_points(name, requests=requests)
+        fused: dict[str, float] = {}
+        points: dict[str, models.ScoredPoint] = {}
+        cosines: dict[str, float] = {}
+        for i, (response, weight) in enumerate(zip(responses, weights)):
+            for rank, p in enumerate(response.points):
+                key = str(p.id)
+                fused[key] = fused.get(key, 0.0) + weight / (RRF_K + rank + 1)
+                points.setdefault(key, p)
+                if i < len(LANGUAGES):
+                    cosines[key] = p.score
+                elif key not in cosines and isinstance(p.vector, dict) and DENSE in p.vector:
+                    v = p.vector[DENSE]
+                    cosines[key] = sum(a * b for a, b in zip(vector, v)) / (_norm(vector) * _norm(v) or 1.0)
+        best = sorted(fused, key=lambda k: -fused[k])[:top_k]
+        return [Hit(score=fused[k], payload=points[k].payload or {}, cosine=cosines.get(k, 0.0)) for k in best]
 
     def close(self) -> None:
         with self._lock:
@@ -125,6 +231,14 @@ def _tenant(tenant: str) -> models.FieldCondition:
     if not tenant:
         raise ValueError("every vector store call names its tenant")
     return models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))
+
+
+def _meta_id(tenant: str, collection: str) -> str:
+    return str(uuid.uuid5(_POINT_NAMESPACE, f"meta:{tenant}:{collection}"))
+
+
+def _norm(v: list[float]) -> float:
+    return sum(x * x for x in v) ** 0.5
 
 
 class _NoLock:

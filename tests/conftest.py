@@ -223,7 +223,10 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     options = dict(data_dir=data_dir, temporal_address=address, api_port=api_port, task_queue="ragline-test",
                    embed_batch_size=16, llm_base_url=llm.base_url, llm_model="scripted", llm_timeout=3,
                    policies=FIXTURES.parent / "fast_policies.toml", metrics_poll_interval=1.0,
-                   rate_limit_per_minute=100_000)
+                   rate_limit_per_minute=100_000,
+                   # The shared stack's questions test plumbing with made-up texts: no relevance gate and
+                   # no answer cache there. tests/test_grounded.py runs a stack with both, as shipped.
+                   relevance_threshold=0.0, answer_cache_size=0)
     options.update(overrides)
     settings = Settings(**options)
     api_port = settings.api_port

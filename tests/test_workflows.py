@@ -27,8 +27,10 @@ from temporalio.worker import Worker
 import worker
 from models.agent import AgentInput, AgentResult, PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, \
     ToolCall
+from models.evaluation import EvaluationInput, EvaluationOutput
+from ragline.evaluation import EvaluationReport
 from models.chat import (
-    AwaitTurnInput, ChatQuestion, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
+    AwaitTurnInput, CacheInput, CacheOutput, ChatQuestion, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
     HistoryItem, RetrieveInput, RetrieveOutput, SessionState, SummaryOutput, TurnContext, TurnInput, TurnOutcome,
     TurnResult, Usage, session_workflow_id, turn_job_id,
 )
@@ -167,7 +169,24 @@ class Fakes:
         call = self._start("generate_answer", req)
         self._end(call)
         return GenerateOutput(answer=f"answer to {req.question}", cited=self.cited, model="fake-model",
+                              citations=[citation(i) for i in self.cited if i <= 3],
                               usage=Usage(prompt_tokens=10, completion_tokens=20))
+
+    @activity.defn(name="generate_answer_fallback")
+    async def generate_answer_fallback(self, req: GenerateInput) -> GenerateOutput:
+        self._end(self._start("generate_answer_fallback", req))
+        return GenerateOutput(answer=f"fallback answer to {req.question}", cited=[], model="fake-light")
+
+    @activity.defn(name="cache_answer")
+    async def cache_answer(self, req: CacheInput) -> CacheOutput:
+        self._end(self._start("cache_answer", req))
+        return CacheOutput(stored=True)
+
+    @activity.defn(name="evaluate_collection")
+    async def evaluate_collection(self, req: EvaluationInput) -> EvaluationOutput:
+        self._end(self._start("evaluate_collection", req))
+        return EvaluationOutput(report=EvaluationReport(collection=req.collection, k=req.k, questions=0, in_corpus=0,
+                                                        out_of_corpus=0, threshold=0.5), report_ref="blob:report")
 
     @activity.defn(name="extract_entities")
     async def extract_entities(self, req: ContextInput) -> EntitiesOutput:
@@ -194,7 +213,7 @@ class Fakes:
         return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks,
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
-                self.search_documents]
+                self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection]
 
 
 def citation(i: int) -> Citation:

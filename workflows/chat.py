@@ -26,8 +26,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.chat import ChatActivities
     from activities.jobs import JobActivities
     from models.chat import (
-        AwaitTurnInput, ContextInput, GenerateInput, HistoryItem, RetrieveInput, SessionState, TurnContext, TurnInput,
-        TurnResult,
+        AwaitTurnInput, CacheInput, ContextInput, GenerateInput, HistoryItem, RetrieveInput, SessionState,
+        TurnContext, TurnInput, TurnResult, Usage,
     )
     from ragline import tracing
     from temporal import policies
@@ -42,6 +42,7 @@ MAX_SEEN = 1000             # job ids remembered per session, to skip a resent r
 
 @workflow.defn
 class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
+    # cache_answer is not planned: it shows as a step only when it runs (turns without history).
     PLANNED = (ChatActivities.retrieve_context, ChatActivities.generate_answer, ChatActivities.summarize_context,
                ChatActivities.extract_entities)
 
@@ -68,14 +69,39 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
     async def _chain(self, turn: TurnInput) -> TurnResult:
         question = turn.question
+        # A question asked without conversation history means the same to everyone: the answer cache
+        # (looked up inside retrieval, no extra round trip) may serve it.
+        use_cache = not self.context.history
         retrieved = await self.step(ChatActivities.retrieve_context, RetrieveInput(
-            tenant=turn.tenant, question=question.message, collection=question.collection, top_k=question.top_k))
+            tenant=turn.tenant, question=question.message, collection=question.collection, top_k=question.top_k,
+            use_cache=use_cache))
+        if retrieved.cached is not None:
+            result = retrieved.cached.model_copy(update={
+                "session_id": turn.session_id, "turn": turn.turn, "question": question.message, "cached": True,
+                "usage": retrieved.cached.usage.model_copy(update={"prompt_tokens": 0, "completion_tokens": 0}),
+                "review": None})
+            self.steps.skip_pending()
+            return self._answered(result)
+        if not retrieved.supported:
+            result = TurnResult(session_id=turn.session_id, turn=turn.turn, question=question.message,
+                                answer=retrieved.refusal or "", citations=[], summary="", entities=[], model="none",
+                                usage=Usage(), supported=False)
+            return await self._remember(self._answered(result), retrieved.cache_key)
         context = ContextInput(question=question.message, context_ref=retrieved.context_ref)
         summary = None if retrieved.fits else await self.step(ChatActivities.summarize_context, context)
-        answer = await self.step(ChatActivities.generate_answer, GenerateInput(
-            question=question.message, context_ref=retrieved.context_ref, history=self.context.history,
-            summary=summary.summary if summary else None))
-        citations = [retrieved.citations[i - 1] for i in answer.cited if i <= len(retrieved.citations)]
+        generate = GenerateInput(question=question.message, context_ref=retrieved.context_ref,
+                                 history=self.context.history, summary=summary.summary if summary else None)
+
+        fell_back = []
+
+        async def fall_back():
+            fell_back.append(True)
+            return await self.step(ChatActivities.generate_answer_fallback, generate)
+
+        answer = await self.step(ChatActivities.generate_answer, generate,
+                                 on_exhausted=fall_back if turn.fallback else None)
+        fallback_model = (answer.model or "fallback") if fell_back else None
+        citations = answer.citations
         self.events.emit("ragline.answer.completed", {
             "answer": answer.answer, "citations": [c.model_dump(mode="json") for c in citations]})
         if summary is None:
@@ -83,10 +109,32 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                                      self.step(ChatActivities.extract_entities, context))
         else:
             entities = await self.step(ChatActivities.extract_entities, context)
-        return TurnResult(
+        warnings = list(entities.warnings)
+        if not answer.grounded:
+            warnings.append("the answer cites no passage and no passage supports it: treat it as unverified")
+        if fallback_model:
+            warnings.append(f"the configured model kept failing; answered by the fallback model {fallback_model}")
+        result = TurnResult(
             session_id=turn.session_id, turn=turn.turn, question=question.message, answer=answer.answer,
             citations=citations, summary=summary.summary, entities=entities.entities, model=answer.model,
-            warnings=entities.warnings, usage=summary.usage + entities.usage + answer.usage)
+            warnings=warnings, usage=summary.usage + entities.usage + answer.usage, supported=answer.grounded,
+            fallback_model=fallback_model)
+        if not answer.grounded or fallback_model:
+            return result  # only grounded answers of the configured model are worth repeating
+        return await self._remember(result, retrieved.cache_key)
+
+    def _answered(self, result: TurnResult) -> TurnResult:
+        """A turn answered without the model chain: the remaining planned steps are skipped."""
+        self.events.emit("ragline.answer.completed", {
+            "answer": result.answer, "citations": [c.model_dump(mode="json") for c in result.citations],
+            "supported": result.supported, "cached": result.cached})
+        return result
+
+    async def _remember(self, result: TurnResult, key: str | None) -> TurnResult:
+        if key is not None:
+            await self.step(ChatActivities.cache_answer, CacheInput(key=key, result=result))
+        self.steps.skip_pending()
+        return result
 
     async def _hold_for_review(self, turn: TurnInput, result: TurnResult) -> TurnResult:
         """The answer waits for a person, who may release it, replace its text, or reject it."""

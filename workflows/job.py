@@ -37,6 +37,14 @@ with workflow.unsafe.imports_passed_through():
 R = TypeVar("R")
 
 
+class _FellBack(Exception):
+    """A step's retries ran out and its fallback answered instead."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__("fell back")
+        self.result = result
+
+
 class JobWorkflow:
     # The activities this job runs, shown as pending steps from the start (in DAG order).
     PLANNED: ClassVar[tuple[Callable[..., Any], ...]] = ()
@@ -82,16 +90,22 @@ class JobWorkflow:
         self._running = True
         self._sync_status()
 
-    async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None) -> Any:
+    async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None,
+                   on_exhausted: Callable[[], Awaitable[Any]] | None = None) -> Any:
         """One activity as one step of the DAG: started, retried by its policy, parked when its retries
-        are used up, completed with the attempt that succeeded."""
+        are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
+        retryable error run that instead (a fallback), which parks in turn if it fails."""
         name = name or policies.activity_name(activity)
         self.steps.start(name)
-        result = await self.call(activity, arg, step=name)
+        try:
+            result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted)
+        except _FellBack as fell_back:
+            return fell_back.result
         self.steps.complete(name, attempts=getattr(result, "attempt", 1))
         return result
 
-    async def call(self, activity: Callable[..., Any], arg: Any, *, step: str) -> Any:
+    async def call(self, activity: Callable[..., Any], arg: Any, *, step: str,
+                   on_exhausted: Callable[[], Awaitable[Any]] | None = None) -> Any:
         """Run an activity under its policy; for steps whose bookkeeping the caller does (batches).
         When the activity exhausts its retries the job parks until an operator retries or discards it."""
         name = policies.activity_name(activity)
@@ -105,6 +119,9 @@ class JobWorkflow:
                     raise
                 attempts = policies.policy(name).retry.maximum_attempts
                 self.steps.failed_attempts(step, attempts=attempts, error=reason)
+                if on_exhausted is not None:
+                    self.steps.fail(step, reason)
+                    raise _FellBack(await on_exhausted())
                 try:
                     await self.dead_letters.park(step, attempts=attempts, reason=reason,
                                                  error_type=failure_type(exc))

@@ -56,7 +56,8 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
     if not duplicate:
         turn = TurnInput(tenant=caller.tenant, job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
             exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
-            review_timeout_seconds=review_timeout_seconds(settings), traceparent=tracing.current_traceparent())
+            review_timeout_seconds=review_timeout_seconds(settings), traceparent=tracing.current_traceparent(),
+            fallback=bool(settings.fallback_llm_base_url))
         await client.start_workflow(
             ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
             id=session_workflow_id(caller.tenant, session_id),

@@ -1,0 +1,66 @@
+"""The evaluation job's step: every golden question through the same retrieval, relevance gate and (when
+asked) answer generation that a chat turn uses, scored by ragline/evaluation.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio import activity
+
+from activities.chat import cited_passages
+from activities.search import find_passages
+from models.evaluation import EvaluationInput, EvaluationOutput
+from ragline import evaluation, prompts, relevance
+from ragline.blobstore import BlobStore
+from ragline.embeddings import Embedder
+from ragline.llm import ChatModel
+from ragline.settings import Settings
+from ragline.vectorstore import VectorIndex
+from temporal.errors import translate_errors
+
+
+class EvaluationActivities:
+    def __init__(self, settings: Settings, blobs: BlobStore, embedder: Embedder, index: VectorIndex,
+                 model: ChatModel) -> None:
+        self.settings = settings
+        self.blobs = blobs
+        self.embedder = embedder
+        self.index = index
+        self.model = model
+
+    @activity.defn
+    @translate_errors
+    async def evaluate_collection(self, req: EvaluationInput) -> EvaluationOutput:
+        questions = evaluation.parse_jsonl(self.blobs.get(req.questions_ref).decode("utf-8"))
+        threshold = relevance.threshold(self.settings.relevance_threshold)
+        outcomes = []
+        for n, q in enumerate(questions, 1):
+            hits = await asyncio.to_thread(find_passages, self.embedder, self.index, req.tenant, req.collection,
+                                             q.question, req.k)
+            rank = evaluation.rank_of(q.expected_document, [(h.document_id, h.filename) for h in hits]) \
+                if q.expected_document else None
+            best = max((h.relevance for h in hits), default=0.0)
+            outcome = evaluation.QuestionOutcome(
+                question=q.question, expected_document=q.expected_document, rank=rank, supported=best >= threshold,
+                relevance=best, top=[h.filename for h in hits])
+            if req.answers and q.in_corpus:
+                if outcome.supported:
+                    reply = await self.model.complete(prompts.messages(
+                        "answer", passages=prompts.format_passages(hits), history="(none)", question=q.question),
+                        step="evaluate")
+                    outcome.answer = reply.text.strip()
+                    cited = [hits[i - 1] for i in cited_passages(outcome.answer, hits)]
+                    outcome.citation_correct = any(q.expected_document in (h.document_id, h.filename) for h in cited)
+                else:
+                    outcome.answer, outcome.citation_correct = prompts.not_covered_answer(q.question), False
+                if q.expected_answer:
+                    outcome.answer_correct = evaluation.answer_matches(q.expected_answer, outcome.answer)
+            outcomes.append(outcome)
+            activity.heartbeat(n)
+        report = evaluation.summarise(req.collection, req.k, threshold, outcomes)
+        ref = self.blobs.put(report.model_dump_json().encode("utf-8"))
+        return EvaluationOutput(report=report.model_copy(update={"outcomes": []}), report_ref=ref,
+                                attempt=activity.info().attempt)
+
+    def all(self) -> list:
+        return [self.evaluate_collection]

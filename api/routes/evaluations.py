@@ -1,0 +1,78 @@
+"""POST /v1/evaluations (golden questions -> an evaluation job), GET /v1/evaluations (reports per collection)."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Query, Request
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+from api import job_views, observability
+from api.auth import CallerDep
+from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.errors import ApiError
+from api.schemas import (
+    INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses,
+)
+from api.validators import validate_collection
+from models.evaluation import EvaluationInput, EvaluationOutput
+from models.tenancy import workflow_id
+from ragline import evaluation
+from temporal import search_attributes as sa
+from workflows.evaluation import EvaluationWorkflow
+
+router = APIRouter(prefix="/v1/evaluations", tags=["evaluations"])
+
+MAX_BODY_BYTES = 5 * 1024 * 1024
+
+
+@router.post("", status_code=202, summary="Evaluate a collection against golden questions (JSONL body)",
+             responses=error_responses({413: "body_too_large",
+                                        422: f"{INVALID_REQUEST}, invalid_golden_set, invalid_collection",
+                                        503: TEMPORAL_DOWN}))
+async def create_evaluation(request: Request, client: ClientDep, caller: CallerDep, blobs: BlobsDep,
+                            settings: SettingsDep, timeout: RpcTimeoutDep, collection: str = Query("default"),
+                            k: int = Query(5, ge=1, le=20), answers: bool = Query(False)) -> EvaluationAccepted:
+    """The body is JSONL, one `{"question", "expected_document", "expected_answer"?}` per line
+    (`expected_document` null for a question the documents do not answer)."""
+    collection = validate_collection(collection)
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, "body_too_large", f"the JSONL body is over {MAX_BODY_BYTES} bytes")
+    try:
+        questions = evaluation.parse_jsonl(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ApiError(422, "invalid_golden_set", f"golden questions: {exc}") from None
+    ref = blobs.put(body)
+    job_id = workflow_id(caller.tenant, f"evaluation-{collection}-{uuid.uuid4().hex[:12]}")
+    await client.start_workflow(
+        EvaluationWorkflow.run, EvaluationInput(tenant=caller.tenant, collection=collection, questions_ref=ref,
+                                                questions=len(questions), k=k, answers=answers),
+        id=job_id, task_queue=settings.task_queue, rpc_timeout=timeout,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "evaluation"),
+                                                 SearchAttributePair(sa.JOB_STATUS, "queued"),
+                                                 SearchAttributePair(sa.COLLECTION, collection),
+                                                 SearchAttributePair(sa.TENANT, caller.tenant)]))
+    observability.job_accepted("evaluation")
+    base = str(request.base_url).rstrip("/")
+    return EvaluationAccepted(job_id=job_id, collection=collection, questions=len(questions),
+                              status_url=f"{base}/v1/jobs/{job_id}", events_url=f"{base}/v1/jobs/{job_id}/events")
+
+
+@router.get("", summary="Evaluation reports, newest first (from Temporal visibility)",
+            responses=error_responses({422: "invalid_collection", 503: TEMPORAL_DOWN}))
+async def list_evaluations(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep, collection: str | None = None,
+                           limit: int = Query(20, ge=1, le=200)) -> EvaluationList:
+    extra = {sa.COLLECTION.name: validate_collection(collection)} if collection else None
+    query = job_views.list_query(caller.tenant, kind="evaluation", extra=extra)
+    views = []
+    for execution in await job_views.list_jobs(client, query, limit, timeout):
+        job = job_views.summary(execution)
+        report = None
+        if job.status == "completed":
+            handle = client.get_workflow_handle_for(EvaluationWorkflow.run, execution.id, run_id=execution.run_id)
+            out: EvaluationOutput = await handle.result(rpc_timeout=timeout)
+            report = out.report
+        views.append(EvaluationView(job_id=job.job_id, collection=job.collection, status=job.status,
+                                    created_at=job.created_at, updated_at=job.updated_at, report=report))
+    return EvaluationList(evaluations=views, query=query)

@@ -1,0 +1,145 @@
+"""Answers a person can trust, on a stack as shipped (calibrated relevance gate, answer cache on) with the
+real hybrid retrieval; only the language models are scripted: the configured one and a fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from devtools.scripted_llm import ScriptedLLM
+from tests.conftest import running_stack
+
+POSTMORTEM = (
+    "Postmortem of incident 4711. The root cause of incident 4711 was an expired TLS certificate on the "
+    "internal payment gateway proxy. The renewal job had failed for three weeks because its service account "
+    "lost write permission to the secrets vault. About 12,400 orders failed during the outage.")
+HANDBOOK = (
+    "平台运维手册\n\n第二章 大模型服务\n\n单次大模型调用的超时阈值为45秒，超过45秒的调用会被中断并按重试策略重试。"
+    "每个请求最多重试3次，重试间隔从2秒开始，每次翻倍。\n\n第四章 数据备份\n\n数据库每天凌晨两点进行全量备份，备份文件保留35天。")
+
+
+@pytest.fixture(scope="module")
+async def light_llm():
+    llm = ScriptedLLM()
+    await llm.start()
+    yield llm
+    await llm.stop()
+
+
+@pytest.fixture(scope="module")
+async def primary_llm():
+    llm = ScriptedLLM()
+    await llm.start()
+    yield llm
+    await llm.stop()
+
+
+@pytest.fixture(scope="module")
+async def trusted(temporal_env, primary_llm, light_llm, tmp_path_factory):
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, primary_llm, tmp_path_factory.mktemp("grounded"), task_queue="ragline-grounded",
+                             relevance_threshold=None, answer_cache_size=64,
+                             fallback_llm_base_url=light_llm.base_url, fallback_llm_model="light") as stack:
+        body = await stack.upload(("postmortem.txt", POSTMORTEM.encode()), ("handbook-zh.txt", HANDBOOK.encode()),
+                                  collection="trust")
+        assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+        yield stack
+
+
+async def ask(stack, question: str, collection: str = "trust") -> dict:
+    job = await stack.wait_job((await stack.chat(question, collection=collection))["job_id"])
+    assert job["status"] == "completed", job
+    return job
+
+
+async def test_out_of_corpus_question_is_refused_honestly_in_its_language_without_a_model_call(trusted):
+    before = trusted.llm.count()
+    en = (await ask(trusted, "What is the capital of Australia?"))["result"]
+    zh = (await ask(trusted, "澳大利亚的首都是哪里？"))["result"]
+    assert en["supported"] is False and en["citations"] == [] and "do not cover" in en["answer"]
+    assert zh["supported"] is False and zh["citations"] == [] and "没有涉及" in zh["answer"]
+    assert trusted.llm.count() == before  # no generation, no summary, no entities
+
+
+async def test_chinese_answer_cites_the_handbook_with_page_and_quoted_span(trusted):
+    trusted.llm.script("answer", ["45"])  # the bare, uncited number the issue saw from the local model
+    job = await ask(trusted, "单次大模型调用的超时阈值是多少秒？")
+    result = job["result"]
+    assert result["supported"] is True and result["answer"] == "45"
+    [cited] = [c for c in result["citations"] if c["filename"] == "handbook-zh.txt"]
+    assert cited["page"] == 1 and "45秒" in cited["quote"] and 0 < cited["relevance"] <= 1
+
+
+async def test_an_uncited_answer_nothing_supports_is_flagged(trusted):
+    trusted.llm.script("answer", ["Canberra is lovely in autumn."])
+    result = (await ask(trusted, "What went wrong with the payment gateway certificate?"))["result"]
+    assert result["supported"] is False and result["citations"] == []
+    assert any("unverified" in w for w in result["warnings"])
+
+
+async def test_cross_lingual_question_finds_the_chinese_handbook(trusted):
+    hits = await trusted.search("How long are database backups kept?", collection="trust", top_k=1)
+    assert hits[0]["filename"] == "handbook-zh.txt"
+    hits = await trusted.search("4711号事故的根本原因是什么？", collection="trust", top_k=1)
+    assert hits[0]["filename"] == "postmortem.txt"
+
+
+async def test_repeat_question_is_served_from_the_cache_until_the_collection_changes(trusted):
+    question = "What was the root cause of incident 4711?"
+    body = await trusted.upload(("postmortem.txt", POSTMORTEM.encode()), collection="cache")
+    assert (await trusted.wait_job(body["job_id"]))["status"] == "completed"
+    answers = trusted.llm.count("answer")
+    miss = await ask(trusted, question, collection="cache")
+    assert miss["result"]["cached"] is False and "4711" in miss["result"]["answer"]
+    assert trusted.llm.count("answer") == answers + 1
+    hit = await ask(trusted, "  what was the ROOT cause of incident 4711 ", collection="cache")
+    assert hit["result"]["cached"] is True and hit["result"]["answer"] == miss["result"]["answer"]
+    assert hit["result"]["citations"] == miss["result"]["citations"] and hit["result"]["citations"]
+    assert trusted.llm.count("answer") == answers + 1  # no model call
+    assert {s["name"]: s["status"] for s in hit["steps"]}["generate_answer"] == "skipped"
+    # An upload into the collection makes a new version: the next ask is a miss again.
+    body = await trusted.upload(("more.txt", b"Incident 4712 was a full disk on the build server."), collection="cache")
+    assert (await trusted.wait_job(body["job_id"]))["status"] == "completed"
+    again = await ask(trusted, question, collection="cache")
+    assert again["result"]["cached"] is False and trusted.llm.count("answer") == answers + 2
+
+
+async def test_the_fallback_model_answers_when_the_configured_one_keeps_failing(trusted, light_llm):
+    trusted.llm.script("answer", ["503"] * 4)  # generate_answer's every attempt (fast policies: 4)
+    result = (await ask(trusted, "How many orders failed during the outage?"))["result"]
+    assert result["fallback_model"] == "light" and result["model"] == "light"
+    assert any("fallback" in w for w in result["warnings"]) and result["citations"]
+    assert light_llm.count("answer", ok_only=True) == 1
+
+
+async def test_a_turn_is_dead_lettered_only_when_the_fallback_fails_too(trusted, light_llm):
+    trusted.llm.script("answer", ["503"] * 4)
+    light_llm.script("answer", ["503"] * 2)  # generate_answer_fallback's attempts (fast policies: 2)
+    accepted = await trusted.chat("Why did the renewal job fail for three weeks?", collection="trust")
+    job = await trusted.wait_job(accepted["job_id"])
+    assert job["status"] == "dead_lettered", job
+    steps = {s["name"]: s["status"] for s in job["steps"]}
+    assert steps["generate_answer"] == "failed"
+    r = await trusted.http.post(f"/v1/jobs/{accepted['job_id']}/discard", json={"operator": "t", "reason": "test"})
+    assert r.status_code == 200, r.text
+
+
+async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collection(trusted):
+    golden = "\n".join([
+        '{"question": "What was the root cause of incident 4711?", "expected_document": "postmortem.txt", '
+        '"expected_answer": "4711"}',
+        '{"question": "单次大模型调用的超时阈值是多少秒？", "expected_document": "handbook-zh.txt"}',
+        '{"question": "How long are database backups kept?", "expected_document": "handbook-zh.txt"}',
+        '{"question": "What is the capital of Australia?", "expected_document": null}'])
+    r = await trusted.http.post("/v1/evaluations?collection=trust&answers=true", content=golden.encode())
+    assert r.status_code == 202, r.text
+    job = await trusted.wait_job(r.json()["job_id"])
+    assert job["status"] == "completed" and job["kind"] == "evaluation", job
+    listed = (await trusted.http.get("/v1/evaluations?collection=trust")).json()["evaluations"]
+    [mine] = [e for e in listed if e["job_id"] == r.json()["job_id"]]
+    report = mine["report"]
+    assert report["questions"] == 4 and report["in_corpus"] == 3 and report["out_of_corpus"] == 1
+    assert report["recall_at_k"] == 1.0 and report["mrr"] == 1.0 and report["honest_refusals"] == 1.0
+    # The scripted model always cites passage [1]; answers are scored only where an expected answer is given.
+    assert report["citation_correctness"] is not None and report["answer_accuracy"] == 1.0
+    bad = await trusted.http.post("/v1/evaluations?collection=trust", content=b'{"expected_document": "x"}')
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set"
