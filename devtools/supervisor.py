@@ -237,9 +237,11 @@ def worker_specs(settings: Settings, env: Mapping[str, str] | None = None) -> li
     specs = []
     for role, count in sorted(workers, key=lambda rc: order[rc[0]]):
         for i in range(1, count + 1):
+            own = dict(env or {})
+            if settings.worker_metrics_port:  # one metrics port per process: the first, then the next ones
+                own["RAGLINE_WORKER_METRICS_PORT"] = str(settings.worker_metrics_port + len(specs))
             specs.append(ProcessSpec(name=f"worker-{role}-{i}" if count > 1 else f"worker-{role}",
-                                     argv=[sys.executable, "worker.py", "--role", role], alive_for=2.0,
-                                     env=dict(env or {})))
+                                     argv=[sys.executable, "worker.py", "--role", role], alive_for=2.0, env=own))
     return specs
 
 

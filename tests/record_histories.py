@@ -8,7 +8,7 @@ workflow code (README: "Running on a cluster"); never to make a failing replay p
 
 Scenarios: an ingestion (two documents: the batch and its children), a chat session with several turns
 that continues as new, an agent tree whose depth guard waits for a review that approves it, a chat turn
-dead-lettered by a failing model and retried by an operator, and a search.
+dead-lettered by a failing model and retried by an operator, an evaluation, and a search.
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ async def record() -> list[Path]:
     saved: list[Path] = []
     try:
         address = env.client.service_client.config.target_host
-        async with running_stack(address, llm, Path(tempfile.mkdtemp(prefix="ragline-record-"))) as stack:
+        # Recorded without payload encryption, so the replay needs no key (the codec sits below the
+        # workflow code, so what it checks, determinism, is the same).
+        async with running_stack(address, llm, Path(tempfile.mkdtemp(prefix="ragline-record-")),
+                                 encrypt_payloads=False) as stack:
             client = stack.client
 
             # An ingestion of two documents.
@@ -80,16 +83,17 @@ async def record() -> list[Path]:
             # A chat session of three turns that continues as new after two.
             session = f"rec-{uuid.uuid4().hex[:6]}"
             await client.start_workflow(
-                ChatSessionWorkflow.run, SessionState(session_id=session, turns_per_run=2),
-                id=session_workflow_id(session), task_queue=stack.settings.task_queue,
+                ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, turns_per_run=2),
+                id=session_workflow_id(stack.tenant, session), task_queue=stack.settings.task_queue,
                 search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
-                                                         SearchAttributePair(sa.SESSION, session)]))
+                                                         SearchAttributePair(sa.SESSION, session),
+                                                         SearchAttributePair(sa.TENANT, stack.tenant)]))
             turns = [await stack.chat(f"Question {i}: what colour is the lighthouse?", session_id=session,
                                       collection="record") for i in range(1, 4)]
             for t in turns:
                 assert (await stack.wait_job(t["job_id"]))["status"] == "completed"
             await asyncio.sleep(1)
-            saved += await _save(client, "chat-session", f"WorkflowId = '{session_workflow_id(session)}'")
+            saved += await _save(client, "chat-session", f"WorkflowId = '{session_workflow_id(stack.tenant, session)}'")
             saved += await _save(client, "chat-session", f"WorkflowId = '{turns[-1]['job_id']}'")
 
             # An agent tree: the depth guard waits for a review, which approves one level more.
@@ -113,6 +117,15 @@ async def record() -> list[Path]:
             assert (await stack.wait_done(parked["job_id"]))["status"] == "completed"
             await asyncio.sleep(1)
             saved += await _save(client, "dead-letter-retry", f"WorkflowId = '{parked['job_id']}'")
+
+            # An evaluation of the collection against two golden questions.
+            golden = (b'{"question": "What colour is the lighthouse?", "expected_document": "a.txt"}\n'
+                      b'{"question": "Who won the 1998 World Cup?", "expected_document": null}\n')
+            r = await stack.http.post("/v1/evaluations", params={"collection": "record"}, content=golden)
+            assert r.status_code == 202, r.text
+            assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "evaluation", f"WorkflowId = '{r.json()['job_id']}'")
 
             # A search.
             assert await stack.search("lighthouse colour", collection="record")

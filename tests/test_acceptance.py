@@ -63,7 +63,9 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
     assert [job["result"]["question"] for job in chat_jobs] == [*questions, f"Keyed question about {tag}?"]
     # One turn ran at a time, in that order; the keyed request sent twice ran once.
     for earlier, later in zip(chat_jobs, chat_jobs[1:]):
-        assert max(s["finished_at"] for s in earlier["steps"]) <= min(s["started_at"] for s in later["steps"])
+        # (a turn that found nothing to answer from skips its model steps: they have no times)
+        assert max(s["finished_at"] for s in earlier["steps"] if s["finished_at"]) <= \
+            min(s["started_at"] for s in later["steps"] if s["started_at"])
     listed = await stack.client.count_workflows(f"{sa.SESSION.name} = '{session}' AND {sa.JOB_KIND.name} = 'chat' "
                                                 f"AND {sa.TENANT.name} = '{stack.tenant}'")
     assert listed.count == 4

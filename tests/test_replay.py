@@ -13,7 +13,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 import worker
-from ragline.blobstore import BlobStore
+from ragline.settings import Settings
 from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
@@ -39,7 +39,7 @@ class ChangedIngest:
 @pytest.fixture
 def replayer(tmp_path, restore_policies) -> Replayer:
     policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())
-    return Replayer(workflows=worker.WORKFLOWS, data_converter=build_data_converter(BlobStore(tmp_path)))
+    return Replayer(workflows=worker.WORKFLOWS, data_converter=build_data_converter(Settings(data_dir=tmp_path, encrypt_payloads=False)))
 
 
 def test_every_workflow_type_and_scenario_is_recorded():
@@ -64,7 +64,7 @@ async def test_recorded_history_replays_without_nondeterminism(replayer, path):
 async def test_a_changed_workflow_fails_the_replay(tmp_path, restore_policies):
     """The guard works: an ingestion that no longer starts its children is caught."""
     policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())
-    replayer = Replayer(workflows=[ChangedIngest], data_converter=build_data_converter(BlobStore(tmp_path)))
+    replayer = Replayer(workflows=[ChangedIngest], data_converter=build_data_converter(Settings(data_dir=tmp_path, encrypt_payloads=False)))
     path = next(p for p in FILES if p.stem.startswith("ingestion--IngestWorkflow"))
     result = await replayer.replay_workflow(_history(path), raise_on_replay_failure=False)
     assert result.replay_failure is not None

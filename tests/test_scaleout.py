@@ -77,7 +77,7 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
            "RAGLINE_LLM_BASE_URL": private_llm.base_url, "RAGLINE_LLM_MODEL": "scripted",
            "RAGLINE_LLM_TIMEOUT": "5", "RAGLINE_LLM_CONCURRENCY": "4",
            "RAGLINE_POLICIES": str(FIXTURES.parent / "fast_policies.toml"), "RAGLINE_EMBED_BATCH_SIZE": "4",
-           "RAGLINE_WORKERS": WORKERS, "PYTHONUNBUFFERED": "1"}
+           "RAGLINE_WORKERS": WORKERS, "RAGLINE_WORKER_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1"}
     fleet = Fleet(env, tmp_path)
     assert sorted(fleet.specs) == ["worker-cpu", "worker-llm-1", "worker-llm-2", "worker-vector", "worker-workflows"]
     kills: list[float] = []
@@ -140,8 +140,8 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
         try:
             for job in ingest_jobs:
                 [doc] = job["result"]["documents"]
-                assert index.count("scale", doc["document_id"]) == doc["chunks"], doc
-            assert index.count("scale") == sum(j["result"]["documents"][0]["chunks"] for j in ingest_jobs)
+                assert index.count(stack.tenant, "scale", doc["document_id"]) == doc["chunks"], doc
+            assert index.count(stack.tenant, "scale") == sum(j["result"]["documents"][0]["chunks"] for j in ingest_jobs)
         finally:
             index.close()
         for session in sessions:
