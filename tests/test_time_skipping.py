@@ -31,7 +31,8 @@ async def time_skipping_worker(llm, tmp_path, **overrides):
     binary = time_skipping_server_binary()
     settings = Settings(data_dir=tmp_path, task_queue="skip", llm_base_url=llm.base_url,
                         llm_model="scripted", llm_timeout=3, policies=FIXTURES.parent / "fast_policies.toml",
-                        **overrides)
+                        # a made-up passage: no relevance gate, no answer cache (tests/test_grounded.py has them)
+                        relevance_threshold=0.0, answer_cache_size=0, worker_metrics_port=0, **overrides)
     # The environment's own client is the one that lets the server skip time while we wait.
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=binary, data_converter=build_data_converter(settings))
