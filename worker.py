@@ -177,6 +177,7 @@ VERSIONING_BEHAVIORS: dict[type, VersioningBehavior] = {
     ChatSessionWorkflow: VersioningBehavior.AUTO_UPGRADE,
     ChatTurnWorkflow: VersioningBehavior.AUTO_UPGRADE,
     AgentWorkflow: VersioningBehavior.AUTO_UPGRADE,
+    EvaluationWorkflow: VersioningBehavior.PINNED,
 }
 
 

@@ -18,6 +18,9 @@ from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
 
+# policies.load is process-wide: put back what the session's in-process worker runs on.
+pytestmark = pytest.mark.usefixtures("restore_policies")
+
 HISTORIES = Path(__file__).resolve().parent / "histories"
 FILES = sorted(HISTORIES.glob("*--*.json"))
 IDS = json.loads((HISTORIES / "workflow_ids.json").read_text())

@@ -20,6 +20,9 @@ from temporal import policies, queues
 from temporal.client import connect, connect_options
 from tests.conftest import FIXTURES
 
+# policies.load is process-wide: put back what the session's in-process worker runs on.
+pytestmark = pytest.mark.usefixtures("restore_policies")
+
 PROJECT = Path(__file__).resolve().parent.parent
 FAST = FIXTURES.parent / "fast_policies.toml"
 
@@ -37,7 +40,10 @@ def test_workers_setting_becomes_processes_per_role(tmp_path):
         ("worker-llm-1", ["worker.py", "--role", "llm"]),
         ("worker-llm-2", ["worker.py", "--role", "llm"]),
     ]
-    assert all(s.env == {"RAGLINE_LLM_BASE_URL": "http://model"} for s in specs)
+    assert all(s.env["RAGLINE_LLM_BASE_URL"] == "http://model" for s in specs)
+    # Each process serves its metrics on its own port, from RAGLINE_WORKER_METRICS_PORT on.
+    ports = [int(s.env["RAGLINE_WORKER_METRICS_PORT"]) for s in specs]
+    assert ports == list(range(settings.worker_metrics_port, settings.worker_metrics_port + len(specs)))
     # Unset: today's single process, role all.
     [single] = worker_specs(Settings(data_dir=tmp_path))
     assert (single.name, list(single.argv[1:])) == ("worker", ["worker.py"])
@@ -74,10 +80,11 @@ def test_make_run_starts_a_dev_server_only_for_a_local_address():
 def test_each_role_runs_exactly_what_the_policy_file_routes_to_its_queues():
     policies.load(policies.DEFAULT_FILE, worker.activity_names())
     served = {role: worker.served_activities(role) for role in queues.ROLES}
-    assert served["llm"] == {"generate_answer", "summarize_context", "extract_entities", "agent_plan"}
+    assert served["llm"] == {"generate_answer", "generate_answer_fallback", "summarize_context", "extract_entities",
+                             "agent_plan"}
     assert served["cpu"] == {"extract_text", "chunk_text", "embed_chunks"}
     assert served["vector"] == {"index_chunks", "prune_stale_chunks", "retrieve_context", "search_documents",
-                                "search_chunks"}
+                                "search_chunks", "cache_answer", "evaluate_collection"}
     assert served["workflows"] == {"await_document", "await_turn"}
     assert served["all"] == set(worker.activity_names())
     # Only the vector role opens the store; the llm role and the workflow role load no embedding model.
@@ -135,7 +142,7 @@ async def test_role_workers_poll_their_own_queues_with_their_own_slots(temporal_
     assert vector["max_concurrent_activities"] == 5
     assert [w.__name__ for w in vector["workflows"]] == ["SearchWorkflow"]
     [main] = configs["workflows"]
-    assert "SearchWorkflow" not in {w.__name__ for w in main["workflows"]} and len(main["workflows"]) == 5
+    assert "SearchWorkflow" not in {w.__name__ for w in main["workflows"]} and len(main["workflows"]) == 6
     assert main["activity_task_poller_behavior"].maximum == 4
 
 
