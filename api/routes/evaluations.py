@@ -16,6 +16,7 @@ from api.schemas import (
 )
 from api.validators import validate_collection
 from models.evaluation import EvaluationInput, EvaluationOutput
+from models.jobs import COLLECTION_PATTERN
 from models.tenancy import workflow_id
 from ragline import evaluation
 from temporal import search_attributes as sa
@@ -29,9 +30,13 @@ MAX_BODY_BYTES = 5 * 1024 * 1024
 @router.post("", status_code=202, summary="Evaluate a collection against golden questions (JSONL body)",
              responses=error_responses({413: "body_too_large",
                                         422: f"{INVALID_REQUEST}, invalid_golden_set, invalid_collection",
-                                        503: TEMPORAL_DOWN}))
+                                        503: TEMPORAL_DOWN}),
+             openapi_extra={"requestBody": {"required": True, "content": {"text/plain": {"schema": {
+                 "type": "string", "minLength": 1,
+                 "description": 'JSONL: one {"question", "expected_document", "expected_answer"?} per line'}}}}})
 async def create_evaluation(request: Request, client: ClientDep, caller: CallerDep, blobs: BlobsDep,
-                            settings: SettingsDep, timeout: RpcTimeoutDep, collection: str = Query("default"),
+                            settings: SettingsDep, timeout: RpcTimeoutDep,
+                            collection: str = Query("default", pattern=COLLECTION_PATTERN),
                             k: int = Query(5, ge=1, le=20), answers: bool = Query(False)) -> EvaluationAccepted:
     """The body is JSONL, one `{"question", "expected_document", "expected_answer"?}` per line
     (`expected_document` null for a question the documents do not answer)."""
