@@ -77,7 +77,9 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
            "RAGLINE_LLM_BASE_URL": private_llm.base_url, "RAGLINE_LLM_MODEL": "scripted",
            "RAGLINE_LLM_TIMEOUT": "5", "RAGLINE_LLM_CONCURRENCY": "4",
            "RAGLINE_POLICIES": str(FIXTURES.parent / "fast_policies.toml"), "RAGLINE_EMBED_BATCH_SIZE": "4",
-           "RAGLINE_WORKERS": WORKERS, "RAGLINE_WORKER_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1"}
+           "RAGLINE_WORKERS": WORKERS, "RAGLINE_WORKER_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1",
+           # plumbing under test, with made-up texts: every turn answers through the model
+           "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0"}
     fleet = Fleet(env, tmp_path)
     assert sorted(fleet.specs) == ["worker-cpu", "worker-llm-1", "worker-llm-2", "worker-vector", "worker-workflows"]
     kills: list[float] = []
