@@ -192,7 +192,10 @@ class Stack:
         env = {"RAGLINE_DATA_DIR": str(self.data_dir), "RAGLINE_TEMPORAL_ADDRESS": self.temporal_address,
                "RAGLINE_TEMPORAL_UI_PORT": str(ui_port), "RAGLINE_TASK_QUEUE": "ragline",
                "RAGLINE_LLM_BASE_URL": f"{self.llm_url}/v1", "RAGLINE_LLM_MODEL": "scripted",
-               "RAGLINE_LLM_API_KEY": "unused", "RAGLINE_API_HOST": LOOPBACK, "RAGLINE_API_PORT": str(api_port)}
+               "RAGLINE_LLM_API_KEY": "unused", "RAGLINE_API_HOST": LOOPBACK, "RAGLINE_API_PORT": str(api_port),
+               # Orchestration is what is measured: every turn answers through the model, none from the
+               # cache, and the made-up passages are not held to the relevance gate (bench.quality is).
+               "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0"}
         # The worker serves its metrics on a port of its own (the default one may be taken on a shared machine).
         if "worker_metrics_port" in Settings.model_fields:
             env[config.env_name("worker_metrics_port")] = str(free_port())

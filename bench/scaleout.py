@@ -124,7 +124,8 @@ async def run(args: argparse.Namespace) -> dict:
     env = child_env({"RAGLINE_DATA_DIR": str(data), "RAGLINE_TEMPORAL_ADDRESS": address, "RAGLINE_TASK_QUEUE": queue,
                      "RAGLINE_LLM_BASE_URL": llm.base_url, "RAGLINE_LLM_MODEL": "scripted",
                      "RAGLINE_LLM_TIMEOUT": str(max(10.0, args.delay * 5)),
-                     "RAGLINE_LLM_CONCURRENCY": str(args.llm_concurrency)})
+                     "RAGLINE_LLM_CONCURRENCY": str(args.llm_concurrency), "RAGLINE_WORKER_METRICS_PORT": "0",
+                     "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0"})
     settings = Settings(**{k[len("RAGLINE_"):].lower(): v for k, v in env.items() if k.startswith("RAGLINE_")},
                         api_port=free_port())
     from api.app import create_app
