@@ -131,14 +131,15 @@ async def run(args: argparse.Namespace) -> dict:
     from api.app import create_app
 
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.api_port,
-                                           log_level="warning", lifespan="on"))
+                                           log_level="warning", lifespan="on", timeout_keep_alive=600))
     server_task = asyncio.create_task(server.serve())
     workers = Workers(env, data)
     result: dict = {"delay": args.delay, "llm_concurrency": args.llm_concurrency, "cpu_count": os.cpu_count()}
     try:
         while not server.started:
             await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.api_port}", timeout=120) as http:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.api_port}", timeout=120,
+                                     limits=httpx.Limits(keepalive_expiry=2.0)) as http:
             for role in ("vector", "workflows", "cpu", "llm"):
                 workers.start(role)
 

@@ -240,15 +240,19 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     worker = build_worker(client, settings, index, executor) if in_process_worker else None
     worker_task = asyncio.create_task(worker.run()) if worker else None
     poller = asyncio.create_task(ServerStatsPoller(client, settings, metrics_runtime()).run()) if worker else None
+    # The server's idle keep-alive must outlast the clients' (below): otherwise a request sent on a
+    # connection the server is closing at that moment fails with ReadError. Here it races easily, as
+    # server and client share one event loop, where a busy step delays the close to any later moment.
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=api_port,
-                                           log_level="warning", lifespan="on"))
+                                           log_level="warning", lifespan="on", timeout_keep_alive=600))
     server_task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.05)
     base_url = f"http://127.0.0.1:{api_port}"
     try:
         def http_for(role: str) -> httpx.AsyncClient:
-            return httpx.AsyncClient(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {keys[role]}"})
+            return httpx.AsyncClient(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {keys[role]}"},
+                                     limits=httpx.Limits(keepalive_expiry=2.0))
 
         async with http_for("reviewer") as http, http_for("member") as member_http, http_for("other") as other_http:
             yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=llm,
