@@ -26,6 +26,7 @@ from temporalio.worker import (
 from activities.agent import AgentActivities
 from activities.chat import ChatActivities
 from activities.evaluation import EvaluationActivities
+from activities.gate import GateActivities
 from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
 from activities.search import SearchActivities
@@ -44,22 +45,23 @@ from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.evaluation import EvaluationWorkflow
+from workflows.gate import TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
 from workflows.search import SearchWorkflow
 
 log = structlog.get_logger("ragline.worker")
 
 WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
-             AgentWorkflow, EvaluationWorkflow]
+             AgentWorkflow, EvaluationWorkflow, TenantGateWorkflow]
 # Workflows per queue kind: every job on main; SearchWorkflow on vector, next to the store, so that a
 # search stays one local activity in the process that holds the store.
 QUEUE_WORKFLOWS: dict[str, list[type]] = {
     "main": [IngestWorkflow, IngestDocumentWorkflow, ChatSessionWorkflow, ChatTurnWorkflow, AgentWorkflow,
-             EvaluationWorkflow],
+             EvaluationWorkflow, TenantGateWorkflow],
     "vector": [SearchWorkflow],
 }
 ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities,
-                    EvaluationActivities)
+                    EvaluationActivities, GateActivities)
 
 # What each activity needs besides the blob store and the Temporal client. A role builds only what the
 # activities routed to its queues need: the llm role loads no embedding model, and only a role that
@@ -178,6 +180,7 @@ VERSIONING_BEHAVIORS: dict[type, VersioningBehavior] = {
     ChatTurnWorkflow: VersioningBehavior.AUTO_UPGRADE,
     AgentWorkflow: VersioningBehavior.AUTO_UPGRADE,
     EvaluationWorkflow: VersioningBehavior.PINNED,
+    TenantGateWorkflow: VersioningBehavior.AUTO_UPGRADE,  # lives on (continue-as-new), like a session
 }
 
 
@@ -250,6 +253,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
         *IngestActivities(settings, blobs, embedder, store).all(),
         *SearchActivities(embedder, store).all(),
         *JobActivities(client).all(),
+        *GateActivities(client, settings).all(),
         *ChatActivities(settings, blobs, embedder, store, model, cache=AnswerCache(settings.answer_cache_size),
                         fallback=fallback_model(settings)).all(),
         *AgentActivities(embedder, store, model).all(),

@@ -270,7 +270,10 @@ def render_ratios(r: dict) -> str:
         f"model calls in flight: {st.get('llm_slots_text', '?')}."
         + (f" The bench's API key (tenant `{key['tenant']}`, role {key['role']}) has its own "
            f"`requests_per_minute` = {key['requests_per_minute']:,} in the keys file, so the per-key rate limit "
-           f"is in the path but never reached." if (key := r.get("api_key")) else ""))
+           f"is in the path but never reached"
+           + (f"; its tenant may run {key['max_running_jobs']:,} jobs at once (`[tenants.{key['tenant']}] "
+              f"max_running_jobs`), so every turn takes a running slot from the tenant's gate but none waits for one"
+              if key.get("max_running_jobs") else "") + "." if (key := r.get("api_key")) else ""))
     lines.append("")
 
     # -- acceptance -----------------------------------------------------------------------------

@@ -60,6 +60,9 @@ TENANT = "bench"
 # The bench's key may send this many requests per minute (its `requests_per_minute` in the keys file):
 # a run sends thousands within a minute, far above what one client of a deployment would.
 API_KEY_RPM = 1_000_000
+# The bench's tenant may run this many jobs at once (`[tenants.bench] max_running_jobs`): the bench
+# measures orchestration with hundreds of turns in flight, not the per-tenant cap (tests cover that).
+TENANT_MAX_RUNNING_JOBS = 100_000
 PHASES = ("accept", "burst", "ttfd", "overhead", "local", "order", "faults")
 QUESTION = "Which company runs the Lisbon data centre, and what does it use for cooling?"
 DOCUMENT = """\
@@ -242,8 +245,12 @@ class Stack:
 
         path = settings.effective_api_keys_file
         key = keys.create(path, TENANT, role="reviewer", name="bench", requests_per_minute=API_KEY_RPM)
+        if "max_running_jobs" in keys.TenantLimits.model_fields:
+            with path.open("a") as f:
+                f.write(f"\n[tenants.{TENANT}]\nmax_running_jobs = {TENANT_MAX_RUNNING_JOBS}\n")
         procs.register_api_key(self.api_url, key)
         self.api_key = {"tenant": TENANT, "role": "reviewer", "requests_per_minute": API_KEY_RPM,
+                        "max_running_jobs": TENANT_MAX_RUNNING_JOBS,
                         "file": str(path.relative_to(self.data_dir)) if path.is_relative_to(self.data_dir) else str(path)}
         log(f"API key for tenant '{TENANT}' (reviewer, {API_KEY_RPM:,} requests per minute) in {path}")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from pydantic import BaseModel
+
 TENANT_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
 TENANT_RE = re.compile(TENANT_PATTERN)
 # Inputs built by hand (tests, the CLI) that do not say otherwise belong to this tenant.
@@ -31,3 +33,31 @@ def scoped(tenant: str, job_id: str) -> str:
 def local_id(workflow_id_: str) -> str:
     """The id without its tenant prefix."""
     return workflow_id_.split(".", 1)[1] if "." in workflow_id_ else workflow_id_
+
+
+# -- running slots: at most N jobs of a tenant run at once (workflows/gate.py) ----------------------
+
+class SlotRequest(BaseModel):
+    """A job asks its tenant's gate for a running slot (or gives it back)."""
+    tenant: str
+    job_id: str
+    limit: int | None = None  # the tenant's cap as the worker reads it now (the gate keeps the latest)
+
+
+class SlotGrant(BaseModel):
+    granted: bool
+    running: int
+    limit: int
+    position: int = 0  # in the queue when not granted: 1 is next
+
+
+class GateState(BaseModel):
+    """The gate's input, and what it carries over continue-as-new."""
+    tenant: str
+    limit: int
+    holders: list[str] = []
+    waiting: list[str] = []
+
+
+class JobIds(BaseModel):
+    job_ids: list[str]

@@ -108,7 +108,9 @@ class ActivityPolicy(BaseModel):
 
 _loaded: dict[str, ActivityPolicy] | None = None
 _dead_letter_ttl: timedelta | None = None
+_slot_sweep: timedelta | None = None
 DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
+DEFAULT_SLOT_SWEEP = timedelta(minutes=1)
 
 
 def activity_name(fn: Callable[..., Any]) -> str:
@@ -123,7 +125,7 @@ def parse(text: str, activities: Iterable[str], source: str = "policies") -> dic
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{source}: not valid TOML: {exc}") from None
-    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter"}
+    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots"}
     if unknown_sections:
         raise PolicyError(f"{source}: unknown section(s): {', '.join(sorted(unknown_sections))}")
     try:
@@ -183,11 +185,26 @@ def parse_dead_letter_ttl(text: str, source: str = "policies", override: str | N
     return ttl
 
 
+def parse_slot_sweep(text: str, source: str = "policies") -> timedelta:
+    """[running_slots].sweep: how often a tenant's gate, while jobs wait, checks its holders still run."""
+    section = tomllib.loads(text).get("running_slots", {})
+    unknown = set(section) - {"sweep"}
+    if unknown:
+        raise PolicyError(f"{source}: [running_slots]: unknown key: {', '.join(sorted(unknown))}")
+    try:
+        sweep = parse_duration(section.get("sweep", DEFAULT_SLOT_SWEEP))
+    except ValueError as exc:
+        raise PolicyError(f"{source}: [running_slots].sweep: {exc}") from None
+    if sweep <= timedelta(0):
+        raise PolicyError(f"{source}: [running_slots].sweep must be positive")
+    return sweep
+
+
 def load(path: Path | None, activities: Iterable[str], *,
          dead_letter_ttl: str | None = None) -> dict[str, ActivityPolicy]:
     """Read and validate the policy file for the registered `activities`; called once by the worker
     before it polls."""
-    global _loaded, _dead_letter_ttl
+    global _loaded, _dead_letter_ttl, _slot_sweep
     path = Path(path) if path else DEFAULT_FILE
     try:
         text = path.read_text()
@@ -195,6 +212,7 @@ def load(path: Path | None, activities: Iterable[str], *,
         raise PolicyError(f"cannot read policy file {path}: {exc}") from None
     _loaded = parse(text, activities, str(path))
     _dead_letter_ttl = parse_dead_letter_ttl(text, str(path), dead_letter_ttl)
+    _slot_sweep = parse_slot_sweep(text, str(path))
     return _loaded
 
 
@@ -203,6 +221,12 @@ def dead_letter_ttl() -> timedelta:
     if _dead_letter_ttl is None:
         raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
     return _dead_letter_ttl
+
+
+def slot_sweep_interval() -> timedelta:
+    if _slot_sweep is None:
+        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
+    return _slot_sweep
 
 
 def policy(name: str) -> ActivityPolicy:

@@ -226,7 +226,10 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
                    rate_limit_per_minute=100_000,
                    # The shared stack's questions test plumbing with made-up texts: no relevance gate and
                    # no answer cache there. tests/test_grounded.py runs a stack with both, as shipped.
-                   relevance_threshold=0.0, answer_cache_size=0)
+                   relevance_threshold=0.0, answer_cache_size=0,
+                   # Tests share tenant acme: its cap on running jobs stays out of their way.
+                   # tests/test_running_slots.py caps tenants of its own through the keys file.
+                   tenant_max_running_jobs=10_000)
     options.update(overrides)
     settings = Settings(**options)
     api_port = settings.api_port

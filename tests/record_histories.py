@@ -8,7 +8,9 @@ workflow code (README: "Running on a cluster"); never to make a failing replay p
 
 Scenarios: an ingestion (two documents: the batch and its children), a chat session with several turns
 that continues as new, an agent tree whose depth guard waits for a review that approves it, a chat turn
-dead-lettered by a failing model and retried by an operator, an evaluation, and a search.
+dead-lettered by a failing model and retried by an operator, an evaluation, a search, and a tenant
+capped at one running job whose second turn waits for its slot (the gate's history too).
+Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from temporalio.testing import WorkflowEnvironment
 from devtools.devserver import temporal_binary
 from devtools.scripted_llm import ScriptedLLM
 from models.chat import SessionState, session_workflow_id
+from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
 from tests.helpers import delegate_until, waiting_reviews
@@ -52,6 +55,15 @@ async def _save(client, scenario: str, query: str) -> list[Path]:
         saved.append(path)
         ids[path.name] = execution.id
     return saved
+
+
+async def _wait(stack, job_id: str, headers: dict) -> None:
+    for _ in range(600):
+        r = await stack.http.get(f"/v1/jobs/{job_id}", headers=headers)
+        if r.json()["status"] == "completed":
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{job_id} did not complete: {r.json()}")
 
 
 async def record() -> list[Path]:
@@ -131,6 +143,27 @@ async def record() -> list[Path]:
             assert await stack.search("lighthouse colour", collection="record")
             await asyncio.sleep(1)
             saved += await _save(client, "search", "WorkflowType = 'SearchWorkflow'")
+
+            # A tenant capped at one running job: its second turn waits, queued, for the first's slot.
+            path = stack.settings.effective_api_keys_file
+            key = api_keys.create(path, "capped", "reviewer", "capped-reviewer")
+            with path.open("a") as f:
+                f.write("\n[tenants.capped]\nmax_running_jobs = 1\n")
+            headers = {"Authorization": f"Bearer {key}"}
+            r = await stack.http.post("/v1/documents", data={"collection": "record"}, headers=headers,
+                                      files=[("files", ("a.txt", b"The harbour of Ostra has a red lighthouse."))])
+            await _wait(stack, r.json()["job_id"], headers)
+            with stack.llm.scope(delay=1.0) as slow:
+                first = await stack.http.post("/v1/chats", headers=headers, json={
+                    "message": f"What colour is the lighthouse? {slow.token}", "collection": "record"})
+                await slow.wait_for_calls(1, "answer")
+                second = await stack.http.post("/v1/chats", headers=headers, json={
+                    "message": "How many piers?", "collection": "record"})
+                for r in (first, second):
+                    await _wait(stack, r.json()["job_id"], headers)
+            await asyncio.sleep(1)
+            saved += await _save(client, "running-slots", f"WorkflowId = '{second.json()['job_id']}'")
+            saved += await _save(client, "running-slots", "WorkflowType = 'TenantGateWorkflow' AND RaglineTenant = 'capped'")
     finally:
         await llm.stop()
         await env.shutdown()

@@ -39,9 +39,11 @@ def test_default_file_sets_timeouts_retries_and_queues():
     for name in ("extract_text", "embed_chunks", "generate_answer", "await_document", "await_turn"):
         assert parsed[name].heartbeat is not None, name
     assert parsed["extract_text"].retry.maximum_attempts == 3
-    # Waiting on another job never gives up; everything else does.
+    # Waiting on another job, or for a running slot, never gives up; everything else does.
     assert parsed["await_document"].retry.maximum_attempts == 0
-    assert all(p.retry.maximum_attempts > 0 for n, p in parsed.items() if not n.startswith("await_"))
+    assert parsed["acquire_slot"].retry.maximum_attempts == 0
+    assert all(p.retry.maximum_attempts > 0 for n, p in parsed.items()
+               if not n.startswith("await_") and n != "acquire_slot")
     # Model calls go to the llm queue, CPU work to the cpu queue, whatever opens the store to the vector queue.
     for name in ("generate_answer", "summarize_context", "extract_entities", "agent_plan"):
         assert parsed[name].queue == "llm", name
@@ -51,6 +53,7 @@ def test_default_file_sets_timeouts_retries_and_queues():
         assert parsed[name].queue == "vector", name
     assert policies.parse_dead_letter_ttl(text) == timedelta(days=7)
     assert policies.parse_dead_letter_ttl(text, override="12h") == timedelta(hours=12)
+    assert policies.parse_slot_sweep(text) == timedelta(minutes=1)
 
 
 def test_test_policies_name_the_same_activities_on_the_same_queues():

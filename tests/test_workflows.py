@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from temporalio import activity
+from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -34,6 +34,7 @@ from models.chat import (
     HistoryItem, RetrieveInput, RetrieveOutput, SessionState, SummaryOutput, TurnContext, TurnInput, TurnOutcome,
     TurnResult, Usage, session_workflow_id, turn_job_id,
 )
+from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
     AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
     ExtractInput, ExtractOutput, IndexInput, IndexOutput, IngestInput, IngestResult, PruneInput, PruneOutput,
@@ -46,6 +47,7 @@ from temporal.converter import build_data_converter
 from tests.helpers import eventually, time_skipping_server_binary
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.gate import TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
 
 FAST_POLICIES = Path(__file__).resolve().parent / "fast_policies.toml"
@@ -78,6 +80,7 @@ class Fakes:
     embed_fails_once: bool = False
     plan: Callable[[PlanInput], PlanOutput] | None = None
     side_step_seconds: float = 0.2
+    ended: set[str] = field(default_factory=set)  # jobs ended_jobs reports as no longer running
     calls: list[Call] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -213,7 +216,23 @@ class Fakes:
         return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks,
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
-                self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection]
+                self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
+                self.acquire_slot, self.release_slot, self.ended_jobs]
+
+    # running slots: every job gets one at once here (the gate itself is tested on its own below)
+    @activity.defn(name="acquire_slot")
+    async def acquire_slot(self, req: SlotRequest) -> SlotGrant:
+        self._end(self._start("acquire_slot", req))
+        return SlotGrant(granted=True, running=1, limit=1)
+
+    @activity.defn(name="release_slot")
+    async def release_slot(self, req: SlotRequest) -> None:
+        self._end(self._start("release_slot", req))
+
+    @activity.defn(name="ended_jobs")
+    async def ended_jobs(self, req: JobIds) -> JobIds:
+        self._end(self._start("ended_jobs", req))
+        return JobIds(job_ids=[j for j in req.job_ids if j in self.ended])
 
 
 def citation(i: int) -> Citation:
@@ -519,6 +538,67 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
     assert generates[0].arg.history == []
     assert generates[1].arg.history == [HistoryItem(question="First question?", answer="answer to First question?")]
     assert len(generates[2].arg.history) == 2
+
+
+# -- the tenant gate (running slots) ------------------------------------------------------------------
+
+@workflow.defn(sandboxed=False)
+class WaitsForSlot:
+    """Stands for a job: done once the gate signals its slot."""
+
+    def __init__(self) -> None:
+        self.granted = False
+
+    @workflow.signal
+    def slot_granted(self) -> None:
+        self.granted = True
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: self.granted)
+
+
+async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended_jobs(env):
+    fakes = Fakes()
+    queue = f"gate-{uuid.uuid4().hex[:8]}"
+    policies.load(FAST_POLICIES, [policies.activity_name(a) for a in fakes.all()])
+    jobs = [f"t.job-{n}-{uuid.uuid4().hex[:6]}" for n in range(6)]
+    async with Worker(env.client, task_queue=queue, workflows=[TenantGateWorkflow, WaitsForSlot],
+                      activities=[fakes.ended_jobs]):
+        waiters = {j: await env.client.start_workflow(WaitsForSlot.run, id=j, task_queue=queue) for j in jobs[2:]}
+        gate = await env.client.start_workflow(TenantGateWorkflow.run, GateState(tenant="t", limit=2),
+                                               id=f"t.gate.{queue}", task_queue=queue)
+
+        async def ask(job_id: str, limit: int | None = None) -> SlotGrant:
+            return await gate.execute_update(TenantGateWorkflow.acquire,
+                                             SlotRequest(tenant="t", job_id=job_id, limit=limit))
+
+        assert (await ask(jobs[0])).granted and (await ask(jobs[1])).granted
+        assert [(g.granted, g.position) for g in [await ask(jobs[2]), await ask(jobs[3])]] == [(False, 1), (False, 2)]
+        assert (await ask(jobs[2])).position == 1  # asking again keeps the place in line
+        with pytest.raises(WorkflowUpdateFailedError):
+            await gate.execute_update(TenantGateWorkflow.acquire, SlotRequest(tenant="other", job_id="x"))
+
+        # A release hands the slot to the first in line, by signal.
+        await gate.signal(TenantGateWorkflow.release, SlotRequest(tenant="t", job_id=jobs[0]))
+        await waiters[jobs[2]].result()
+        state = await gate.query(TenantGateWorkflow.slots)
+        assert (state.holders, state.waiting) == ([jobs[1], jobs[2]], [jobs[3]])
+
+        # A higher limit (the keys file changed) lets the line move at once.
+        assert (await ask(jobs[4], limit=3)).granted is False
+        await waiters[jobs[3]].result()
+        assert (await gate.query(TenantGateWorkflow.slots)).waiting == [jobs[4]]
+
+        # A holder that ended without releasing (terminated by hand) is found by the sweep.
+        fakes.ended.add(jobs[1])
+        await env.sleep(policies.slot_sweep_interval().total_seconds() + 1)
+        await waiters[jobs[4]].result()
+        state = await gate.query(TenantGateWorkflow.slots)
+        assert (state.holders, state.waiting) == ([jobs[2], jobs[3], jobs[4]], [])
+        # Sweeps ask only about holders, and only while someone waits.
+        assert fakes.named("ended_jobs") and all(len(c.arg.job_ids) >= 2 for c in fakes.named("ended_jobs"))
+        await gate.terminate("test over")
 
 
 # -- agents --------------------------------------------------------------------------------------------

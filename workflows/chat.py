@@ -7,7 +7,8 @@ POST /v1/chats --signal-with-start `submit`--> ChatSessionWorkflow (id session-<
   continue-as-new at a turn boundary; carried: turn counter, recent job ids, turns not yet run, history
 
 ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
-  wait for `proceed` -> retrieve_context -> generate_answer (streams deltas) -> summarize_context || extract_entities
+  wait for `proceed` -> a running slot of the tenant (workflows/slot.py)
+  -> retrieve_context -> generate_answer (streams deltas) -> summarize_context || extract_entities
   Only when the passages overflow the model's context budget does summarize_context run before
   generate_answer, which then answers from the summary. Nothing else delays the answer's first token.
 """
@@ -57,11 +58,18 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     @workflow.run
     async def run(self, turn: TurnInput) -> TurnResult:
         return await self.run_job(lambda: self._answer(turn),
-                                  accepted={"session_id": turn.session_id, "turn": turn.turn})
+                                  accepted={"session_id": turn.session_id, "turn": turn.turn},
+                                  ready=lambda: self._go(turn))
 
-    async def _answer(self, turn: TurnInput) -> TurnResult:
+    def takes_slot(self) -> bool:
+        return True  # its parent, the session, holds no running slot
+
+    async def _go(self, turn: TurnInput) -> None:
+        """The session's go: this turn is next in its session (the context came with the start when idle)."""
         self.context = self.context or turn.context
         await workflow.wait_condition(lambda: self.context is not None)
+
+    async def _answer(self, turn: TurnInput) -> TurnResult:
         result = await self._chain(turn)
         if turn.question.require_review or (turn.review_unsupported and not result.citations):
             result = await self._hold_for_review(turn, result)

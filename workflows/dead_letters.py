@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 
 from temporalio import workflow
@@ -20,10 +21,12 @@ with workflow.unsafe.imports_passed_through():
 
 class DeadLetters:
     def __init__(self, events: JobEvents, on_change: Callable[[], None],
-                 on_park: Callable[[], None] = lambda: None) -> None:
+                 on_park: Callable[[], None] = lambda: None,
+                 while_waiting: Callable[[], AbstractAsyncContextManager] = nullcontext) -> None:
         self._events = events
         self._on_change = on_change
         self._on_park = on_park
+        self._while_waiting = while_waiting
         self.parked: dict[str, DeadLetter] = {}
         self.decisions: list[OperatorDecision] = []
         self._releases = 0
@@ -41,20 +44,22 @@ class DeadLetters:
         self._on_park()
         self._events.emit("ragline.job.dead_lettered", letter.model_dump(mode="json"))
         release = self._releases
-        try:
-            await workflow.wait_condition(lambda: self._releases != release or self._discard is not None,
-                                          timeout=ttl)
-        except asyncio.TimeoutError:
+        # The job's running slot is lent while it waits; taken again only when it is to retry.
+        async with self._while_waiting():
+            try:
+                await workflow.wait_condition(lambda: self._releases != release or self._discard is not None,
+                                              timeout=ttl)
+            except asyncio.TimeoutError:
+                self._unpark(step)
+                raise ApplicationError(
+                    f"dead-lettered {_human(ttl)} ago and nobody decided (RAGLINE_DEAD_LETTER_TTL); "
+                    f"step {step} last failed with: {reason}", type="DeadLetterExpired", non_retryable=True) from None
             self._unpark(step)
-            raise ApplicationError(
-                f"dead-lettered {_human(ttl)} ago and nobody decided (RAGLINE_DEAD_LETTER_TTL); "
-                f"step {step} last failed with: {reason}", type="DeadLetterExpired", non_retryable=True) from None
-        self._unpark(step)
-        if self._discard is not None:
-            who = self._discard.operator or "an operator"
-            why = f": {self._discard.reason}" if self._discard.reason else ""
-            raise ApplicationError(f"discarded by {who}{why} (step {step} last failed with: {reason})",
-                                   type="Discarded", non_retryable=True)
+            if self._discard is not None:
+                who = self._discard.operator or "an operator"
+                why = f": {self._discard.reason}" if self._discard.reason else ""
+                raise ApplicationError(f"discarded by {who}{why} (step {step} last failed with: {reason})",
+                                       type="Discarded", non_retryable=True)
         self._events.emit("ragline.step.retrying", {"step": step, "by": "operator"})
 
     def _unpark(self, step: str) -> None:

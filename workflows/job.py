@@ -8,6 +8,7 @@ the activity's name. The base class gives every job the same parts, each with on
   StepLog      the steps `GET /v1/jobs/{id}` shows                 (workflows/steps.py)
   DeadLetters  parking an exhausted step for an operator           (workflows/dead_letters.py)
   Reviews      waiting for a person's decision                     (workflows/review.py)
+  RunningSlot  the tenant's cap on jobs running at once            (workflows/slot.py)
 
 and the same surface: the `progress` query, the `retry`/`discard` Updates, the RaglineStatus search
 attribute, and `run_job`, which emits accepted/completed/failed and turns an exhausted or rejected
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest
@@ -32,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.events import JobEvents
     from workflows.failures import exhausted_retries, failure_reason, failure_type
     from workflows.review import Reviews
+    from workflows.slot import RunningSlot
     from workflows.steps import StepLog
 
 R = TypeVar("R")
@@ -52,21 +54,34 @@ class JobWorkflow:
     def __init__(self) -> None:
         self.events = JobEvents()
         self.steps = StepLog(self.events, self._sync_status, [policies.activity_name(a) for a in self.PLANNED])
-        self.dead_letters = DeadLetters(self.events, self._sync_status, on_park=lambda: self._count("dead_lettered"))
-        self.reviews = Reviews(self.events, self._sync_status)
+        self.slot = RunningSlot(self.events, self._sync_status)
+        self.dead_letters = DeadLetters(self.events, self._sync_status, on_park=lambda: self._count("dead_lettered"),
+                                        while_waiting=self.slot.lent)
+        self.reviews = Reviews(self.events, self._sync_status, while_waiting=self.slot.lent)
         self._running = False
         self._status: JobStatus = "queued"
 
     # -- the run skeleton ------------------------------------------------------------------------
-    async def run_job(self, work: Callable[[], Awaitable[R]], accepted: dict[str, Any]) -> R:
-        """Run the job's DAG between its `accepted` and its terminal event."""
+    async def run_job(self, work: Callable[[], Awaitable[R]], accepted: dict[str, Any],
+                      ready: Callable[[], Awaitable[None]] | None = None) -> R:
+        """Run the job's DAG between its `accepted` and its terminal event: once `ready` (a job's own
+        precondition, like a chat turn's go) and a running slot of its tenant are there."""
         self.events.emit("ragline.job.accepted", accepted)
         try:
+            if ready is not None:
+                await ready()
+            await self.slot.acquire(takes_slot=self.takes_slot())
             result = await work()
+            self._count("completed")
+            await self.events.close("ragline.job.completed", result.model_dump(mode="json"))
+            return result
         except asyncio.CancelledError:
-            self._count("cancelled")
+            await self._cancelled()
             raise
         except (ActivityError, ChildWorkflowError, ApplicationError) as exc:
+            if is_cancelled_exception(exc):  # a step cut short by the job's cancellation
+                await self._cancelled()
+                raise
             self.steps.skip_pending()
             reason = failure_reason(exc)
             self._count("failed")
@@ -75,9 +90,19 @@ class JobWorkflow:
             # the reason, and do not retry the workflow itself.
             details = exc.details if isinstance(exc, ApplicationError) else ()
             raise ApplicationError(reason, *details, type=failure_type(exc), non_retryable=True) from exc
-        self._count("completed")
-        await self.events.close("ragline.job.completed", result.model_dump(mode="json"))
-        return result
+        finally:
+            await self.slot.release()
+
+    async def _cancelled(self) -> None:
+        """Cancelled (Web UI, CLI): the job ends as `cancelled`, its stream with `ragline.job.cancelled`."""
+        self.steps.skip_pending()
+        self._count("cancelled")
+        await self.events.close("ragline.job.cancelled", {})
+
+    def takes_slot(self) -> bool:
+        """Whether this job counts against its tenant's running jobs (workflows/slot.py): only a job
+        no other job started; the others run within their parent's slot."""
+        return workflow.info().parent is None
 
     def _count(self, status: str) -> None:
         """ragline_jobs_total{kind,status}: through the workflow's meter, which skips replays."""
@@ -135,6 +160,8 @@ class JobWorkflow:
             return "dead_lettered"
         if self.reviews.pending is not None:
             return "waiting_review"
+        if self.slot.waiting:
+            return "queued"
         return "running" if self._running or self.steps.started else "queued"
 
     def _sync_status(self) -> None:
@@ -151,6 +178,10 @@ class JobWorkflow:
             workflow.upsert_search_attributes(list(updates))
 
     # -- what every job answers --------------------------------------------------------------------
+    @workflow.signal
+    def slot_granted(self) -> None:
+        self.slot.granted()
+
     @workflow.query
     def progress(self) -> JobProgress:
         return JobProgress(status=self.status(), steps=self.steps.view(),

@@ -10,6 +10,7 @@ be dropped silently).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -25,9 +26,11 @@ BUDGET_KEYS = {"max_llm_calls", "max_tokens", "max_seconds"}
 
 
 class Reviews:
-    def __init__(self, events: JobEvents, on_change: Callable[[], None]) -> None:
+    def __init__(self, events: JobEvents, on_change: Callable[[], None],
+                 while_waiting: Callable[[], AbstractAsyncContextManager] = nullcontext) -> None:
         self._events = events
         self._on_change = on_change
+        self._while_waiting = while_waiting
         self.pending: ReviewRequest | None = None
         self.decision: ReviewDecision | None = None
         self.history: list[ReviewRecord] = []
@@ -41,11 +44,12 @@ class Reviews:
         self.decision = None
         self._on_change()
         self._events.emit("ragline.review.requested", self.pending.model_dump(mode="json"))
-        try:
-            await workflow.wait_condition(lambda: self.decision is not None, timeout=timeout)
-            decision = self.decision
-        except TimeoutError:
-            decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
+        async with self._while_waiting():  # the job's running slot is lent meanwhile
+            try:
+                await workflow.wait_condition(lambda: self.decision is not None, timeout=timeout)
+                decision = self.decision
+            except TimeoutError:
+                decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
         record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
                               decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
                               instructions=decision.instructions, extra_depth=decision.extra_depth,

@@ -1,0 +1,206 @@
+"""Per-tenant running slots (workflows/slot.py, workflows/gate.py) against the real stack: a tenant with
+`max_running_jobs = 1` runs one job at a time while the others wait `queued` (none refused), an
+ingestion's documents run inside its slot, a job waiting for a person lends its slot, a cancelled job
+leaves the line or gives its slot back, a job terminated by hand has its slot freed by the gate's
+sweep, and other tenants are not held up."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from types import SimpleNamespace
+
+import httpx
+from temporalio.api.enums.v1 import EventType
+
+from activities.gate import gate_id
+from ragline import keys as api_keys
+from tests.helpers import eventually, read_events
+from workflows.gate import TenantGateWorkflow
+
+
+def _capped_tenant(stack, limit: int = 1) -> tuple[str, str]:
+    """A fresh tenant with its own reviewer key and `max_running_jobs = limit` in the keys file."""
+    tenant = f"cap-{uuid.uuid4().hex[:8]}"
+    path = stack.settings.effective_api_keys_file
+    key = api_keys.create(path, tenant, "reviewer", f"{tenant}-reviewer")
+    with path.open("a") as f:
+        f.write(f"\n[tenants.{tenant}]\nmax_running_jobs = {limit}\n")
+    return tenant, key
+
+
+def _client(stack, key: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {key}"})
+
+
+async def _status(http: httpx.AsyncClient, job_id: str) -> str:
+    r = await http.get(f"/v1/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    return r.json()["status"]
+
+
+async def _wait_status(http: httpx.AsyncClient, job_id: str, *statuses: str, timeout: float = 90) -> str:
+    async def probe() -> str | None:
+        status = await _status(http, job_id)
+        return status if status in statuses else None
+    return await eventually(probe, timeout=timeout, every=0.1, what=f"{job_id} {' or '.join(statuses)}")
+
+
+async def _ask(http: httpx.AsyncClient, message: str, session_id: str | None = None, **body) -> str:
+    r = await http.post("/v1/chats", json={"message": message, "collection": body.pop("collection", "slots"),
+                                           **({"session_id": session_id} if session_id else {}), **body})
+    assert r.status_code == 202, r.text  # accepted at once: never refused for the tenant's limit
+    return r.json()["job_id"]
+
+
+async def _in_line(stack, tenant: str, *job_ids: str) -> list[str]:
+    """Wait until these jobs wait in their tenant's line at the gate (its `slots` query); the line."""
+    gate = stack.client.get_workflow_handle(gate_id(tenant, stack.settings.task_queue))
+
+    async def probe() -> list[str] | None:
+        waiting = (await gate.query(TenantGateWorkflow.slots)).waiting
+        return waiting if set(job_ids) <= set(waiting) else None
+    return await eventually(probe, timeout=60, every=0.1, what=f"{len(job_ids)} job(s) in {tenant}'s line")
+
+
+async def _seed(http: httpx.AsyncClient, collection: str = "slots") -> str:
+    """A collection with one passage, so that turns asked on it call the model."""
+    r = await http.post("/v1/documents", data={"collection": collection},
+                        files=[("files", ("keeper.txt", b"The keeper lights the lamp at dusk, every day."))])
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    assert await _wait_status(http, job_id, "completed", "failed") == "completed"
+    return job_id
+
+
+async def _busy_span(stack, job_id: str) -> tuple[float, float]:
+    """From the job's first step (activity or child job) started to its last one done, server clock."""
+    starts = {EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+              EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED}
+    ends = {EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED, EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED}
+    history = await stack.client.get_workflow_handle(job_id).fetch_history()
+    times = [(e.event_type, e.event_time.ToDatetime().timestamp()) for e in history.events]
+    return min(t for kind, t in times if kind in starts), max(t for kind, t in times if kind in ends)
+
+
+async def test_a_capped_tenant_runs_one_job_at_a_time_and_queues_the_rest(stack):
+    tenant, key = _capped_tenant(stack, limit=1)
+    gate_open = asyncio.Event()
+
+    async def hold_first_answer(_request: dict) -> dict:
+        await gate_open.wait()
+        return {"content": "The keeper lights the lamp at dusk [1]."}
+
+    async with _client(stack, key) as http:
+        # An ingestion holds the one slot; its document child jobs run inside it (no deadlock).
+        ingest = await _seed(http)
+
+        with stack.llm.scope() as first, stack.llm.scope() as rest:
+            first.script_fn("answer", hold_first_answer)
+            try:
+                chats = [await _ask(http, f"When is the lamp lit? {first.token}", "s0")]
+                # Its model call has begun: it holds the one slot (the answer is held back meanwhile).
+                await first.wait_for_calls(1, "answer", timeout=60)
+                for n in (1, 2):
+                    chats.append(await _ask(http, f"When is the lamp lit? ({n}) {rest.token}", f"s{n}"))
+                await _in_line(stack, tenant, *chats[1:])
+                for job_id in chats[1:]:
+                    assert await _status(http, job_id) == "queued"
+                jobs = (await http.get("/v1/jobs", params={"status": "queued"})).json()["jobs"]
+                assert {j["job_id"] for j in jobs} >= set(chats[1:])
+                assert await _status(http, chats[0]) == "running"
+                assert rest.count("answer") == 0
+            finally:
+                gate_open.set()
+            for job_id in chats:
+                assert await _wait_status(http, job_id, "completed", "failed") == "completed"
+
+        events = [e for _, e in await read_events(SimpleNamespace(http=http), chats[2])]
+        [queued] = [e for e in events if e["type"] == "ragline.job.queued"]
+        assert queued["data"]["reason"] == "tenant_running_jobs" and queued["data"]["limit"] == 1
+        assert queued["data"]["position"] >= 1
+        # Never two at once: each job's steps begin after the one before finished its last.
+        spans = sorted([await _busy_span(stack, j) for j in [ingest, *chats]])
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            assert start >= end, spans
+
+
+async def test_a_job_waiting_for_a_person_lends_its_slot(stack):
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http, "lend")
+        held = await _ask(http, "When is high tide?", collection="lend", require_review=True)
+        assert await _wait_status(http, held, "waiting_review") == "waiting_review"
+        # Another turn of the same tenant runs to the end while the first waits for its reviewer.
+        other = await _ask(http, "Is it low tide at six?", collection="lend")
+        assert await _wait_status(http, other, "completed", "failed") == "completed"
+
+        r = await http.post(f"/v1/jobs/{held}/review", json={"decision": "approve", "reviewer": "editor"})
+        assert r.status_code < 300, r.text
+        assert await _wait_status(http, held, "completed", "failed") == "completed"
+
+
+async def test_a_slot_held_by_a_terminated_job_is_freed_and_other_tenants_are_not_held_up(stack):
+    tenant, key = _capped_tenant(stack, limit=1)
+    hung = asyncio.Event()
+
+    async def never_answer(_request: dict) -> dict:
+        await hung.wait()
+        return {"content": "too late"}
+
+    async with _client(stack, key) as http:
+        await _seed(http)
+        with stack.llm.scope() as stuck, stack.llm.scope() as free:
+            stuck.script_fn("answer", never_answer)
+            try:
+                holder = await _ask(http, f"Hello? {stuck.token}")
+                await stuck.wait_for_calls(1, "answer", timeout=60)
+                waiter = await _ask(http, f"Anyone? {free.token}")
+                await _in_line(stack, tenant, waiter)
+
+                # The limit is per tenant: acme's turn does not wait behind this tenant's line.
+                ours = await stack.chat(f"Unrelated question {free.token}")
+                assert (await stack.wait_done(ours["job_id"]))["status"] == "completed"
+                assert await _status(http, waiter) == "queued"
+
+                # Terminated by hand, the holder never gives its slot back: the gate's sweep frees it.
+                await stack.client.get_workflow_handle(holder).terminate(reason="test: a stuck job")
+                assert await _wait_status(http, waiter, "completed", "failed", timeout=60) == "completed"
+            finally:
+                hung.set()
+
+
+async def test_cancelled_jobs_leave_the_line_and_give_their_slot_back(stack):
+    tenant, key = _capped_tenant(stack, limit=1)
+    hung = asyncio.Event()
+
+    async def never_answer(_request: dict) -> dict:
+        await hung.wait()
+        return {"content": "too late"}
+
+    gate = stack.client.get_workflow_handle(gate_id(tenant, stack.settings.task_queue))
+    async with _client(stack, key) as http:
+        await _seed(http)
+        with stack.llm.scope() as stuck, stack.llm.scope() as free:
+            stuck.script_fn("answer", never_answer)
+            try:
+                holder = await _ask(http, f"Hello? {stuck.token}")
+                await stuck.wait_for_calls(1, "answer", timeout=60)
+                first, second = [await _ask(http, f"Anyone? ({n}) {free.token}") for n in (1, 2)]
+                line = await _in_line(stack, tenant, first, second)
+                assert sorted(line) == sorted([first, second])
+
+                # Cancelled while in line: it leaves the line at once.
+                await stack.client.get_workflow_handle(first).cancel()
+                await _wait_status(http, first, "cancelled")
+                assert (await gate.query(TenantGateWorkflow.slots)).waiting == [second]
+
+                # Cancelled while running: its slot goes to the next in line.
+                await stack.client.get_workflow_handle(holder).cancel()
+                await _wait_status(http, holder, "cancelled")
+                events = [e for _, e in await read_events(SimpleNamespace(http=http), holder)]
+                assert events[-1]["type"] == "ragline.job.cancelled"
+                assert await _wait_status(http, second, "completed", "failed") == "completed"
+                assert free.count("answer") == 1  # the cancelled one never asked the model
+            finally:
+                hung.set()

@@ -1,0 +1,87 @@
+"""A job's running slot: at most RAGLINE_TENANT_MAX_RUNNING_JOBS jobs of a tenant run at once
+(`[tenants.<name>] max_running_jobs` in the keys file overrides it per tenant); the others wait
+`queued`, in order of asking, and none is refused. The tenant's gate (workflows/gate.py) keeps count.
+
+Who takes a slot: a job nobody started but the API (ingest requests, agents, evaluations) and every
+chat turn (its parent, the session, holds none). A job another job started (an ingest's documents, a
+sub-agent) runs within its parent's slot: were it to wait for one of its own, a full tenant whose
+running jobs all wait on their children would never move. A job lends its slot while it waits for a
+person (review, dead letter) and queues again for one when the decision comes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from activities.gate import GateActivities
+    from models.tenancy import SlotRequest
+    from temporal import policies
+    from temporal import search_attributes as sa
+    from workflows.events import JobEvents
+
+PATCH = "tenant-running-slots"  # histories from before slots replay without them
+
+
+class RunningSlot:
+    def __init__(self, events: JobEvents, on_change: Callable[[], None]) -> None:
+        self._events = events
+        self._on_change = on_change
+        self._grants = 0
+        self.held = False
+        self.waiting = False
+
+    def granted(self) -> None:
+        """The gate's `slot_granted` signal."""
+        self._grants += 1
+
+    async def acquire(self, *, takes_slot: bool) -> None:
+        tenant = workflow.info().typed_search_attributes.get(sa.TENANT)
+        # Jobs started by hand without Ragline's search attributes (or on a server without them) run
+        # outside any gate.
+        if not takes_slot or tenant is None or not workflow.patched(PATCH):
+            return
+        grants = self._grants
+        grant = await _local(GateActivities.acquire_slot, self._request(tenant))
+        if not grant.granted:
+            self.waiting = True
+            self._on_change()
+            self._events.emit("ragline.job.queued", {"reason": "tenant_running_jobs", "running": grant.running,
+                                                     "limit": grant.limit, "position": grant.position})
+            await workflow.wait_condition(lambda: self._grants != grants)
+            self.waiting = False
+            self._on_change()
+        self.held = True
+
+    async def release(self) -> None:
+        """Give the slot back (or leave the line). Never fails the job: the gate's sweep frees a slot
+        whose release was lost."""
+        if not (self.held or self.waiting):
+            return
+        self.held = self.waiting = False
+        try:
+            tenant = workflow.info().typed_search_attributes.get(sa.TENANT)
+            await _local(GateActivities.release_slot, self._request(tenant))
+        except Exception as exc:  # noqa: BLE001
+            workflow.logger.warning("could not give the running slot back (the gate will find out): %s", exc)
+
+    @asynccontextmanager
+    async def lent(self) -> AsyncIterator[None]:
+        """While the job waits for a person, another job may run in its slot."""
+        if not self.held:
+            yield
+            return
+        await self.release()
+        yield  # a failure here ends the job: no slot to take again
+        await self.acquire(takes_slot=True)
+
+    def _request(self, tenant: str) -> SlotRequest:
+        return SlotRequest(tenant=tenant, job_id=workflow.info().workflow_id)
+
+
+async def _local(activity, arg):
+    return await workflow.execute_local_activity_method(activity, arg,
+                                                        **policies.local_options(policies.activity_name(activity)))
