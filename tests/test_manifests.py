@@ -157,6 +157,12 @@ def test_mounted_secrets_and_volumes_exist(objects, config):
         stored = objects[("Secret", secret)]["stringData"]
         for setting in ("RAGLINE_TEMPORAL_TLS_CA", "RAGLINE_TEMPORAL_TLS_CERT", "RAGLINE_TEMPORAL_TLS_KEY"):
             assert Path(config[setting]).name in stored, setting
+        # One API keys file and one set of payload keys for the API and every worker (a pod that made
+        # its own codec key could not read what the others wrote).
+        for setting in ("RAGLINE_API_KEYS_FILE", "RAGLINE_CODEC_KEYS_FILE"):
+            path = Path(config[setting])
+            files = objects[("Secret", volumes[mounts[str(path.parent)]]["secret"]["secretName"])]["stringData"]
+            assert path.name in files, (name, setting)
         # The blob store is shared by the API and every worker.
         blobs = volumes[mounts[str(Settings(data_dir=config["RAGLINE_DATA_DIR"]).blob_dir)]]
         claim = blobs["persistentVolumeClaim"]["claimName"]
