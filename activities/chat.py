@@ -3,6 +3,7 @@ extract_entities. Each makes at most one kind of model call; the answer never wa
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import re
@@ -236,19 +237,7 @@ def parse_entities(text: str) -> list[Entity] | None:
     """Parse the model's JSON, repairing the usual damage (code fences, prose around it, trailing commas,
     single quotes). None when nothing usable is left."""
     cleaned = re.sub(r"^```(?:json)?|```$", "", text.strip(), flags=re.MULTILINE).strip()
-    start, end = cleaned.find("["), cleaned.rfind("]")
-    if start == -1 or end <= start:
-        return None
-    candidate = cleaned[start:end + 1]
-    for attempt in (candidate, re.sub(r",\s*([\]}])", r"\1", candidate),
-                    re.sub(r",\s*([\]}])", r"\1", candidate).replace("'", '"')):
-        try:
-            data = json.loads(attempt)
-            break
-        except json.JSONDecodeError:
-            continue
-    else:
-        return None
+    data = _first_list(cleaned)
     if not isinstance(data, list):
         return None
     entities, seen = [], set()
@@ -260,6 +249,26 @@ def parse_entities(text: str) -> list[Entity] | None:
                 seen.add(key)
                 entities.append(Entity(text=item["text"].strip(), type=kind if kind in ENTITY_TYPES else "OTHER"))
     return entities[:10]
+
+
+def _first_list(text: str) -> list | None:
+    """The first bracketed list in `text` that parses: as JSON, without trailing commas, or as a
+    Python literal (single quotes, apostrophes inside double quotes). Text after it is ignored."""
+    start = text.find("[")
+    if start == -1:
+        return None
+    ends = [i for i, ch in enumerate(text) if ch == "]" and i > start]
+    for end in ends:
+        segment = text[start:end + 1]
+        without_commas = re.sub(r",\s*([\]}])", r"\1", segment)
+        for parse in (json.loads, lambda s: json.loads(without_commas), ast.literal_eval):
+            try:
+                data = parse(segment)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                continue
+            if isinstance(data, list):
+                return data
+    return None
 
 
 def content_words(text: str) -> set[str]:

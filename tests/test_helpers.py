@@ -38,6 +38,9 @@ def entities(*pairs: tuple[str, str]) -> list[Entity]:
     ("```json\n[{'text': 'Serengeti', 'type': 'place'},]\n```", entities(("Serengeti", "PLACE"))),
     # An empty array is a valid answer: no entities.
     ("[]", []),
+    # A bracket in the prose after the array, and an apostrophe inside a value.
+    ('[{"text": "Ada", "type": "PERSON"}] (see [1])', entities(("Ada", "PERSON"))),
+    ("""[{'text': "O'Brien", 'type': 'person'}]""", entities(("O'Brien", "PERSON"))),
 ])
 def test_parse_entities_repairs_the_usual_damage(reply, expected):
     assert parse_entities(reply) == expected
