@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import httpx
@@ -83,39 +86,53 @@ async def _busy_span(stack, job_id: str) -> tuple[float, float]:
     return min(t for kind, t in times if kind in starts), max(t for kind, t in times if kind in ends)
 
 
-async def test_a_capped_tenant_runs_one_job_at_a_time_and_queues_the_rest(stack):
-    tenant, key = _capped_tenant(stack, limit=1)
-    gate_open = asyncio.Event()
+@dataclass
+class Held:
+    """A capped tenant's turn that holds the tenant's one slot: the model holds its answer back until
+    `release` is set (or the block ends). Other turns put `others.token` in their question."""
+    holder: str
+    others: object
+    release: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def hold_first_answer(_request: dict) -> dict:
-        await gate_open.wait()
+
+@asynccontextmanager
+async def _a_turn_holding_the_slot(stack, http: httpx.AsyncClient) -> AsyncIterator[Held]:
+    release = asyncio.Event()
+
+    async def held_back(_request: dict) -> dict:
+        await release.wait()
         return {"content": "The keeper lights the lamp at dusk [1]."}
 
+    with stack.llm.scope() as holding, stack.llm.scope() as others:
+        holding.script_fn("answer", held_back)
+        try:
+            holder = await _ask(http, f"When is the lamp lit? {holding.token}")
+            await holding.wait_for_calls(1, "answer", timeout=60)  # under way: it holds the slot
+            yield Held(holder=holder, others=others, release=release)
+        finally:
+            release.set()
+
+
+async def test_a_capped_tenant_runs_one_job_at_a_time_and_queues_the_rest(stack):
+    tenant, key = _capped_tenant(stack, limit=1)
     async with _client(stack, key) as http:
         # An ingestion holds the one slot; its document child jobs run inside it (no deadlock).
         ingest = await _seed(http)
-
-        with stack.llm.scope() as first, stack.llm.scope() as rest:
-            first.script_fn("answer", hold_first_answer)
-            try:
-                chats = [await _ask(http, f"When is the lamp lit? {first.token}", "s0")]
-                # Its model call has begun: it holds the one slot (the answer is held back meanwhile).
-                await first.wait_for_calls(1, "answer", timeout=60)
-                for n in (1, 2):
-                    chats.append(await _ask(http, f"When is the lamp lit? ({n}) {rest.token}", f"s{n}"))
-                await _in_line(stack, tenant, *chats[1:])
-                for job_id in chats[1:]:
-                    assert await _status(http, job_id) == "queued"
-                jobs = (await http.get("/v1/jobs", params={"status": "queued"})).json()["jobs"]
-                assert {j["job_id"] for j in jobs} >= set(chats[1:])
-                assert await _status(http, chats[0]) == "running"
-                assert rest.count("answer") == 0
-            finally:
-                gate_open.set()
+        async with _a_turn_holding_the_slot(stack, http) as held:
+            waiting = [await _ask(http, f"When is the lamp lit? ({n}) {held.others.token}") for n in (1, 2)]
+            await _in_line(stack, tenant, *waiting)
+            for job_id in waiting:
+                assert await _status(http, job_id) == "queued"
+            jobs = (await http.get("/v1/jobs", params={"status": "queued"})).json()["jobs"]
+            assert {j["job_id"] for j in jobs} >= set(waiting)
+            assert await _status(http, held.holder) == "running"
+            assert held.others.count("answer") == 0
+            held.release.set()
+            chats = [held.holder, *waiting]
             for job_id in chats:
                 assert await _wait_status(http, job_id, "completed", "failed") == "completed"
 
-        events = [e for _, e in await read_events(SimpleNamespace(http=http), chats[2])]
+        events = [e for _, e in await read_events(SimpleNamespace(http=http), waiting[-1])]
         [queued] = [e for e in events if e["type"] == "ragline.job.queued"]
         assert queued["data"]["reason"] == "tenant_running_jobs" and queued["data"]["limit"] == 1
         assert queued["data"]["position"] >= 1
@@ -142,65 +159,41 @@ async def test_a_job_waiting_for_a_person_lends_its_slot(stack):
 
 async def test_a_slot_held_by_a_terminated_job_is_freed_and_other_tenants_are_not_held_up(stack):
     tenant, key = _capped_tenant(stack, limit=1)
-    hung = asyncio.Event()
-
-    async def never_answer(_request: dict) -> dict:
-        await hung.wait()
-        return {"content": "too late"}
-
     async with _client(stack, key) as http:
         await _seed(http)
-        with stack.llm.scope() as stuck, stack.llm.scope() as free:
-            stuck.script_fn("answer", never_answer)
-            try:
-                holder = await _ask(http, f"Hello? {stuck.token}")
-                await stuck.wait_for_calls(1, "answer", timeout=60)
-                waiter = await _ask(http, f"Anyone? {free.token}")
-                await _in_line(stack, tenant, waiter)
+        async with _a_turn_holding_the_slot(stack, http) as held:
+            waiter = await _ask(http, f"Anyone? {held.others.token}")
+            await _in_line(stack, tenant, waiter)
 
-                # The limit is per tenant: acme's turn does not wait behind this tenant's line.
-                ours = await stack.chat(f"Unrelated question {free.token}")
-                assert (await stack.wait_done(ours["job_id"]))["status"] == "completed"
-                assert await _status(http, waiter) == "queued"
+            # The limit is per tenant: acme's turn does not wait behind this tenant's line.
+            ours = await stack.chat(f"Unrelated question {held.others.token}")
+            assert (await stack.wait_done(ours["job_id"]))["status"] == "completed"
+            assert await _status(http, waiter) == "queued"
 
-                # Terminated by hand, the holder never gives its slot back: the gate's sweep frees it.
-                await stack.client.get_workflow_handle(holder).terminate(reason="test: a stuck job")
-                assert await _wait_status(http, waiter, "completed", "failed", timeout=60) == "completed"
-            finally:
-                hung.set()
+            # Terminated by hand, the holder never gives its slot back: the gate's sweep frees it.
+            await stack.client.get_workflow_handle(held.holder).terminate(reason="test: a stuck job")
+            assert await _wait_status(http, waiter, "completed", "failed", timeout=60) == "completed"
 
 
 async def test_cancelled_jobs_leave_the_line_and_give_their_slot_back(stack):
     tenant, key = _capped_tenant(stack, limit=1)
-    hung = asyncio.Event()
-
-    async def never_answer(_request: dict) -> dict:
-        await hung.wait()
-        return {"content": "too late"}
-
     gate = stack.client.get_workflow_handle(gate_id(tenant, stack.settings.task_queue))
     async with _client(stack, key) as http:
         await _seed(http)
-        with stack.llm.scope() as stuck, stack.llm.scope() as free:
-            stuck.script_fn("answer", never_answer)
-            try:
-                holder = await _ask(http, f"Hello? {stuck.token}")
-                await stuck.wait_for_calls(1, "answer", timeout=60)
-                first, second = [await _ask(http, f"Anyone? ({n}) {free.token}") for n in (1, 2)]
-                line = await _in_line(stack, tenant, first, second)
-                assert sorted(line) == sorted([first, second])
+        async with _a_turn_holding_the_slot(stack, http) as held:
+            first, second = [await _ask(http, f"Anyone? ({n}) {held.others.token}") for n in (1, 2)]
+            line = await _in_line(stack, tenant, first, second)
+            assert sorted(line) == sorted([first, second])
 
-                # Cancelled while in line: it leaves the line at once.
-                await stack.client.get_workflow_handle(first).cancel()
-                await _wait_status(http, first, "cancelled")
-                assert (await gate.query(TenantGateWorkflow.slots)).waiting == [second]
+            # Cancelled while in line: it leaves the line at once.
+            await stack.client.get_workflow_handle(first).cancel()
+            await _wait_status(http, first, "cancelled")
+            assert (await gate.query(TenantGateWorkflow.slots)).waiting == [second]
 
-                # Cancelled while running: its slot goes to the next in line.
-                await stack.client.get_workflow_handle(holder).cancel()
-                await _wait_status(http, holder, "cancelled")
-                events = [e for _, e in await read_events(SimpleNamespace(http=http), holder)]
-                assert events[-1]["type"] == "ragline.job.cancelled"
-                assert await _wait_status(http, second, "completed", "failed") == "completed"
-                assert free.count("answer") == 1  # the cancelled one never asked the model
-            finally:
-                hung.set()
+            # Cancelled while running: its slot goes to the next in line.
+            await stack.client.get_workflow_handle(held.holder).cancel()
+            await _wait_status(http, held.holder, "cancelled")
+            events = [e for _, e in await read_events(SimpleNamespace(http=http), held.holder)]
+            assert events[-1]["type"] == "ragline.job.cancelled"
+            assert await _wait_status(http, second, "completed", "failed") == "completed"
+            assert held.others.count("answer") == 1  # the cancelled one never asked the model
