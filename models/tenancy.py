@@ -57,6 +57,7 @@ class GateState(BaseModel):
     limit: int
     holders: list[str] = []
     waiting: list[str] = []
+    rotate_after: int = 2000  # continue-as-new past this history length (or when the server suggests it)
 
 
 class JobIds(BaseModel):

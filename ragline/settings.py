@@ -144,8 +144,9 @@ class Settings(BaseSettings):
     # Where the rate-limit counters live: a `limits` storage URI. memory:// is per API process;
     # redis://host:6379 shares them between several API processes.
     rate_limit_storage: str = "memory://"
-    # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued.
-    tenant_max_running_jobs: int = 8
+    # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued
+    # (workflows/slot.py). `[tenants.<name>] max_running_jobs` in the keys file overrides it.
+    tenant_max_running_jobs: int = Field(8, ge=1)
     # AES-256-GCM payload encryption (temporal/codec.py). Keys file (TOML: current = "<id>", [keys]
     # <id> = "<base64 32 bytes>"); unset: <data_dir>/codec_keys.toml, created with one key if missing.
     encrypt_payloads: bool = True

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from temporalio import workflow
 
 T = TypeVar("T")
 
@@ -105,3 +106,21 @@ def delegate_until(leaf_depth: int, token: str = "") -> Callable[[dict], dict[st
             return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": subgoal}}]}
         return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer from depth {depth}"}}]}
     return plan
+
+
+# -- the tenant gate ---------------------------------------------------------------------------------
+
+@workflow.defn(sandboxed=False)
+class WaitsForSlot:
+    """Stands for a job: done once the gate signals its slot."""
+
+    def __init__(self) -> None:
+        self.granted = False
+
+    @workflow.signal
+    def slot_granted(self) -> None:
+        self.granted = True
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: self.granted)

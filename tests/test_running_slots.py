@@ -1,5 +1,6 @@
 """Per-tenant running slots (workflows/slot.py, workflows/gate.py) against the real stack: a tenant with
-`max_running_jobs = 1` runs one job at a time while the others wait `queued` (none refused), an
+`max_running_jobs = 1` runs one job at a time while the others wait `queued` (none refused), the gate
+hands out every slot exactly once across its continues-as-new, an
 ingestion's documents run inside its slot, a job waiting for a person lends its slot, a cancelled job
 leaves the line or gives its slot back, a job terminated by hand has its slot freed by the gate's
 sweep, and other tenants are not held up."""
@@ -14,11 +15,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import httpx
+from temporalio import activity
 from temporalio.api.enums.v1 import EventType
+from temporalio.worker import Worker
 
 from activities.gate import gate_id
 from ragline import keys as api_keys
-from tests.helpers import eventually, read_events
+from models.tenancy import GateState, JobIds, SlotRequest
+from tests.helpers import WaitsForSlot, eventually, read_events
 from workflows.gate import TenantGateWorkflow
 
 
@@ -197,3 +201,44 @@ async def test_cancelled_jobs_leave_the_line_and_give_their_slot_back(stack):
             assert events[-1]["type"] == "ragline.job.cancelled"
             assert await _wait_status(http, second, "completed", "failed") == "completed"
             assert held.others.count("answer") == 1  # the cancelled one never asked the model
+
+
+@activity.defn(name="ended_jobs")
+async def none_ended(req: JobIds) -> JobIds:
+    return JobIds(job_ids=[])
+
+
+async def test_the_gate_hands_out_every_slot_once_across_continue_as_new(stack):
+    """The gate alone (jobs stood for by WaitsForSlot), on the real server: thirty jobs ask at once,
+    three run, and as each gives its slot back the next in line gets it, while the gate continues as
+    new every few dozen events (updates sent during a continue-as-new go to the new run)."""
+    queue = f"gate-{uuid.uuid4().hex[:8]}"
+    async with Worker(stack.client, task_queue=queue, workflows=[TenantGateWorkflow, WaitsForSlot],
+                      activities=[none_ended]):
+        started = await stack.client.start_workflow(
+            TenantGateWorkflow.run, GateState(tenant="t", limit=3, rotate_after=40), id=f"t.gate.{queue}",
+            task_queue=queue)
+        gate = stack.client.get_workflow_handle(started.id)  # whichever run is current, as jobs address it
+        jobs = [f"t.job-{n}-{uuid.uuid4().hex[:6]}" for n in range(30)]
+        waiters = [await stack.client.start_workflow(WaitsForSlot.run, id=j, task_queue=queue) for j in jobs]
+        try:
+            grants = await asyncio.gather(*(gate.execute_update(TenantGateWorkflow.acquire,
+                                                                SlotRequest(tenant="t", job_id=j)) for j in jobs))
+            assert sum(g.granted for g in grants) == 3
+            finished: list[str] = []
+            while len(finished) < len(jobs):
+                async def next_holder() -> str | None:
+                    holders = (await gate.query(TenantGateWorkflow.slots)).holders
+                    return next((j for j in holders if j not in finished), None)
+                job_id = await eventually(next_holder, timeout=20, what=f"a slot holder after {len(finished)}")
+                await gate.signal(TenantGateWorkflow.release, SlotRequest(tenant="t", job_id=job_id))
+                finished.append(job_id)
+            assert sorted(finished) == sorted(jobs)  # every job got a slot, none twice
+            for handle, grant in zip(waiters, grants, strict=True):
+                if not grant.granted:  # granted later: told by the gate's signal
+                    await handle.result()
+            state = await gate.query(TenantGateWorkflow.slots)
+            assert (state.holders, state.waiting) == ([], [])
+            assert (await gate.describe()).run_id != started.run_id  # it continued as new on the way
+        finally:
+            await gate.terminate("test over")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from temporalio import activity, workflow
+from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
@@ -44,7 +44,7 @@ from ragline.settings import Settings
 from temporal import policies, queues
 from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
-from tests.helpers import eventually, time_skipping_server_binary
+from tests.helpers import WaitsForSlot, eventually, time_skipping_server_binary
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.gate import TenantGateWorkflow
@@ -541,22 +541,6 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
 
 
 # -- the tenant gate (running slots) ------------------------------------------------------------------
-
-@workflow.defn(sandboxed=False)
-class WaitsForSlot:
-    """Stands for a job: done once the gate signals its slot."""
-
-    def __init__(self) -> None:
-        self.granted = False
-
-    @workflow.signal
-    def slot_granted(self) -> None:
-        self.granted = True
-
-    @workflow.run
-    async def run(self) -> None:
-        await workflow.wait_condition(lambda: self.granted)
-
 
 async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended_jobs(env):
     fakes = Fakes()

@@ -26,8 +26,6 @@ with workflow.unsafe.imports_passed_through():
     from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
     from temporal import policies
 
-ROTATE_AFTER_EVENTS = 2000  # continue-as-new past this history length (or when the server suggests it)
-
 
 @workflow.defn
 class TenantGateWorkflow:
@@ -120,4 +118,4 @@ class TenantGateWorkflow:
 
     def _rotate(self) -> bool:
         info = workflow.info()
-        return info.is_continue_as_new_suggested() or info.get_current_history_length() > ROTATE_AFTER_EVENTS
+        return info.is_continue_as_new_suggested() or info.get_current_history_length() > self.state.rotate_after
