@@ -33,6 +33,24 @@ STOP_TIMEOUT = 10.0
 LOG_TAIL_LINES = 40
 
 
+# Dynamic config for the single-process dev server. Server 1.32 hands out tasks by priority (its new
+# matcher is on by default), but only within one partition of a task queue, and a queue has 4 by
+# default: a poll served by a partition holding only priority-4 side steps takes one of them while an
+# answer (priority 1) waits in another. One partition per queue makes the order strict; partitions
+# spread a queue over matching hosts, and the dev server has one. (Checked with 15 priority-5 then 15
+# priority-1 activities queued before a one-slot worker started: with 4 partitions 5 of the first 15
+# it ran were priority 5, with 1 partition none.)
+DYNAMIC_CONFIG = {
+    "matching.numTaskqueueReadPartitions": 1,
+    "matching.numTaskqueueWritePartitions": 1,
+}
+
+
+def dynamic_config_flags() -> list[str]:
+    """`--dynamic-config-value KEY=VALUE` flags of DYNAMIC_CONFIG, for `temporal server start-dev`."""
+    return [arg for key, value in DYNAMIC_CONFIG.items() for arg in ("--dynamic-config-value", f"{key}={value}")]
+
+
 class DevServerError(RuntimeError):
     """The dev server could not be found, started or reached."""
 
@@ -91,7 +109,7 @@ def dev_server_command(settings: Settings | None = None, ui_codec_endpoint: str 
     if ui_codec_endpoint:
         argv += ["--ui-codec-endpoint", ui_codec_endpoint]
     argv += ["--log-level", "warn", "--color", "never"]
-    return argv + cli_flags()
+    return argv + dynamic_config_flags() + cli_flags()
 
 
 def _masked(argv: list[str]) -> str:
