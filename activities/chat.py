@@ -64,7 +64,8 @@ class ChatActivities:
         """Retrieval, the relevance gate and the answer cache in one step: the answer waits for nothing else."""
         attempt = activity.info().attempt
         key = None
-        if req.use_cache:
+        # No cache (RAGLINE_ANSWER_CACHE_SIZE=0): no key either, so the turn runs no cache_answer step.
+        if req.use_cache and self.cache.size > 0:
             key = answer_cache.cache_key(req.tenant, req.collection, self.index.version(req.tenant, req.collection),
                                          req.question)
             hit = self.cache.get(key)

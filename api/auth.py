@@ -91,7 +91,7 @@ def admit(request: Request, key: str) -> Caller:
     return caller
 
 
-def require_reviewer(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
+async def require_reviewer(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
     if caller.role != "reviewer":
         raise ApiError(403, "forbidden", "this needs a reviewer key (role = \"reviewer\" in the keys file)")
     return caller
@@ -101,7 +101,7 @@ CallerDep = Annotated[Caller, Depends(authenticate)]
 ReviewerDep = Annotated[Caller, Depends(require_reviewer)]
 
 
-def get_guard(request: Request) -> Guard:
+async def get_guard(request: Request) -> Guard:
     return request.app.state.guard
 
 

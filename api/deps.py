@@ -1,4 +1,6 @@
-"""Dependencies shared by routes, as typed aliases: `client: ClientDep`, `settings: SettingsDep`..."""
+"""Dependencies shared by routes, as typed aliases: `client: ClientDep`, `settings: SettingsDep`...
+They are `async def`: FastAPI runs a plain `def` dependency in its thread pool, one hop per dependency
+per request, which under a burst queues behind every other request's hops."""
 
 from __future__ import annotations
 
@@ -12,15 +14,15 @@ from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_client(request: Request) -> Client:
+async def get_client(request: Request) -> Client:
     return request.app.state.client
 
 
-def get_blobs(request: Request) -> BlobStore:
+async def get_blobs(request: Request) -> BlobStore:
     return request.app.state.blobs
 
 
@@ -29,7 +31,7 @@ ClientDep = Annotated[Client, Depends(get_client)]
 BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
 
 
-def get_rpc_timeout(settings: SettingsDep) -> timedelta:
+async def get_rpc_timeout(settings: SettingsDep) -> timedelta:
     """How long one call to the Temporal server may take (RAGLINE_TEMPORAL_RPC_TIMEOUT)."""
     return timedelta(seconds=settings.temporal_rpc_timeout)
 

@@ -56,6 +56,11 @@ def register_api_key(base_url: str, key: str) -> None:
     _api_headers[base_url.rstrip("/")] = {"Authorization": f"Bearer {key}"}
 
 
+def api_headers(base_url: str) -> dict[str, str]:
+    """The headers with the API key registered for `base_url` (none if there is none)."""
+    return dict(_api_headers.get(base_url.rstrip("/"), {}))
+
+
 def client(base_url: str, timeout: float | httpx.Timeout, connections: int | None = None) -> httpx.AsyncClient:
     """An HTTP client for one of the bench's servers: loopback only (no proxy from the environment), the
     API key registered for it if any, room for `connections` at once."""

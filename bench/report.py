@@ -83,6 +83,10 @@ def render(r: dict) -> str:
     lines.append("| --- | --- | --- | --- | --- | --- | --- |")
     lines.append(_row("Ragline `POST /v1/chats` (uvicorn, 1 worker process; distinct sessions, no "
                       "`Idempotency-Key`)", "202 + job id, before any model call", rl))
+    raw = r.get("ragline_raw")
+    if raw:
+        lines.append(_row("the same, sent by the light client (`bench/rawhttp.py`: prebuilt requests on connections "
+                          "opened beforehand; its turns terminated, not run)", "202 + job id", raw))
     threads = r.get("sync_threads")
     lines.append(_row("plain sync FastAPI `def` endpoint, `bench/sync_app.py` (uvicorn, 1 worker process, "
                       f"{threads or '?'} threads)", f"200 + the answer, after its {delay:g} s model call", sy))
@@ -91,7 +95,9 @@ def render(r: dict) -> str:
     lines.append("")
     lines.append(f"Ratios of p50: **Ragline / sync = {ratio(rl['p50'], sy['p50'])}**, "
                  f"**Ragline / floor = {ratio(rl['p50'], fl['p50'])}** "
-                 f"(p99: {ratio(rl['p99'], sy['p99'])} and {ratio(rl['p99'], fl['p99'])}).")
+                 f"(p99: {ratio(rl['p99'], sy['p99'])} and {ratio(rl['p99'], fl['p99'])})"
+                 + (f"; with the light client Ragline / floor = **{ratio(raw['p50'], fl['p50'])}** "
+                    f"(p99 {ratio(raw['p99'], fl['p99'])})" if raw else "") + ".")
     lines.append("")
 
     lines.append(f"**Until every answer exists.** The sync app's HTTP response carries the answer, so its "
@@ -160,6 +166,8 @@ def render(r: dict) -> str:
         parts = [f"Ragline burst ({secs(rl['wall'])} × {cores} CPUs = {rl['wall'] * cores:.0f} CPU-s): "
                  f"{used('ragline')}", f"floor burst ({secs(fl['wall'])}): {used('floor')}",
                  f"sync burst ({secs(sy['wall'])}): {used('sync')}"]
+        if raw and cpu.get("ragline_raw"):
+            parts.insert(1, f"Ragline burst, light client ({secs(raw['wall'])}): {used('ragline_raw')}")
         busy_others = [ph for ph, b in (("ragline", rl), ("floor", fl), ("sync", sy))
                        if cpu.get(ph, {}).get("other processes", 0) > 0.1 * b["wall"] * cores]
         notes.append("CPU seconds used, by process: " + "; ".join(parts) + "."
@@ -291,6 +299,11 @@ def render_ratios(r: dict) -> str:
         n5 = sum(v for k, v in (rl.get("error_kinds") or {}).items() if k.startswith("HTTP 5"))
         accept_rows.append((f"{rl['n']} at once, {rl['n']} sessions", rl, fl, sy, n5,
                             "– (one turn per session)"))
+        if r.get("ragline_raw"):
+            rw = r["ragline_raw"]
+            n5 = sum(v for k, v in (rw.get("error_kinds") or {}).items() if k.startswith("HTTP 5"))
+            accept_rows.append((f"{rw['n']} at once, {rw['n']} sessions, light client", rw, fl, sy, n5,
+                                "– (one turn per session)"))
     else:
         lines.append(f"| {p['requests']} at once, {p['requests']} sessions | not run (`accept` not in --phases) "
                      f"| | | | | | | |")

@@ -45,11 +45,11 @@ from typing import Any
 
 import httpx
 
-from bench import config, floor_worker, procs, ratios, report
+from bench import config, floor_worker, procs, ratios, rawhttp, report
 from bench.measure import Burst, Drain, burst, percentile
 from bench.procs import LOOPBACK, ROOT, Proc, child_env, free_port, http_ok, temporal_ports
 from bench.sse import chat_turn
-from models.chat import session_of_turn
+from models.chat import session_of_turn, session_workflow_id
 
 TERMINAL = ("completed", "failed", "cancelled", "dead_lettered")
 COLLECTION = "bench"
@@ -396,6 +396,23 @@ async def http_burst(name: str, base_url: str, n: int, expect: int, timeout: flo
         return await burst(name, n, call, timeout)
 
 
+async def raw_burst(name: str, base_url: str, n: int, expect: int, timeout: float, tag: str) -> Burst:
+    """The same burst as http_burst with the light client (bench/rawhttp.py): each request prebuilt as
+    bytes and written on a connection opened before the burst starts."""
+    headers = procs.api_headers(base_url)
+    requests = [rawhttp.build_request(base_url, "POST", "/v1/chats", chat_body(i, tag), headers) for i in range(n)]
+    conns = [rawhttp.Connection(base_url) for _ in range(n)]
+    await asyncio.gather(*(c.open() for c in conns))
+    try:
+        async def call(i: int):
+            status, body = await conns[i].send(requests[i])
+            return status == expect, status, body
+
+        return await burst(name, n, call, timeout)
+    finally:
+        await asyncio.gather(*(c.close() for c in conns))
+
+
 async def drain(api_url: str, d: Drain, posted: dict[str, float], timeout: float, interval: float,
                 t0_wall: float) -> Drain:
     """Poll GET /v1/jobs?kind=chat (one visibility query per poll, no load on the worker) until every
@@ -630,7 +647,22 @@ async def acceptance(stack: Stack, client, args: argparse.Namespace, results: di
         log(f"checking every recorded job with GET /v1/jobs/{{id}} ({len(e2e.recorded)})")
         checked = await verify(stack.api_url, sorted(e2e.recorded))
     ragline_stats = await stack.llm_stats(calls=True)
+
+    # The same Ragline burst again with the light client, so that the client's own CPU is not what is
+    # measured (httpx's 200 connections cost as much CPU as the API). Its turns are terminated, not run.
+    await asyncio.sleep(1)
+    log(f"[4/4] Ragline again, light client (prebuilt requests on connections opened beforehand): {n} "
+        f"concurrent POST /v1/chats")
+    raw_tag = f"rl-raw-{uuid.uuid4().hex[:8]}"
+    before = cpu_snapshot(stack)
+    raw = await raw_burst("ragline_raw", stack.api_url, n, 202, args.request_timeout, raw_tag)
+    cpu["ragline_raw"] = cpu_delta(before, cpu_snapshot(stack))
+    log(f"      p50 {report.ms(raw.summary()['p50'])}, wall {raw.wall:.2f} s, errors {len(raw.errors)}")
+    raw_ids = [x.body["job_id"] for x in raw.ok] + [session_workflow_id(TENANT, f"{raw_tag}-{i}") for i in range(n)]
+    await ratios._terminate(client, raw_ids)
+    await settle(stack)
     results.update({"floor": floor.summary(), "sync": sync.summary(), "ragline": ragline.summary(),
+                    "ragline_raw": raw.summary(),
                     "sync_llm": _llm_digest(sync_llm), "ragline_llm": _llm_digest(ragline_stats),
                     "ragline_call_order": call_order(ragline_stats),
                     "e2e": _e2e_digest(e2e, posted, t0_wall) if e2e else None, "verify": checked})

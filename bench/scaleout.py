@@ -32,7 +32,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from bench.procs import ROOT, child_env, free_port
 from bench.report import write_section
-from devtools.devserver import temporal_binary
+from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM
 from ragline.settings import Settings
 from temporal import search_attributes as sa
@@ -116,7 +116,8 @@ async def run(args: argparse.Namespace) -> dict:
     data = Path(tempfile.mkdtemp(prefix="ragline-scaleout-"))
     env_server = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(), search_attributes=list(sa.ALL),
-        dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off"])
+        dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off",
+                               *dynamic_config_flags()])
     address = env_server.client.service_client.config.target_host
     llm = ScriptedLLM()
     await llm.start()

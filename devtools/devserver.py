@@ -33,6 +33,32 @@ STOP_TIMEOUT = 10.0
 LOG_TAIL_LINES = 40
 
 
+# Dynamic config for the single-process dev server. Server 1.32 hands out tasks by priority (its new
+# matcher is on by default), but only within one partition of a task queue, and a queue has 4 by
+# default: a poll served by a partition holding only priority-4 side steps takes one of them while an
+# answer (priority 1) waits in another. One partition per queue makes the order strict; partitions
+# spread a queue over matching hosts, and the dev server has one. (Checked with 15 priority-5 then 15
+# priority-1 activities queued before a one-slot worker started: with 4 partitions 5 of the first 15
+# it ran were priority 5, with 1 partition none.)
+#
+# The dev server has one history shard, so every workflow's transfer tasks (a workflow task after an
+# activity completes, an activity task after a workflow task schedules it, a child's start) are read by
+# one queue processor, which reads at most history.transferProcessorMaxPollRPS times a second (20 by
+# default, per shard): each such hop waited 30-45 ms, even with one workflow running. A cluster spreads
+# workflows over hundreds of shards. Measured with one workflow at a time running 4 activities on
+# another task queue: 451 ms at 20, 70 ms at 1000 (p50 of 12).
+DYNAMIC_CONFIG = {
+    "matching.numTaskqueueReadPartitions": 1,
+    "matching.numTaskqueueWritePartitions": 1,
+    "history.transferProcessorMaxPollRPS": 1000,
+}
+
+
+def dynamic_config_flags() -> list[str]:
+    """`--dynamic-config-value KEY=VALUE` flags of DYNAMIC_CONFIG, for `temporal server start-dev`."""
+    return [arg for key, value in DYNAMIC_CONFIG.items() for arg in ("--dynamic-config-value", f"{key}={value}")]
+
+
 class DevServerError(RuntimeError):
     """The dev server could not be found, started or reached."""
 
@@ -91,7 +117,7 @@ def dev_server_command(settings: Settings | None = None, ui_codec_endpoint: str 
     if ui_codec_endpoint:
         argv += ["--ui-codec-endpoint", ui_codec_endpoint]
     argv += ["--log-level", "warn", "--color", "never"]
-    return argv + cli_flags()
+    return argv + dynamic_config_flags() + cli_flags()
 
 
 def _masked(argv: list[str]) -> str:

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     temporal_rpc_timeout: float = 10.0
     # Seconds a search may take (it runs in the worker) before the API answers 503.
     search_timeout: float = 30.0
+    # Seconds the SSE relay waits after a batch of events before its next long-poll of the job's stream.
+    # 0: the next poll is waiting in the workflow at once, so every event (the terminal one too) leaves
+    # in the workflow task that publishes it; a pause batches events at the price of that much latency.
+    events_poll_cooldown: float = Field(0.0, ge=0)
 
     qdrant_url: str | None = None
     qdrant_api_key: str | None = None

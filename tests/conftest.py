@@ -41,7 +41,7 @@ from ragline.vectorstore import VectorIndex, open_index
 from temporal import search_attributes as sa
 from temporal.client import connect
 from temporal.telemetry import ServerStatsPoller, metrics_runtime as _metrics_runtime
-from devtools.devserver import temporal_binary
+from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM
 from worker import build_worker
 
@@ -173,7 +173,7 @@ async def temporal_env():
         dev_server_existing_path=temporal_binary(),
         search_attributes=list(sa.ALL),
         dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off",
-                               "--metrics-port", str(TEMPORAL_METRICS_PORT)],
+                               "--metrics-port", str(TEMPORAL_METRICS_PORT), *dynamic_config_flags()],
     )
     yield env
     await env.shutdown()

@@ -79,8 +79,9 @@ async def test_question_is_answered_from_the_document_with_a_citation(stack, cha
     assert result["entities"] == [{"text": "Mara", "type": "PLACE"}, {"text": "July", "type": "DATE"}]
     assert result["model"] == stack.settings.llm_model
     assert result["usage"]["prompt_tokens"] > 0 and result["usage"]["completion_tokens"] > 0
+    # No cache_answer step: the shared stack runs without the answer cache (test_grounded.py has it).
     assert [s["name"] for s in job["steps"]] == ["retrieve_context", "generate_answer", "summarize_context",
-                                                 "extract_entities", "cache_answer"]
+                                                 "extract_entities"]
     steps = {s["name"]: s for s in job["steps"]}
     # The answer does not wait for the side steps: they start once it is generated.
     assert steps["generate_answer"]["finished_at"] <= steps["summarize_context"]["started_at"]
@@ -186,8 +187,7 @@ async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
     assert types[0] == "ragline.job.accepted" and types[-1] == "ragline.job.completed"
     started = [e["data"]["step"] for _, e in events if e["type"] == "ragline.step.started"]
     assert started[:2] == ["retrieve_context", "generate_answer"]
-    assert set(started) == {"retrieve_context", "summarize_context", "extract_entities", "generate_answer",
-                            "cache_answer"}
+    assert set(started) == {"retrieve_context", "summarize_context", "extract_entities", "generate_answer"}
     # The answer streams and is complete before any side step starts.
     first_delta = types.index("ragline.answer.delta")
     answered = types.index("ragline.answer.completed")

@@ -30,7 +30,8 @@ def test_command_flags(tmp_path: Path) -> None:
     for part in (f"--db-filename {tmp_path / 'temporal.db'}", "--ip 127.0.0.1", "--port 7300",
                  "--ui-port 8300", "--http-port 7310", "--metrics-port 7311", "--namespace ragline",
                  "--sqlite-pragma journal_mode=wal", "--sqlite-pragma synchronous=normal",
-                 "--ui-disable-news-fetch", "--log-level warn", "--search-attribute RaglineStatus=Keyword"):
+                 "--ui-disable-news-fetch", "--log-level warn", "--search-attribute RaglineStatus=Keyword",
+                 "--dynamic-config-value matching.numTaskqueueReadPartitions=1"):
         assert part in joined
     assert "--namespace" not in dev_server_command(Settings(data_dir=tmp_path))
 

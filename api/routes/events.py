@@ -21,7 +21,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.auth import CallerDep
-from api.deps import ClientDep, RpcTimeoutDep
+from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.job_views import accepted_turn, not_found, owned, wait_until_created
 from api.validators import JOB_ID
 from models.tenancy import scoped
@@ -58,7 +58,7 @@ STREAM_RESPONSES = {
 
 @router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)",
             response_class=EventSourceResponse, responses=STREAM_RESPONSES)
-async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep,
+async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep, settings: SettingsDep,
                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                      from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
                      ) -> EventSourceResponse:
@@ -76,13 +76,19 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
                 raise not_found(asked) from None
             raise
     start = _start_offset(last_event_id, from_offset)
-    return EventSourceResponse(_relay(client, caller.tenant, job_id, start, timeout), ping=KEEPALIVE_SECONDS)
+    cooldown = timedelta(seconds=settings.events_poll_cooldown)
+    return EventSourceResponse(_relay(client, caller.tenant, job_id, start, timeout, cooldown), ping=KEEPALIVE_SECONDS)
 
 
-async def _relay(client: Client, tenant: str, job_id: str, start: int, timeout: timedelta):
+async def _relay(client: Client, tenant: str, job_id: str, start: int, timeout: timedelta, cooldown: timedelta):
     if not await wait_until_created(client, tenant, job_id, timeout):
         return
-    items = WorkflowStreamClient.create(client, job_id).subscribe(EVENTS_TOPIC, from_offset=start).__aiter__()
+    # Each poll is an Update that waits in the workflow until there is something new (no busy loop at
+    # any cooldown). With no pause the next poll is already waiting when the job publishes its terminal
+    # event, so that event leaves with the run's last workflow task; otherwise the poll would come after
+    # the run closed and be answered by a query, which a worker serves by replaying the whole history.
+    items = WorkflowStreamClient.create(client, job_id).subscribe(
+        EVENTS_TOPIC, from_offset=start, poll_cooldown=cooldown).__aiter__()
     next_item = asyncio.ensure_future(items.__anext__())
     try:
         while True:
