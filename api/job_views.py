@@ -14,8 +14,10 @@ from typing import TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel
+from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.client import (
-    Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError,
+    Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle,
+    WorkflowUpdateFailedError,
 )
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -113,21 +115,46 @@ async def accepted_turn(client: Client, tenant: str, job_id: str, rpc_timeout: t
     if session_id is None:
         return None
     handle = client.get_workflow_handle(session_workflow_id(tenant, session_id))
+    deadline = asyncio.get_running_loop().time() + rpc_timeout.total_seconds()
+    delay = 0.02
     try:
-        async for event in handle.fetch_history_events(rpc_timeout=rpc_timeout):
-            if not event.HasField("workflow_execution_signaled_event_attributes"):
-                continue
-            signaled = event.workflow_execution_signaled_event_attributes
-            if signaled.signal_name != "submit":
-                continue  # payloads are encrypted: no peeking at the bytes before decoding
-            (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
-            if turn.job_id == job_id and turn.tenant == tenant:
+        while True:
+            turn = await _submitted(client, handle, tenant, job_id, rpc_timeout)
+            if turn is not None:
                 return turn
+            # A signal that reaches a workflow while one of its workflow tasks runs is held back by the
+            # server ("buffered") and enters the history only when that task completes: a turn accepted
+            # a moment ago may not be there yet. Look again once the running task is done.
+            if not await _task_running(handle, rpc_timeout) or asyncio.get_running_loop().time() > deadline:
+                return None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             return None
         raise
+
+
+async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id: str,
+                     rpc_timeout: timedelta) -> TurnInput | None:
+    """The session's `submit` signal for `job_id`, if its history has it."""
+    async for event in handle.fetch_history_events(rpc_timeout=rpc_timeout):
+        if not event.HasField("workflow_execution_signaled_event_attributes"):
+            continue
+        signaled = event.workflow_execution_signaled_event_attributes
+        if signaled.signal_name != "submit":
+            continue  # payloads are encrypted: no peeking at the bytes before decoding
+        (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
+        if turn.job_id == job_id and turn.tenant == tenant:
+            return turn
     return None
+
+
+async def _task_running(handle: WorkflowHandle, rpc_timeout: timedelta) -> bool:
+    desc = await handle.describe(rpc_timeout=rpc_timeout)
+    started = PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
+    return desc.raw_description.HasField("pending_workflow_task") and \
+        desc.raw_description.pending_workflow_task.state == started
 
 
 async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> bool:

@@ -8,6 +8,8 @@ import asyncio
 import concurrent.futures
 import uuid
 
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest, RespondWorkflowTaskFailedRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from models.chat import SessionState, session_workflow_id
@@ -124,3 +126,35 @@ async def test_continue_as_new_carries_the_turns_still_waiting(stack):
                 (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
                 carried.append(len(state.pending))
     assert len(carried) >= 2 and any(carried), carried
+
+
+async def test_a_turn_accepted_while_its_session_runs_a_workflow_task_reads_as_queued(temporal_env, scripted_llm,
+                                                                                       tmp_path):
+    """While one of the session's workflow tasks runs, the server holds a new signal back from the
+    history until the task completes ("buffered"): the turn it carries was accepted all the same, and
+    reads as `queued`, never as "not found"."""
+    tag = uuid.uuid4().hex[:8]
+    queue = f"held-task-{tag}"
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False, task_queue=queue,
+                             temporal_rpc_timeout=2) as stack:
+        session = f"s-{tag}"
+        first = await stack.chat(f"First question {tag}?", session_id=session)
+        # A bare poller takes the session's first workflow task and sits on it, as a busy worker would.
+        poll = await stack.client.workflow_service.poll_workflow_task_queue(PollWorkflowTaskQueueRequest(
+            namespace=stack.client.namespace, task_queue=TaskQueue(name=queue), identity="test-holder"))
+        assert poll.workflow_execution.workflow_id == session_workflow_id(stack.tenant, session)
+        second = await stack.chat(f"Second question {tag}?", session_id=session)
+        r = await stack.http.get(f"/v1/jobs/{first['job_id']}")
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        # Asked about while the task still runs, the second turn is not in the history yet: the API
+        # looks again once the task is over (here the holder gives it up a moment later).
+        asked = asyncio.create_task(stack.http.get(f"/v1/jobs/{second['job_id']}"))
+        await asyncio.sleep(0.5)
+        assert not asked.done()
+        await stack.client.workflow_service.respond_workflow_task_failed(RespondWorkflowTaskFailedRequest(
+            namespace=stack.client.namespace, task_token=poll.task_token, identity="test-holder"))
+        r = await asked
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        # An id nobody sent stays unknown.
+        assert (await stack.http.get(f"/v1/jobs/chat-{session}.{'0' * 20}")).status_code == 404
