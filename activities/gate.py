@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
-from temporalio.client import Client, WithStartWorkflowOperation, WorkflowExecutionStatus
-from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
-from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest, workflow_id
+from models.tenancy import GateState, JobIds, SlotRequest, workflow_id
 from ragline.keys import KeyRing
 from ragline.settings import Settings
 from temporal import queues
@@ -36,17 +36,16 @@ class GateActivities:
 
     @activity.defn
     @translate_errors
-    async def acquire_slot(self, req: SlotRequest) -> SlotGrant:
-        """Ask the tenant's gate for a running slot, starting the gate if this is its first job."""
+    async def acquire_slot(self, req: SlotRequest) -> None:
+        """Ask the tenant's gate for a running slot (signal-with-start: the tenant's first job starts
+        its gate). The answer comes back to the job as the gate's `slot_update` signal."""
         limit = self.limit(req.tenant)
-        start = WithStartWorkflowOperation(
+        await self.client.start_workflow(
             GATE_WORKFLOW, GateState(tenant=req.tenant, limit=limit), id=gate_id(req.tenant, self.settings.task_queue),
             task_queue=queues.queue_name(self.settings.task_queue, "main"),
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            start_signal="acquire", start_signal_args=[req.model_copy(update={"limit": limit})],
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "tenant_gate"),
                                                      SearchAttributePair(sa.TENANT, req.tenant)]))
-        return await self.client.execute_update_with_start_workflow(
-            "acquire", req.model_copy(update={"limit": limit}), start_workflow_operation=start, result_type=SlotGrant)
 
     @activity.defn
     @translate_errors

@@ -41,14 +41,17 @@ class SlotRequest(BaseModel):
     """A job asks its tenant's gate for a running slot (or gives it back)."""
     tenant: str
     job_id: str
+    ticket: int = 1  # which of the job's requests (it asks again after lending its slot)
     limit: int | None = None  # the tenant's cap as the worker reads it now (the gate keeps the latest)
 
 
 class SlotGrant(BaseModel):
+    """The gate's answer to a request, by signal: granted, or the job's place in line."""
+    ticket: int = 1
     granted: bool
     running: int
     limit: int
-    position: int = 0  # in the queue when not granted: 1 is next
+    position: int = 0  # in the line when not granted: 1 is next
 
 
 class GateState(BaseModel):
@@ -57,6 +60,7 @@ class GateState(BaseModel):
     limit: int
     holders: list[str] = []
     waiting: list[str] = []
+    tickets: dict[str, int] = {}  # the request each holder or waiting job is answered for
     rotate_after: int = 2000  # continue-as-new past this history length (or when the server suggests it)
 
 

@@ -112,15 +112,20 @@ def delegate_until(leaf_depth: int, token: str = "") -> Callable[[dict], dict[st
 
 @workflow.defn(sandboxed=False)
 class WaitsForSlot:
-    """Stands for a job: done once the gate signals its slot."""
+    """Stands for a job: done once its gate says it may run; `standings` is everything it heard."""
 
     def __init__(self) -> None:
-        self.granted = False
+        self.heard: list[dict] = []
 
     @workflow.signal
-    def slot_granted(self) -> None:
-        self.granted = True
+    def slot_update(self, standing: dict) -> None:
+        self.heard.append(standing)
+
+    @workflow.query
+    def standings(self) -> list[dict]:
+        return self.heard
 
     @workflow.run
-    async def run(self) -> None:
-        await workflow.wait_condition(lambda: self.granted)
+    async def run(self) -> list[dict]:
+        await workflow.wait_condition(lambda: any(s["granted"] for s in self.heard))
+        return self.heard

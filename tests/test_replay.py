@@ -54,7 +54,7 @@ def test_every_workflow_type_and_scenario_is_recorded():
     scenarios = {p.stem.split("--")[0] for p in FILES}
     assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry", "running-slots"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
-    assert '"slot_granted"' in slots and '"acquire"' in slots  # a turn waited for its slot and got it
+    assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
     assert any("workflowExecutionContinuedAsNewEventAttributes" in e for run in session_runs for e in run["events"])
     agents = "".join(p.read_text() for p in FILES if p.stem.startswith("agent-review--"))

@@ -18,7 +18,7 @@ import pytest_asyncio
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -219,11 +219,12 @@ class Fakes:
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
                 self.acquire_slot, self.release_slot, self.ended_jobs]
 
-    # running slots: every job gets one at once here (the gate itself is tested on its own below)
+    # running slots: every job gets one at once here, told as the gate would (the gate is tested below)
     @activity.defn(name="acquire_slot")
-    async def acquire_slot(self, req: SlotRequest) -> SlotGrant:
+    async def acquire_slot(self, req: SlotRequest) -> None:
         self._end(self._start("acquire_slot", req))
-        return SlotGrant(granted=True, running=1, limit=1)
+        await activity.client().get_workflow_handle(req.job_id).signal(
+            "slot_update", SlotGrant(ticket=req.ticket, granted=True, running=1, limit=1))
 
     @activity.defn(name="release_slot")
     async def release_slot(self, req: SlotRequest) -> None:
@@ -549,29 +550,40 @@ async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended
     jobs = [f"t.job-{n}-{uuid.uuid4().hex[:6]}" for n in range(6)]
     async with Worker(env.client, task_queue=queue, workflows=[TenantGateWorkflow, WaitsForSlot],
                       activities=[fakes.ended_jobs]):
-        waiters = {j: await env.client.start_workflow(WaitsForSlot.run, id=j, task_queue=queue) for j in jobs[2:]}
+        waiters = {j: await env.client.start_workflow(WaitsForSlot.run, id=j, task_queue=queue) for j in jobs}
         gate = await env.client.start_workflow(TenantGateWorkflow.run, GateState(tenant="t", limit=2),
                                                id=f"t.gate.{queue}", task_queue=queue)
 
-        async def ask(job_id: str, limit: int | None = None) -> SlotGrant:
-            return await gate.execute_update(TenantGateWorkflow.acquire,
-                                             SlotRequest(tenant="t", job_id=job_id, limit=limit))
+        async def ask(job_id: str, limit: int | None = None, tenant: str = "t") -> None:
+            await gate.signal(TenantGateWorkflow.acquire, SlotRequest(tenant=tenant, job_id=job_id, limit=limit))
 
-        assert (await ask(jobs[0])).granted and (await ask(jobs[1])).granted
-        assert [(g.granted, g.position) for g in [await ask(jobs[2]), await ask(jobs[3])]] == [(False, 1), (False, 2)]
-        assert (await ask(jobs[2])).position == 1  # asking again keeps the place in line
-        with pytest.raises(WorkflowUpdateFailedError):
-            await gate.execute_update(TenantGateWorkflow.acquire, SlotRequest(tenant="other", job_id="x"))
+        async def heard(job_id: str, count: int = 1) -> dict:
+            """The latest standing the job heard, once it heard `count`."""
+            async def probe() -> list[dict] | None:
+                standings = await waiters[job_id].query(WaitsForSlot.standings)
+                return standings if len(standings) >= count else None
+            return (await eventually(probe, timeout=10, what=f"{count} answer(s) to {job_id}"))[-1]
 
-        # A release hands the slot to the first in line, by signal.
+        for job_id in jobs[:2]:
+            await ask(job_id)
+            assert (await heard(job_id))["granted"]
+        for job_id in jobs[2:4]:
+            await ask(job_id)
+        assert [((s := await heard(j))["granted"], s["position"]) for j in jobs[2:4]] == [(False, 1), (False, 2)]
+        await ask(jobs[2])  # asking again (a retried request) keeps the place in line
+        assert (await heard(jobs[2], 2))["position"] == 1
+        await ask(jobs[5], tenant="other")  # not this gate's tenant: ignored
+
+        # A release hands the slot to the first in line.
         await gate.signal(TenantGateWorkflow.release, SlotRequest(tenant="t", job_id=jobs[0]))
         await waiters[jobs[2]].result()
         state = await gate.query(TenantGateWorkflow.slots)
         assert (state.holders, state.waiting) == ([jobs[1], jobs[2]], [jobs[3]])
 
         # A higher limit (the keys file changed) lets the line move at once.
-        assert (await ask(jobs[4], limit=3)).granted is False
+        await ask(jobs[4], limit=3)
         await waiters[jobs[3]].result()
+        assert (await heard(jobs[4]))["position"] == 1
         assert (await gate.query(TenantGateWorkflow.slots)).waiting == [jobs[4]]
 
         # A holder that ended without releasing (terminated by hand) is found by the sweep.
@@ -582,6 +594,7 @@ async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended
         assert (state.holders, state.waiting) == ([jobs[2], jobs[3], jobs[4]], [])
         # Sweeps ask only about holders, and only while someone waits.
         assert fakes.named("ended_jobs") and all(len(c.arg.job_ids) >= 2 for c in fakes.named("ended_jobs"))
+        assert await waiters[jobs[5]].query(WaitsForSlot.standings) == []
         await gate.terminate("test over")
 
 

@@ -1,15 +1,16 @@
 """The tenant gate: at most `limit` jobs of one tenant run at once; the others wait queued, in order.
 
 One long-lived workflow per tenant (id `<tenant>.gate.<task queue>`, kind `tenant_gate`, never listed
-as a job) holds who runs and who waits:
+as a job) holds who runs and who waits. Everything it hears and says is a signal, so a burst of a
+tenant's jobs costs it a few workflow tasks, however many jobs there are:
 
-  acquire (Update, sent with update-with-start by the job's first local activity, so a tenant's first
-           job starts its gate): granted at once while fewer than `limit` run and nobody waits,
-           otherwise queued at the back of the line (asking again is harmless: same answer)
-  release (Signal): the job ended, or waits for a person; the next in line gets `slot_granted`
+  acquire (from the job's first local activity, as signal-with-start, so a tenant's first job starts
+           its gate): the job runs at once while fewer than `limit` run and nobody waits, otherwise
+           it joins the back of the line; either way the job hears its standing (`slot_update`)
+  release the job ended, or waits for a person: the next in line hears it may run
   sweep   while anyone waits and every slot is taken: drop holders that ended without releasing
-          (terminated by hand), found through the worker's client, every `slot_sweep` interval
-  continue-as-new when the history grows long, carrying holders and the line
+          (terminated by hand), found through the worker's client, every `[running_slots] sweep`
+  continue-as-new when the history grows long, carrying holders, the line and their tickets
 
 Jobs hold a slot only while they run: see workflows/slot.py for the job's side.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.gate import GateActivities
@@ -49,58 +49,69 @@ class TenantGateWorkflow:
         workflow.continue_as_new(self.state)
 
     # -- what jobs send ----------------------------------------------------------------------------
-    @workflow.update
-    def acquire(self, req: SlotRequest) -> SlotGrant:
+    @workflow.signal
+    def acquire(self, req: SlotRequest) -> None:
         state = self.state
+        if req.tenant != state.tenant:
+            workflow.logger.warning("ignored: job %s of tenant %s asked tenant %s's gate", req.job_id, req.tenant,
+                                    state.tenant)
+            return
         if req.limit is not None and req.limit != state.limit:
             state.limit = req.limit
             self._grant_next()
-        if req.job_id not in state.holders and req.job_id not in state.waiting:
+        known = req.job_id in state.holders or req.job_id in state.waiting
+        if not known or state.tickets.get(req.job_id) != req.ticket:
+            self._drop(req.job_id, grant=False)
+            state.tickets[req.job_id] = req.ticket
             if len(state.holders) < state.limit and not state.waiting:
                 state.holders.append(req.job_id)
             else:
                 state.waiting.append(req.job_id)
-        if req.job_id in state.holders:
-            return SlotGrant(granted=True, running=len(state.holders), limit=state.limit)
-        return SlotGrant(granted=False, running=len(state.holders), limit=state.limit,
-                         position=state.waiting.index(req.job_id) + 1)
-
-    @acquire.validator
-    def _validate_acquire(self, req: SlotRequest) -> None:
-        if req.tenant != self.state.tenant:
-            raise ApplicationError(f"this gate is tenant {self.state.tenant}'s, not {req.tenant}'s",
-                                   type="InputError")
+        self._tell(req.job_id)  # asked again (a retried request): the same answer again
 
     @workflow.signal
     def release(self, req: SlotRequest) -> None:
-        self._drop(req.job_id)
+        if self.state.tickets.get(req.job_id, req.ticket) == req.ticket:
+            self._drop(req.job_id)
 
     @workflow.query
     def slots(self) -> GateState:
         return self.state
 
     # -- the line ----------------------------------------------------------------------------------
-    def _drop(self, job_id: str) -> None:
-        if job_id in self.state.holders:
-            self.state.holders.remove(job_id)
-        if job_id in self.state.waiting:
-            self.state.waiting.remove(job_id)
-        self._grant_next()
+    def _drop(self, job_id: str, *, grant: bool = True) -> None:
+        state = self.state
+        if job_id in state.holders:
+            state.holders.remove(job_id)
+        if job_id in state.waiting:
+            state.waiting.remove(job_id)
+        state.tickets.pop(job_id, None)
+        if grant:
+            self._grant_next()
 
     def _grant_next(self) -> None:
         state = self.state
         while state.waiting and len(state.holders) < state.limit:
             job_id = state.waiting.pop(0)
             state.holders.append(job_id)
-            self._notifying += 1
-            asyncio.create_task(self._notify(job_id))  # noqa: RUF006 (awaited through _notifying)
+            self._tell(job_id)
 
-    async def _notify(self, job_id: str) -> None:
+    def _tell(self, job_id: str) -> None:
+        """Signal the job its standing: granted, or its place in line."""
+        state = self.state
+        standing = SlotGrant(ticket=state.tickets.get(job_id, 1), granted=job_id in state.holders,
+                             running=len(state.holders), limit=state.limit,
+                             position=state.waiting.index(job_id) + 1 if job_id in state.waiting else 0)
+        self._notifying += 1
+        asyncio.create_task(self._send(job_id, standing))  # noqa: RUF006 (awaited through _notifying)
+
+    async def _send(self, job_id: str, standing: SlotGrant) -> None:
         try:
-            await workflow.get_external_workflow_handle(job_id).signal("slot_granted")
-        except Exception:  # noqa: BLE001 - the job is gone: its slot goes to the next in line
-            workflow.logger.info("job %s ended before its slot came; passing it on", job_id)
-            self._drop(job_id)
+            await workflow.get_external_workflow_handle(job_id).signal("slot_update", standing)
+        except Exception:  # noqa: BLE001 - the job is gone: its place goes to the next in line
+            workflow.logger.info("job %s ended before hearing from its gate; passing its place on", job_id)
+            if self.state.tickets.get(job_id) == standing.ticket:
+                self._drop(job_id)
         finally:
             self._notifying -= 1
 

@@ -26,6 +26,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest
+    from models.tenancy import SlotGrant
     from ragline import metrics
     from temporal import policies
     from temporal import search_attributes as sa
@@ -179,8 +180,8 @@ class JobWorkflow:
 
     # -- what every job answers --------------------------------------------------------------------
     @workflow.signal
-    def slot_granted(self) -> None:
-        self.slot.granted()
+    def slot_update(self, standing: SlotGrant) -> None:
+        self.slot.heard(standing)
 
     @workflow.query
     def progress(self) -> JobProgress:

@@ -18,7 +18,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.gate import GateActivities
-    from models.tenancy import SlotRequest
+    from models.tenancy import SlotGrant, SlotRequest
     from temporal import policies
     from temporal import search_attributes as sa
     from workflows.events import JobEvents
@@ -30,13 +30,15 @@ class RunningSlot:
     def __init__(self, events: JobEvents, on_change: Callable[[], None]) -> None:
         self._events = events
         self._on_change = on_change
-        self._grants = 0
+        self._ticket = 0
+        self._standing: SlotGrant | None = None
         self.held = False
         self.waiting = False
 
-    def granted(self) -> None:
-        """The gate's `slot_granted` signal."""
-        self._grants += 1
+    def heard(self, standing: SlotGrant) -> None:
+        """The gate's `slot_update` signal: granted, or the place in line (of the latest request only)."""
+        if standing.ticket == self._ticket:
+            self._standing = standing
 
     async def acquire(self, *, takes_slot: bool) -> None:
         tenant = workflow.info().typed_search_attributes.get(sa.TENANT)
@@ -44,16 +46,19 @@ class RunningSlot:
         # outside any gate.
         if not takes_slot or tenant is None or not workflow.patched(PATCH):
             return
-        grants = self._grants
-        grant = await _local(GateActivities.acquire_slot, self._request(tenant))
-        if not grant.granted:
-            self.waiting = True
+        self._ticket += 1
+        self._standing = None
+        self.waiting = True
+        await _local(GateActivities.acquire_slot, self._request(tenant))
+        await workflow.wait_condition(lambda: self._standing is not None)
+        if not self._standing.granted:
             self._on_change()
-            self._events.emit("ragline.job.queued", {"reason": "tenant_running_jobs", "running": grant.running,
-                                                     "limit": grant.limit, "position": grant.position})
-            await workflow.wait_condition(lambda: self._grants != grants)
-            self.waiting = False
-            self._on_change()
+            self._events.emit("ragline.job.queued", {
+                "reason": "tenant_running_jobs", "running": self._standing.running, "limit": self._standing.limit,
+                "position": self._standing.position})
+            await workflow.wait_condition(lambda: self._standing.granted)
+        self.waiting = False
+        self._on_change()
         self.held = True
 
     async def release(self) -> None:
@@ -79,7 +84,7 @@ class RunningSlot:
         await self.acquire(takes_slot=True)
 
     def _request(self, tenant: str) -> SlotRequest:
-        return SlotRequest(tenant=tenant, job_id=workflow.info().workflow_id)
+        return SlotRequest(tenant=tenant, job_id=workflow.info().workflow_id, ticket=self._ticket)
 
 
 async def _local(activity, arg):
