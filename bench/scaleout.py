@@ -34,6 +34,7 @@ from bench.procs import ROOT, child_env, free_port
 from bench.report import write_section
 from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM
+from ragline import keys
 from ragline.settings import Settings
 from temporal import search_attributes as sa
 
@@ -112,6 +113,16 @@ async def _chat_phase(http: httpx.AsyncClient, llm: ScriptedLLM, turns: int, tag
             "answers": llm.count("answer", ok_only=True) - calls_before}
 
 
+def _api_key(settings: Settings) -> str:
+    """A reviewer key for the bench's tenant, with room for the bench's request rate and its jobs in
+    flight (what is measured here is throughput per worker, not the per-tenant limits)."""
+    path = settings.effective_api_keys_file
+    key = keys.create(path, "bench", role="reviewer", name="bench-scaleout", requests_per_minute=1_000_000)
+    with path.open("a") as f:
+        f.write("\n[tenants.bench]\nmax_running_jobs = 100000\n")
+    return key
+
+
 async def run(args: argparse.Namespace) -> dict:
     data = Path(tempfile.mkdtemp(prefix="ragline-scaleout-"))
     env_server = await WorkflowEnvironment.start_local(
@@ -140,7 +151,8 @@ async def run(args: argparse.Namespace) -> dict:
         while not server.started:
             await asyncio.sleep(0.05)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.api_port}", timeout=120,
-                                     limits=httpx.Limits(keepalive_expiry=2.0)) as http:
+                                     limits=httpx.Limits(keepalive_expiry=2.0),
+                                     headers={"Authorization": f"Bearer {_api_key(settings)}"}) as http:
             for role in ("vector", "workflows", "cpu", "llm"):
                 workers.start(role)
 

@@ -81,13 +81,21 @@ async def _seed(http: httpx.AsyncClient, collection: str = "slots") -> str:
 
 
 async def _busy_span(stack, job_id: str) -> tuple[float, float]:
-    """From the job's first step (activity or child job) started to its last one done, server clock."""
-    starts = {EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
-              EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED}
-    ends = {EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED, EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED}
+    """From the job's first step under its slot (activity or child job) to its last step done, server
+    clock. A turn's retrieval is not under the slot: it runs while the turn asks for one."""
     history = await stack.client.get_workflow_handle(job_id).fetch_history()
-    times = [(e.event_type, e.event_time.ToDatetime().timestamp()) for e in history.events]
-    return min(t for kind, t in times if kind in starts), max(t for kind, t in times if kind in ends)
+    starts, ends = [], []
+    for e in history.events:
+        at = e.event_time.ToDatetime().timestamp()
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            if e.activity_task_scheduled_event_attributes.activity_type.name != "retrieve_context":
+                starts.append(at)
+        elif e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
+            starts.append(at)
+        elif e.event_type in (EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
+                              EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED):
+            ends.append(at)
+    return min(starts), max(ends)
 
 
 @dataclass

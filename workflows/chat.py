@@ -7,8 +7,8 @@ POST /v1/chats --signal-with-start `submit`--> ChatSessionWorkflow (id session-<
   continue-as-new at a turn boundary; carried: turn counter, recent job ids, turns not yet run, history
 
 ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
-  wait for `proceed` -> a running slot of the tenant (workflows/slot.py)
-  -> retrieve_context -> generate_answer (streams deltas) -> summarize_context || extract_entities
+  wait for `proceed` -> retrieve_context (meanwhile: ask for a running slot of the tenant, workflows/slot.py)
+  -> [the slot] -> generate_answer (streams deltas) -> summarize_context || extract_entities
   Only when the passages overflow the model's context budget does summarize_context run before
   generate_answer, which then answers from the summary. Nothing else delays the answer's first token.
 """
@@ -61,6 +61,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                   accepted={"session_id": turn.session_id, "turn": turn.turn},
                                   ready=lambda: self._go(turn))
 
+    SLOT_BEFORE_WORK = False  # retrieval (no model call) runs while the slot is asked for
+
     def takes_slot(self) -> bool:
         return True  # its parent, the session, holds no running slot
 
@@ -95,6 +97,9 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                 answer=retrieved.refusal or "", citations=[], summary="", entities=[], model="none",
                                 usage=Usage(), supported=False)
             return await self._remember(self._answered(result), retrieved.cache_key)
+        # The model calls from here on are what the tenant's running slot is for; retrieval ran while
+        # the slot was being asked for.
+        await self.running_slot()
         context = ContextInput(question=question.message, context_ref=retrieved.context_ref)
         summary = None if retrieved.fits else await self.step(ChatActivities.summarize_context, context)
         generate = GenerateInput(question=question.message, context_ref=retrieved.context_ref,

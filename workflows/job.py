@@ -51,6 +51,9 @@ class _FellBack(Exception):
 class JobWorkflow:
     # The activities this job runs, shown as pending steps from the start (in DAG order).
     PLANNED: ClassVar[tuple[Callable[..., Any], ...]] = ()
+    # Whether the job's steps wait for its running slot (workflows/slot.py). False: the job's own code
+    # awaits `running_slot()` before the steps the cap is for, and runs cheap ones meanwhile.
+    SLOT_BEFORE_WORK: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.events = JobEvents()
@@ -61,6 +64,7 @@ class JobWorkflow:
         self.reviews = Reviews(self.events, self._sync_status, while_waiting=self.slot.lent)
         self._running = False
         self._status: JobStatus = "queued"
+        self._slot_asked: asyncio.Future[None] | None = None
 
     # -- the run skeleton ------------------------------------------------------------------------
     async def run_job(self, work: Callable[[], Awaitable[R]], accepted: dict[str, Any],
@@ -71,7 +75,9 @@ class JobWorkflow:
         try:
             if ready is not None:
                 await ready()
-            await self.slot.acquire(takes_slot=self.takes_slot())
+            self._slot_asked = asyncio.ensure_future(self.slot.acquire(takes_slot=self.takes_slot()))
+            if self.SLOT_BEFORE_WORK:
+                await self.running_slot()
             result = await work()
             self._count("completed")
             await self.events.close("ragline.job.completed", result.model_dump(mode="json"))
@@ -99,6 +105,11 @@ class JobWorkflow:
         self.steps.skip_pending()
         self._count("cancelled")
         await self.events.close("ragline.job.cancelled", {})
+
+    async def running_slot(self) -> None:
+        """Until the job holds its tenant's running slot (asked for as the job began)."""
+        if self._slot_asked is not None:
+            await self._slot_asked
 
     def takes_slot(self) -> bool:
         """Whether this job counts against its tenant's running jobs (workflows/slot.py): only a job

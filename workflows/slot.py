@@ -32,8 +32,10 @@ class RunningSlot:
         self._on_change = on_change
         self._ticket = 0
         self._standing: SlotGrant | None = None
+        self._asked = False    # the gate knows of this job (holding, or in line)
+        self._sending = False  # the request is on its way to the gate
         self.held = False
-        self.waiting = False
+        self.waiting = False   # told to wait in line
 
     def heard(self, standing: SlotGrant) -> None:
         """The gate's `slot_update` signal: granted, or the place in line (of the latest request only)."""
@@ -48,25 +50,30 @@ class RunningSlot:
             return
         self._ticket += 1
         self._standing = None
-        self.waiting = True
-        await _local(GateActivities.acquire_slot, self._request(tenant))
+        self._asked = self._sending = True
+        try:
+            await _local(GateActivities.acquire_slot, self._request(tenant))
+        finally:
+            self._sending = False
         await workflow.wait_condition(lambda: self._standing is not None)
         if not self._standing.granted:
+            self.waiting = True
             self._on_change()
             self._events.emit("ragline.job.queued", {
                 "reason": "tenant_running_jobs", "running": self._standing.running, "limit": self._standing.limit,
                 "position": self._standing.position})
             await workflow.wait_condition(lambda: self._standing.granted)
-        self.waiting = False
-        self._on_change()
+            self.waiting = False
+            self._on_change()
         self.held = True
 
     async def release(self) -> None:
         """Give the slot back (or leave the line). Never fails the job: the gate's sweep frees a slot
         whose release was lost."""
-        if not (self.held or self.waiting):
+        if not self._asked:
             return
-        self.held = self.waiting = False
+        await workflow.wait_condition(lambda: not self._sending)  # so the release cannot overtake it
+        self._asked = self.held = self.waiting = False
         try:
             tenant = workflow.info().typed_search_attributes.get(sa.TENANT)
             await _local(GateActivities.release_slot, self._request(tenant))
