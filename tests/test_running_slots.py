@@ -82,13 +82,14 @@ async def _seed(http: httpx.AsyncClient, collection: str = "slots") -> str:
 
 async def _busy_span(stack, job_id: str) -> tuple[float, float]:
     """From the job's first step under its slot (activity or child job) to its last step done, server
-    clock. A turn's retrieval is not under the slot: it runs while the turn asks for one."""
+    clock. Asking for the slot is not under it, nor is a turn's retrieval, which runs meanwhile."""
     history = await stack.client.get_workflow_handle(job_id).fetch_history()
     starts, ends = [], []
     for e in history.events:
         at = e.event_time.ToDatetime().timestamp()
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-            if e.activity_task_scheduled_event_attributes.activity_type.name != "retrieve_context":
+            if e.activity_task_scheduled_event_attributes.activity_type.name not in ("retrieve_context",
+                                                                                     "acquire_slot"):
                 starts.append(at)
         elif e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
             starts.append(at)
@@ -133,8 +134,8 @@ async def test_a_capped_tenant_runs_one_job_at_a_time_and_queues_the_rest(stack)
         async with _a_turn_holding_the_slot(stack, http) as held:
             waiting = [await _ask(http, f"When is the lamp lit? ({n}) {held.others.token}") for n in (1, 2)]
             await _in_line(stack, tenant, *waiting)
-            for job_id in waiting:
-                assert await _status(http, job_id) == "queued"
+            for job_id in waiting:  # (once it has heard so from the gate: retrieval may run meanwhile)
+                await _wait_status(http, job_id, "queued")
             jobs = (await http.get("/v1/jobs", params={"status": "queued"})).json()["jobs"]
             assert {j["job_id"] for j in jobs} >= set(waiting)
             assert await _status(http, held.holder) == "running"
@@ -176,6 +177,7 @@ async def test_a_slot_held_by_a_terminated_job_is_freed_and_other_tenants_are_no
         async with _a_turn_holding_the_slot(stack, http) as held:
             waiter = await _ask(http, f"Anyone? {held.others.token}")
             await _in_line(stack, tenant, waiter)
+            await _wait_status(http, waiter, "queued")
 
             # The limit is per tenant: acme's turn does not wait behind this tenant's line.
             ours = await stack.chat(f"Unrelated question {held.others.token}")

@@ -4,7 +4,7 @@ One long-lived workflow per tenant (id `<tenant>.gate.<task queue>`, kind `tenan
 as a job) holds who runs and who waits. Everything it hears and says is a signal, so a burst of a
 tenant's jobs costs it a few workflow tasks, however many jobs there are:
 
-  acquire (from the job's first local activity, as signal-with-start, so a tenant's first job starts
+  acquire (from the job's acquire_slot activity, as signal-with-start, so a tenant's first job starts
            its gate): the job runs at once while fewer than `limit` run and nobody waits, otherwise
            it joins the back of the line; either way the job hears its standing (`slot_update`)
   release the job ended, or waits for a person: the next in line hears it may run

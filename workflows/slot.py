@@ -52,7 +52,11 @@ class RunningSlot:
         self._standing = None
         self._asked = self._sending = True
         try:
-            await _local(GateActivities.acquire_slot, self._request(tenant))
+            # An activity, not a local one: the job's workflow task does not wait for it, so a turn's
+            # retrieval is scheduled at once, and asks in parallel.
+            acquire = GateActivities.acquire_slot
+            await workflow.execute_activity_method(acquire, self._request(tenant),
+                                                   **policies.options(policies.activity_name(acquire)))
         finally:
             self._sending = False
         await workflow.wait_condition(lambda: self._standing is not None)
