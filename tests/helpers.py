@@ -15,6 +15,8 @@ import httpx
 import pytest
 from temporalio import workflow
 
+from ragline.vectorstore import open_index
+
 T = TypeVar("T")
 
 
@@ -107,6 +109,25 @@ def delegate_until(leaf_depth: int, token: str = "") -> Callable[[dict], dict[st
         return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer from depth {depth}"}}]}
     return plan
 
+
+
+async def assert_nothing_lost_or_doubled(stack, collection: str, ingest_jobs: list[dict], sessions: list[str],
+                                         turns: int = 4) -> None:
+    """After a crash test: Qdrant holds exactly each document's chunks (none missing, none twice), and
+    every session answered each of its turns once, in order. Opens the store, so no worker may hold it."""
+    index = open_index(stack.settings)
+    try:
+        for job in ingest_jobs:
+            [doc] = job["result"]["documents"]
+            assert index.count(stack.tenant, collection, doc["document_id"]) == doc["chunks"], doc
+        expected = sum(j["result"]["documents"][0]["chunks"] for j in ingest_jobs)
+        assert index.count(stack.tenant, collection) == expected
+    finally:
+        index.close()
+    for session in sessions:
+        answered = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+        assert [t["turn"] for t in answered] == list(range(1, turns + 1))
+        assert all(t["status"] == "completed" and t["answer"] for t in answered)
 
 # -- the tenant gate ---------------------------------------------------------------------------------
 

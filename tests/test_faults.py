@@ -18,10 +18,9 @@ import uuid
 from pathlib import Path
 
 
-from ragline.vectorstore import open_index
 from devtools.devserver import DevServer
 from tests.conftest import FIXTURES, free_server_port, running_stack
-from tests.helpers import eventually
+from tests.helpers import assert_nothing_lost_or_doubled, eventually
 from tests.pdfgen import pdf_bytes
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -125,21 +124,8 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
 
         assert [j["status"] for j in ingest_jobs] == ["completed"] * 20
         assert [j["status"] for j in chat_jobs] == ["completed"] * 20
-        # Qdrant holds exactly the expected points: none missing, none duplicated.
-        index = open_index(stack.settings)
-        try:
-            for job in ingest_jobs:
-                [doc] = job["result"]["documents"]
-                assert index.count(stack.tenant, "kill", doc["document_id"]) == doc["chunks"], doc
-            expected = sum(j["result"]["documents"][0]["chunks"] for j in ingest_jobs)
-            assert index.count(stack.tenant, "kill") == expected
-        finally:
-            index.close()
-        # Every chat turn has exactly one answer, in order per session.
-        for session in sessions:
-            turns = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
-            assert [t["turn"] for t in turns] == [1, 2, 3, 4]
-            assert all(t["status"] == "completed" and t["answer"] for t in turns)
+        # Qdrant holds exactly the expected points, and every turn was answered once, in order.
+        await assert_nothing_lost_or_doubled(stack, "kill", ingest_jobs, sessions)
         # The kills mattered: each one cut off a model call in flight (the worker's connection dropped
         # before the reply was sent), and the step it belonged to was retried to completion.
         chat_calls = [c for c in scripted_llm.calls if c.endpoint == "chat" and c.question.startswith("Question ")]

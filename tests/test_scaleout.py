@@ -19,7 +19,7 @@ from ragline.errors import StoreUnavailableError
 from ragline.settings import Settings
 from ragline.vectorstore import open_index
 from tests.conftest import FIXTURES, running_stack
-from tests.helpers import eventually
+from tests.helpers import assert_nothing_lost_or_doubled, eventually
 from tests.pdfgen import pdf_bytes
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -138,18 +138,7 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
         assert [j["status"] for j in ingest_jobs] == ["completed"] * 20, ingest_jobs
         assert [j["status"] for j in chat_jobs] == ["completed"] * 40, [j for j in chat_jobs if j["status"] != "completed"]
         # With the vector process stopped, the store opens here: exactly the expected points.
-        index = open_index(stack.settings)
-        try:
-            for job in ingest_jobs:
-                [doc] = job["result"]["documents"]
-                assert index.count(stack.tenant, "scale", doc["document_id"]) == doc["chunks"], doc
-            assert index.count(stack.tenant, "scale") == sum(j["result"]["documents"][0]["chunks"] for j in ingest_jobs)
-        finally:
-            index.close()
-        for session in sessions:
-            turns = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
-            assert [t["turn"] for t in turns] == [1, 2, 3, 4]
-            assert all(t["status"] == "completed" and t["answer"] for t in turns)
+        await assert_nothing_lost_or_doubled(stack, "scale", ingest_jobs, sessions)
         # No model call repeated after it completed, unless a kill cut off the earlier run's report.
         by_step: dict[tuple[str, str], list] = {}
         for call in private_llm.calls:
