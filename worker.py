@@ -22,6 +22,7 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import (
     PollerBehaviorAutoscaling, ResourceBasedSlotConfig, Worker, WorkerDeploymentConfig, WorkerTuner,
 )
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.agent import AgentActivities
 from activities.chat import ChatActivities
@@ -78,6 +79,13 @@ NEEDS: dict[str, frozenset[str]] = {
         SearchActivities.search_chunks, EvaluationActivities.evaluate_collection))),
 }
 SEARCH = _NAME(SearchActivities.search_chunks)
+
+
+# The sandbox still refuses non-deterministic calls (clock, random, I/O) in workflow code, but imports
+# no module again for each workflow run: the workflow modules keep no state of their own, and a new
+# sandbox per run cost every job's first workflow task several milliseconds and the worker about a
+# tenth of its CPU (BENCHMARKS.md).
+WORKFLOW_RUNNER = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_all_modules())
 
 
 class RoleError(ValueError):
@@ -262,7 +270,8 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
     common: dict[str, Any] = {"activity_executor": executor, **_pollers(settings),
                               "graceful_shutdown_timeout": timedelta(seconds=settings.worker_graceful_shutdown),
                               # step latency/attempts, log context; tracing comes from the client
-                              "interceptors": [StepTelemetry()]}
+                              "interceptors": [StepTelemetry()],
+                              "workflow_runner": WORKFLOW_RUNNER}
     if (deployment := deployment_config(settings)) is not None:
         common["deployment_config"] = deployment
     workers = []

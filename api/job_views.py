@@ -31,6 +31,8 @@ from temporal import search_attributes as sa
 
 # A job's `progress` query needs a worker: without one, the view shows what the server knows, quickly.
 PROGRESS_QUERY_TIMEOUT = timedelta(seconds=2)
+# How long one long poll on a session's history waits for the start of an accepted turn's job.
+SESSION_WATCH = timedelta(seconds=10)
 
 Ack = TypeVar("Ack", bound=BaseModel)
 
@@ -161,13 +163,33 @@ async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeo
     """Waits while `job_id` is an accepted turn whose job its session has not started yet (no worker,
     or earlier turns of the session still starting). False when there is no such job at all."""
     job_id = scoped(tenant, job_id)
-    delay = 0.05
     while not await exists(client, job_id, rpc_timeout):
         if await accepted_turn(client, tenant, job_id, rpc_timeout) is None:
             return await exists(client, job_id, rpc_timeout)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        await _session_starts(client, tenant, job_id, SESSION_WATCH)
     return True
+
+
+async def _session_starts(client: Client, tenant: str, job_id: str, wait: timedelta) -> None:
+    """Until the turn's session has started (or tried to start) the job `job_id`, its run ends, or
+    `wait` passes: a long poll on the session's history, which the server answers as events arrive,
+    rather than asking again and again (a burst of accepted turns would cost the server that much)."""
+    handle = client.get_workflow_handle(session_workflow_id(tenant, session_of_turn(job_id)))
+
+    async def watch() -> None:
+        async for event in handle.fetch_history_events(wait_new_event=True, rpc_timeout=wait):
+            if event.HasField("child_workflow_execution_started_event_attributes"):
+                started = event.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id
+                if started == job_id:
+                    return
+            elif event.HasField("start_child_workflow_execution_failed_event_attributes"):
+                if event.start_child_workflow_execution_failed_event_attributes.workflow_id == job_id:
+                    return  # it existed already
+
+    try:
+        await asyncio.wait_for(watch(), wait.total_seconds())
+    except (asyncio.TimeoutError, RPCError):
+        pass  # the caller looks again
 
 
 async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta, *,

@@ -61,11 +61,19 @@ def api_headers(base_url: str) -> dict[str, str]:
     return dict(_api_headers.get(base_url.rstrip("/"), {}))
 
 
+# uvicorn's idle keep-alive for the bench's servers, and the client's (seconds).
+KEEP_ALIVE = ["--timeout-keep-alive", "600"]
+CLIENT_KEEP_ALIVE = 2.0
+
+
 def client(base_url: str, timeout: float | httpx.Timeout, connections: int | None = None) -> httpx.AsyncClient:
     """An HTTP client for one of the bench's servers: loopback only (no proxy from the environment), the
     API key registered for it if any, room for `connections` at once."""
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections) if connections \
-        else httpx.Limits()
+    # The client drops an idle connection well before the server does (KEEP_ALIVE): a request never goes
+    # out on a connection the server is closing at that moment.
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                          keepalive_expiry=CLIENT_KEEP_ALIVE) if connections \
+        else httpx.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE)
     return httpx.AsyncClient(base_url=base_url, trust_env=False, timeout=timeout, limits=limits,
                              headers=_api_headers.get(base_url.rstrip("/"), {}))
 

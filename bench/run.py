@@ -47,7 +47,7 @@ import httpx
 
 from bench import config, floor_worker, procs, ratios, rawhttp, report
 from bench.measure import Burst, Drain, burst, percentile
-from bench.procs import LOOPBACK, ROOT, Proc, child_env, free_port, http_ok, temporal_ports
+from bench.procs import KEEP_ALIVE, LOOPBACK, ROOT, Proc, child_env, free_port, http_ok, temporal_ports
 from bench.sse import chat_turn
 from models.chat import session_of_turn, session_workflow_id
 
@@ -216,10 +216,10 @@ class Stack:
         worker = self._spawn("worker", [py, "worker.py"], env)
         log(f"Ragline API on {self.api_url} (uvicorn, 1 worker)")
         api = self._spawn("api", [py, "-m", "uvicorn", "api.app:app", "--host", LOOPBACK, "--port", str(api_port),
-                                  "--workers", "1", "--no-access-log", "--log-level", "warning"], env)
+                                  "--workers", "1", "--no-access-log", "--log-level", "warning", *KEEP_ALIVE], env)
         log(f"sync baseline on {self.sync_url} (uvicorn, 1 worker)")
         sync = self._spawn("sync-app", [py, "-m", "uvicorn", "bench.sync_app:app", "--host", LOOPBACK, "--port",
-                                        str(sync_port), "--workers", "1", "--no-access-log", "--log-level", "warning"],
+                                        str(sync_port), "--workers", "1", "--no-access-log", "--log-level", "warning", *KEEP_ALIVE],
                            {"BENCH_LLM_BASE_URL": f"{self.llm_url}/v1", "BENCH_LLM_MODEL": "scripted"})
         log(f"floor worker (python -m bench.floor_worker, task queue {FLOOR_QUEUE})")
         floor = self._spawn("floor-worker", [py, "-m", "bench.floor_worker", "--address", self.temporal_address,

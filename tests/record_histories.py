@@ -32,7 +32,7 @@ from models.chat import SessionState, session_workflow_id
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
-from tests.helpers import delegate_until, waiting_reviews
+from tests.helpers import delegate_until, read_events, waiting_reviews
 from workflows.chat import ChatSessionWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
@@ -107,6 +107,20 @@ async def record() -> list[Path]:
             await asyncio.sleep(1)
             saved += await _save(client, "chat-session", f"WorkflowId = '{session_workflow_id(stack.tenant, session)}'")
             saved += await _save(client, "chat-session", f"WorkflowId = '{turns[-1]['job_id']}'")
+
+            # Turns followed on their event streams: their histories hold the stream's polls (Updates)
+            # and, when a poll was not waiting as the run ended, the wait for it (events-linger).
+            watched = []
+            for i in range(3):
+                with stack.llm.scope(delay=0.3) as mine:
+                    t = await stack.chat(f"Watched question {i}: who lights the lamps? {mine.token}",
+                                         collection="record")
+                    events = await read_events(stack, t["job_id"])
+                assert events[-1][1]["type"] == "ragline.job.completed", events[-1]
+                watched.append(t["job_id"])
+            await asyncio.sleep(1)
+            for n, job_id in enumerate(watched, 1):
+                saved += await _save(client, f"watched-turn-{n}", f"WorkflowId = '{job_id}'")
 
             # An agent tree: the depth guard waits for a review, which approves one level more.
             stack.llm.script_fn("agent", delegate_until(leaf_depth=2))

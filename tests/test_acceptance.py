@@ -16,6 +16,7 @@ from models.chat import SessionState, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
+from tests.helpers import read_events
 from worker import build_worker
 from workflows.chat import ChatSessionWorkflow
 
@@ -49,6 +50,8 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
             assert r.status_code == 200, r.text
             assert r.json()["status"] == "queued", r.json()
         assert (await stack.http.get(f"/v1/jobs/chat-{session}.{'0' * 20}")).status_code == 404
+        # A stream opened now follows a turn whose job no worker has started yet.
+        stream = asyncio.ensure_future(read_events(stack, turns[1]["job_id"]))
 
         # A worker comes: everything accepted runs, the session's turns in acceptance order.
         index = open_index(stack.settings)
@@ -56,10 +59,13 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
         try:
             async with build_worker(stack.client, stack.settings, index, executor):
                 done = [await stack.wait_done(job_id, timeout=120) for job_id in job_ids]
+                events = [e for _, e in await asyncio.wait_for(stream, 60)]
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             index.close()
     assert all(job["status"] == "completed" for job in done), done
+    assert events[0]["type"] == "ragline.job.accepted" and events[-1]["type"] == "ragline.job.completed"
+    assert events[-1]["data"]["question"] == questions[1]
     chat_jobs = done[1:5]
     assert [job["turn"] for job in chat_jobs] == [1, 2, 3, 4]
     assert [job["result"]["question"] for job in chat_jobs] == [*questions, f"Keyed question about {tag}?"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from temporalio.api.enums.v1 import EventType
+
 from tests.conftest import shared_pdf
 from tests.helpers import read_events
 
@@ -37,3 +39,39 @@ async def test_failed_job_stream_ends_with_the_reason(stack):
     events = await read_events(stack, body["job_id"])
     assert events[-1][1]["type"] == "ragline.job.failed"
     assert "no extractable text" in events[-1][1]["data"]["error"]
+
+
+async def _history(stack, job_id: str) -> list:
+    handle = stack.client.get_workflow_handle(job_id)  # the API's job ids are the workflow ids
+    return [e async for e in handle.fetch_history_events()]
+
+
+async def test_a_watched_job_hands_its_terminal_event_to_the_waiting_stream(stack):
+    """The terminal event leaves with the run's last workflow task, as the answer to the stream's poll:
+    no poll comes after the run closed (a query, which a worker answers by replaying the history)."""
+    doc = await stack.upload(("cranes.txt", b"Harbour cranes at the north pier lift forty tonnes."),
+                             collection="events-linger")
+    assert (await stack.wait_done(doc["job_id"]))["status"] == "completed"
+    # Three turns: whether the last poll is already waiting when the run ends is a race; each turn
+    # must win it.
+    for attempt in range(3):
+        with stack.llm.scope(delay=0.3) as llm:  # the turn still runs when its stream subscribes
+            turn = await stack.chat(f"How much do the harbour cranes lift ({attempt})? {llm.token}",
+                                    collection="events-linger")
+            events = await read_events(stack, turn["job_id"])
+        assert events[-1][1]["type"] == "ragline.job.completed"
+        history = await _history(stack, turn["job_id"])
+        last_task = max(i for i, e in enumerate(history)
+                        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED)
+        tail = [e.event_type for e in history[last_task + 1:]]
+        assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED in tail, tail
+        assert tail[-1] == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED
+
+
+async def test_a_job_nobody_watches_ends_without_waiting_for_a_stream(stack):
+    body = await stack.upload(("unwatched.txt", b"An unwatched text about harbour cranes."),
+                              collection="events-linger")
+    assert (await stack.wait_done(body["job_id"]))["status"] == "completed"
+    history = await _history(stack, body["job_id"])
+    assert not [e for e in history if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED]
+    assert not [e for e in history if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED]

@@ -5,6 +5,8 @@ read from the run's tracing header."""
 
 from __future__ import annotations
 
+import asyncio
+from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -12,6 +14,11 @@ from temporalio.contrib.workflow_streams import WorkflowStream
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import EVENTS_TOPIC
+
+
+# Histories recorded before the terminal event waited for a watching subscriber replay without it.
+LINGER_PATCH = "events-linger-for-subscriber"
+SUBSCRIBER_GRACE = timedelta(milliseconds=500)
 
 
 class JobEvents:
@@ -22,6 +29,7 @@ class JobEvents:
         self._traceparent: str | None = None
         # Merged into every event's data (an agent adds its depth).
         self.context: dict[str, Any] = {}
+        self._watched = False  # a subscriber has been seen waiting for events
 
     def traceparent(self) -> str | None:
         if self._traceparent is None:
@@ -31,6 +39,7 @@ class JobEvents:
         return self._traceparent or None
 
     def emit(self, type_: str, data: dict[str, Any] | None = None) -> None:
+        self._watched = self._watched or self._subscriber_waiting()
         info = workflow.info()
         self._published += 1
         traceparent = self.traceparent()
@@ -46,8 +55,25 @@ class JobEvents:
             "data": {**self.context, **(data or {})},
         })
 
-    async def close(self, type_: str, data: dict[str, Any] | None = None) -> None:
-        """Publish the terminal event, release subscribers and let handlers drain before the run ends."""
-        self.emit(type_, data)
+    async def close(self, type_: str, data: dict[str, Any] | None = None, *, linger: bool = True) -> None:
+        """Publish the terminal event, release subscribers and let handlers drain before the run ends.
+
+        With `linger`, a job someone watches and whose subscriber is between two polls waits (briefly)
+        for the next poll, which carries the terminal event out with the run's last workflow task. A
+        poll that came after the run closed would be answered by a query, which a worker serves by
+        replaying the whole history."""
+        poll_waiting = self._subscriber_waiting()
+        self.emit(type_, data)  # a waiting poll returns with it; the next one finds it in the log
+        if linger and self._watched and not poll_waiting and workflow.patched(LINGER_PATCH):
+            try:
+                await workflow.wait_condition(self._subscriber_waiting, timeout=SUBSCRIBER_GRACE)
+            except asyncio.TimeoutError:
+                pass  # the subscriber has gone: it can read the rest from the closed run
         self.stream.detach_pollers()
         await workflow.wait_condition(workflow.all_handlers_finished)
+
+    @staticmethod
+    def _subscriber_waiting() -> bool:
+        # A subscriber that has caught up waits inside the workflow: a stream poll is the one handler
+        # that stays in flight (the operator Updates and every signal return at once).
+        return not workflow.all_handlers_finished()

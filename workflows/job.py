@@ -104,7 +104,7 @@ class JobWorkflow:
         """Cancelled (Web UI, CLI): the job ends as `cancelled`, its stream with `ragline.job.cancelled`."""
         self.steps.skip_pending()
         self._count("cancelled")
-        await self.events.close("ragline.job.cancelled", {})
+        await self.events.close("ragline.job.cancelled", {}, linger=False)
 
     async def running_slot(self) -> None:
         """Until the job holds its tenant's running slot (asked for as the job began)."""
