@@ -109,8 +109,10 @@ class ActivityPolicy(BaseModel):
 _loaded: dict[str, ActivityPolicy] | None = None
 _dead_letter_ttl: timedelta | None = None
 _slot_sweep: timedelta | None = None
+_subscriber_grace: timedelta | None = None
 DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 DEFAULT_SLOT_SWEEP = timedelta(minutes=1)
+DEFAULT_SUBSCRIBER_GRACE = timedelta(milliseconds=500)
 
 
 def activity_name(fn: Callable[..., Any]) -> str:
@@ -125,7 +127,7 @@ def parse(text: str, activities: Iterable[str], source: str = "policies") -> dic
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{source}: not valid TOML: {exc}") from None
-    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots"}
+    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots", "events"}
     if unknown_sections:
         raise PolicyError(f"{source}: unknown section(s): {', '.join(sorted(unknown_sections))}")
     try:
@@ -185,26 +187,39 @@ def parse_dead_letter_ttl(text: str, source: str = "policies", override: str | N
     return ttl
 
 
+def _positive_duration(text: str, source: str, section_name: str, key: str, default: timedelta) -> timedelta:
+    """The one key of a one-key section, a positive duration; `default` when it is left out."""
+    section = tomllib.loads(text).get(section_name, {})
+    unknown = set(section) - {key}
+    if unknown:
+        raise PolicyError(f"{source}: [{section_name}]: unknown key: {', '.join(sorted(unknown))}")
+    if key not in section:
+        return default
+    try:
+        value = parse_duration(section[key])
+    except ValueError as exc:
+        raise PolicyError(f"{source}: [{section_name}].{key}: {exc}") from None
+    if value <= timedelta(0):
+        raise PolicyError(f"{source}: [{section_name}].{key} must be positive")
+    return value
+
+
 def parse_slot_sweep(text: str, source: str = "policies") -> timedelta:
     """[running_slots].sweep: how often a tenant's gate, while jobs wait, checks its holders still run."""
-    section = tomllib.loads(text).get("running_slots", {})
-    unknown = set(section) - {"sweep"}
-    if unknown:
-        raise PolicyError(f"{source}: [running_slots]: unknown key: {', '.join(sorted(unknown))}")
-    try:
-        sweep = parse_duration(section.get("sweep", DEFAULT_SLOT_SWEEP))
-    except ValueError as exc:
-        raise PolicyError(f"{source}: [running_slots].sweep: {exc}") from None
-    if sweep <= timedelta(0):
-        raise PolicyError(f"{source}: [running_slots].sweep must be positive")
-    return sweep
+    return _positive_duration(text, source, "running_slots", "sweep", DEFAULT_SLOT_SWEEP)
+
+
+def parse_subscriber_grace(text: str, source: str = "policies") -> timedelta:
+    """[events].subscriber_grace: how long an ending job that someone watches waits for the stream's
+    next poll, so that its terminal event leaves with its last workflow task (workflows/events.py)."""
+    return _positive_duration(text, source, "events", "subscriber_grace", DEFAULT_SUBSCRIBER_GRACE)
 
 
 def load(path: Path | None, activities: Iterable[str], *,
          dead_letter_ttl: str | None = None) -> dict[str, ActivityPolicy]:
     """Read and validate the policy file for the registered `activities`; called once by the worker
     before it polls."""
-    global _loaded, _dead_letter_ttl, _slot_sweep
+    global _loaded, _dead_letter_ttl, _slot_sweep, _subscriber_grace
     path = Path(path) if path else DEFAULT_FILE
     try:
         text = path.read_text()
@@ -213,6 +228,7 @@ def load(path: Path | None, activities: Iterable[str], *,
     _loaded = parse(text, activities, str(path))
     _dead_letter_ttl = parse_dead_letter_ttl(text, str(path), dead_letter_ttl)
     _slot_sweep = parse_slot_sweep(text, str(path))
+    _subscriber_grace = parse_subscriber_grace(text, str(path))
     return _loaded
 
 
@@ -227,6 +243,12 @@ def slot_sweep_interval() -> timedelta:
     if _slot_sweep is None:
         raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
     return _slot_sweep
+
+
+def subscriber_grace() -> timedelta:
+    if _subscriber_grace is None:
+        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
+    return _subscriber_grace
 
 
 def policy(name: str) -> ActivityPolicy:

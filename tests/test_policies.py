@@ -54,6 +54,7 @@ def test_default_file_sets_timeouts_retries_and_queues():
     assert policies.parse_dead_letter_ttl(text) == timedelta(days=7)
     assert policies.parse_dead_letter_ttl(text, override="12h") == timedelta(hours=12)
     assert policies.parse_slot_sweep(text) == timedelta(minutes=1)
+    assert policies.parse_subscriber_grace(text) == timedelta(milliseconds=500)
 
 
 def test_test_policies_name_the_same_activities_on_the_same_queues():
@@ -165,3 +166,13 @@ def test_priority_orders_tasks_on_a_queue_and_is_checked():
     with pytest.raises(policies.PolicyError, match="priority"):
         policies.parse('[defaults]\nstart_to_close = "1m"\n[activities.chunk_text]\npriority = 9\n',
                        worker.activity_names())
+
+
+def test_the_workflow_timeouts_of_the_policy_file_have_defaults_and_must_be_positive():
+    assert policies.parse_slot_sweep(MINIMAL) == policies.DEFAULT_SLOT_SWEEP
+    assert policies.parse_subscriber_grace(MINIMAL) == policies.DEFAULT_SUBSCRIBER_GRACE
+    assert policies.parse_subscriber_grace(MINIMAL + '[events]\nsubscriber_grace = "2s"\n') == timedelta(seconds=2)
+    for bad, named in (('subscriber_grace = "0s"', "must be positive"), ('subscriber_grace = "soon"', "not a duration"),
+                       ('grace = "1s"', "unknown key: grace")):
+        with pytest.raises(policies.PolicyError, match=named):
+            policies.parse_subscriber_grace(MINIMAL + f"[events]\n{bad}\n")

@@ -6,7 +6,6 @@ read from the run's tracing header."""
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -14,11 +13,11 @@ from temporalio.contrib.workflow_streams import WorkflowStream
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import EVENTS_TOPIC
+    from temporal import policies
 
 
 # Histories recorded before the terminal event waited for a watching subscriber replay without it.
 LINGER_PATCH = "events-linger-for-subscriber"
-SUBSCRIBER_GRACE = timedelta(milliseconds=500)
 
 
 class JobEvents:
@@ -58,15 +57,15 @@ class JobEvents:
     async def close(self, type_: str, data: dict[str, Any] | None = None, *, linger: bool = True) -> None:
         """Publish the terminal event, release subscribers and let handlers drain before the run ends.
 
-        With `linger`, a job someone watches and whose subscriber is between two polls waits (briefly)
-        for the next poll, which carries the terminal event out with the run's last workflow task. A
+        With `linger`, a job someone watches and whose subscriber is between two polls waits for the
+        next poll (`[events] subscriber_grace` in the policy file), which carries the terminal event out with the run's last workflow task. A
         poll that came after the run closed would be answered by a query, which a worker serves by
         replaying the whole history."""
         poll_waiting = self._subscriber_waiting()
         self.emit(type_, data)  # a waiting poll returns with it; the next one finds it in the log
         if linger and self._watched and not poll_waiting and workflow.patched(LINGER_PATCH):
             try:
-                await workflow.wait_condition(self._subscriber_waiting, timeout=SUBSCRIBER_GRACE)
+                await workflow.wait_condition(self._subscriber_waiting, timeout=policies.subscriber_grace())
             except asyncio.TimeoutError:
                 pass  # the subscriber has gone: it can read the rest from the closed run
         self.stream.detach_pollers()
