@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI
 
 from api import errors, observability
 from api.auth import Guard, authenticate
+from api.job_views import RecentlyAccepted
 from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from api.routes.codec import HideCodecKey, create_codec_app
 from ragline import logs, tracing
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "Every route but /healthz needs an API key (`Authorization: Bearer <key>` or "
                               "`X-API-Key`) and sees only its tenant's documents and jobs.")
     app.state.guard = guard
+    app.state.accepted = RecentlyAccepted()
     errors.install(app)
     for module in (documents, chats, agents, evaluations, jobs, events, search):
         app.include_router(module.router, dependencies=[Depends(authenticate)])

@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from temporalio.client import Client
 
+from api.job_views import RecentlyAccepted
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 
@@ -26,9 +27,14 @@ async def get_blobs(request: Request) -> BlobStore:
     return request.app.state.blobs
 
 
+async def get_accepted(request: Request) -> RecentlyAccepted:
+    return request.app.state.accepted
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ClientDep = Annotated[Client, Depends(get_client)]
 BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
+AcceptedDep = Annotated[RecentlyAccepted, Depends(get_accepted)]
 
 
 async def get_rpc_timeout(settings: SettingsDep) -> timedelta:

@@ -9,6 +9,7 @@ query carries `RaglineTenant = '<tenant>'`. Another tenant's job is "not found" 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 from urllib.parse import quote
@@ -35,6 +36,26 @@ PROGRESS_QUERY_TIMEOUT = timedelta(seconds=2)
 SESSION_WATCH = timedelta(seconds=10)
 
 Ack = TypeVar("Ack", bound=BaseModel)
+
+
+class RecentlyAccepted:
+    """Chat turns this API process accepted lately, by job id (already scoped to the tenant). A stream
+    or a status read that follows its POST before the session has started the job then needs no look
+    into the session's history, which the server reads and we decode whole: under a burst of chats
+    with a stream each, those reads kept the server too busy to hand the sessions their first
+    workflow tasks. Not authoritative: a turn another API process accepted is looked up as before."""
+
+    def __init__(self, size: int = 10_000) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+
+    def add(self, job_id: str) -> None:
+        self._ids[job_id] = None
+        if len(self._ids) > self._size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._ids
 
 
 def job_status(execution: WorkflowExecution) -> JobStatus:
@@ -159,10 +180,14 @@ async def _task_running(handle: WorkflowHandle, rpc_timeout: timedelta) -> bool:
         desc.raw_description.pending_workflow_task.state == started
 
 
-async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> bool:
+async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta, *,
+                             pending: bool = False) -> bool:
     """Waits while `job_id` is an accepted turn whose job its session has not started yet (no worker,
-    or earlier turns of the session still starting). False when there is no such job at all."""
+    or earlier turns of the session still starting). False when there is no such job at all.
+    `pending`: the caller has just found the turn accepted and its job missing; the wait begins there."""
     job_id = scoped(tenant, job_id)
+    if pending:
+        await _session_starts(client, tenant, job_id, SESSION_WATCH)
     while not await exists(client, job_id, rpc_timeout):
         if await accepted_turn(client, tenant, job_id, rpc_timeout) is None:
             return await exists(client, job_id, rpc_timeout)
@@ -193,16 +218,17 @@ async def _session_starts(client: Client, tenant: str, job_id: str, wait: timede
 
 
 async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta, *,
-                       ui_url: str | None = None) -> JobView:
-    """`ui_url`: the Temporal Web UI's base URL, for the job's `links`."""
+                       ui_url: str | None = None, accepted: RecentlyAccepted | None = None) -> JobView:
+    """`ui_url`: the Temporal Web UI's base URL, for the job's `links`; `accepted`: turns this process
+    accepted lately (a queued one of them is not looked up in its session's history)."""
     asked, job_id = job_id, scoped(tenant, job_id)
     handle = client.get_workflow_handle(job_id)
     try:
         desc = await handle.describe(rpc_timeout=rpc_timeout)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            turn = await accepted_turn(client, tenant, job_id, rpc_timeout)
-            if turn is not None:
+            if (accepted is not None and job_id in accepted) or \
+                    await accepted_turn(client, tenant, job_id, rpc_timeout) is not None:
                 now = datetime.now(timezone.utc)
                 return JobView(job_id=job_id, kind="chat", status="queued", created_at=now, updated_at=now,
                                turn=None, steps=[], result=None, error=None)

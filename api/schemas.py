@@ -83,8 +83,22 @@ class Accepted(BaseModel):
 
     @classmethod
     def for_job(cls, request: Request, job_id: str, **fields: Any) -> Self:
-        return cls(job_id=job_id, status_url=str(request.url_for("get_job", job_id=job_id)),
-                   events_url=str(request.url_for("job_events", job_id=job_id)), **fields)
+        base = str(request.base_url).rstrip("/")
+        status_path, events_path = _job_paths(request.app)
+        return cls(job_id=job_id, status_url=base + status_path.replace(_JOB_ID, job_id),
+                   events_url=base + events_path.replace(_JOB_ID, job_id), **fields)
+
+
+_JOB_ID = "{job_id}"
+
+
+def _job_paths(app: Any) -> tuple[str, str]:
+    """The paths of `get_job` and `job_events` with a stand-in for the job id, looked up once per app:
+    what `request.url_for` gives, without searching every route on each 202 (a tenth of its cost)."""
+    paths = getattr(app.state, "job_paths", None)
+    if paths is None:
+        paths = app.state.job_paths = tuple(app.url_path_for(name, job_id=_JOB_ID) for name in ("get_job", "job_events"))
+    return paths
 
 
 class AcceptedDocument(BaseModel):

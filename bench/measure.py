@@ -29,6 +29,11 @@ class Burst:
     samples: list[Sample]
     wall: float             # first call started -> last call answered
 
+    @classmethod
+    def pooled(cls, name: str, bursts: list[Burst]) -> Burst:
+        """Several bursts of the same calls as one set of samples (wall: the longest)."""
+        return cls(name, [s for b in bursts for s in b.samples], max((b.wall for b in bursts), default=0.0))
+
     @property
     def ok(self) -> list[Sample]:
         return [s for s in self.samples if s.ok]

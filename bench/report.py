@@ -84,20 +84,29 @@ def render(r: dict) -> str:
     lines.append(_row("Ragline `POST /v1/chats` (uvicorn, 1 worker process; distinct sessions, no "
                       "`Idempotency-Key`)", "202 + job id, before any model call", rl))
     raw = r.get("ragline_raw")
+    raw_fl = r.get("floor_raw") or fl
+    rounds = r.get("raw_rounds") or []
+    pooled = f"; {len(rounds)} bursts pooled, each right after a floor burst of its own" if len(rounds) > 1 else ""
     if raw:
         lines.append(_row("the same, sent by the light client (`bench/rawhttp.py`: prebuilt requests on connections "
-                          "opened beforehand; its turns terminated, not run)", "202 + job id", raw))
+                          f"opened beforehand; its turns terminated, not run{pooled})", "202 + job id", raw))
     threads = r.get("sync_threads")
     lines.append(_row("plain sync FastAPI `def` endpoint, `bench/sync_app.py` (uvicorn, 1 worker process, "
                       f"{threads or '?'} threads)", f"200 + the answer, after its {delay:g} s model call", sy))
     lines.append(_row("floor: bare `client.start_workflow(\"BenchNoop\")` from Python, same Temporal server",
                       "workflow started (task queue nobody polls)", fl))
+    if r.get("floor_raw"):
+        lines.append(_row(f"the floor again, right before each light-client burst{pooled}",
+                          "workflow started", raw_fl))
     lines.append("")
     lines.append(f"Ratios of p50: **Ragline / sync = {ratio(rl['p50'], sy['p50'])}**, "
                  f"**Ragline / floor = {ratio(rl['p50'], fl['p50'])}** "
                  f"(p99: {ratio(rl['p99'], sy['p99'])} and {ratio(rl['p99'], fl['p99'])})"
-                 + (f"; with the light client Ragline / floor = **{ratio(raw['p50'], fl['p50'])}** "
-                    f"(p99 {ratio(raw['p99'], fl['p99'])})" if raw else "") + ".")
+                 + (f"; with the light client Ragline / floor = **{ratio(raw['p50'], raw_fl['p50'])}** "
+                    f"(p99 {ratio(raw['p99'], raw_fl['p99'])})" if raw else "") + "."
+                 + (" Light client round by round, p50 Ragline / floor: " + ", ".join(
+                     f"{ms(x['p50'])} / {ms(x['floor_p50'])} = {ratio(x['p50'], x['floor_p50'])}" for x in rounds) + "."
+                    if len(rounds) > 1 else ""))
     lines.append("")
 
     lines.append(f"**Until every answer exists.** The sync app's HTTP response carries the answer, so its "
@@ -167,7 +176,8 @@ def render(r: dict) -> str:
                  f"{used('ragline')}", f"floor burst ({secs(fl['wall'])}): {used('floor')}",
                  f"sync burst ({secs(sy['wall'])}): {used('sync')}"]
         if raw and cpu.get("ragline_raw"):
-            parts.insert(1, f"Ragline burst, light client ({secs(raw['wall'])}): {used('ragline_raw')}")
+            per = " per burst, mean of the rounds" if len(rounds) > 1 else ""
+            parts.insert(1, f"Ragline burst, light client ({secs(raw['wall'])}{per}): {used('ragline_raw')}")
         busy_others = [ph for ph, b in (("ragline", rl), ("floor", fl), ("sync", sy))
                        if cpu.get(ph, {}).get("other processes", 0) > 0.1 * b["wall"] * cores]
         notes.append("CPU seconds used, by process: " + "; ".join(parts) + "."
@@ -302,8 +312,11 @@ def render_ratios(r: dict) -> str:
         if r.get("ragline_raw"):
             rw = r["ragline_raw"]
             n5 = sum(v for k, v in (rw.get("error_kinds") or {}).items() if k.startswith("HTTP 5"))
-            accept_rows.append((f"{rw['n']} at once, {rw['n']} sessions, light client", rw, fl, sy, n5,
-                                "– (one turn per session)"))
+            rounds = r.get("raw_rounds") or []
+            label = (f"{rw['n'] // len(rounds)} at once, as many sessions, light client ({len(rounds)} bursts "
+                     f"pooled, each against a floor burst just before it)" if len(rounds) > 1
+                     else f"{rw['n']} at once, {rw['n']} sessions, light client")
+            accept_rows.append((label, rw, r.get("floor_raw") or fl, sy, n5, "– (one turn per session)"))
     else:
         lines.append(f"| {p['requests']} at once, {p['requests']} sessions | not run (`accept` not in --phases) "
                      f"| | | | | | | |")

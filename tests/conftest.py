@@ -24,6 +24,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import uvicorn
+from fastapi import FastAPI
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ragline import tracing
@@ -116,6 +117,7 @@ class Stack:
     keys: dict[str, str]
     member_http: httpx.AsyncClient
     other_http: httpx.AsyncClient
+    app: FastAPI
     tenant: str = "acme"
     other_tenant: str = "globex"
 
@@ -246,7 +248,8 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     # The server's idle keep-alive must outlast the clients' (below): otherwise a request sent on a
     # connection the server is closing at that moment fails with ReadError. Here it races easily, as
     # server and client share one event loop, where a busy step delays the close to any later moment.
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=api_port,
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=api_port,
                                            log_level="warning", lifespan="on", timeout_keep_alive=600))
     server_task = asyncio.create_task(server.serve())
     while not server.started:
@@ -259,7 +262,7 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
 
         async with http_for("reviewer") as http, http_for("member") as member_http, http_for("other") as other_http:
             yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=llm,
-                        keys=keys, member_http=member_http, other_http=other_http)
+                        keys=keys, member_http=member_http, other_http=other_http, app=app)
     finally:
         server.should_exit = True
         await server_task

@@ -12,6 +12,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest, RespondWorkflowTaskFailedRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
+from api.job_views import RecentlyAccepted
 from models.chat import SessionState, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
@@ -50,8 +51,12 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
             assert r.status_code == 200, r.text
             assert r.json()["status"] == "queued", r.json()
         assert (await stack.http.get(f"/v1/jobs/chat-{session}.{'0' * 20}")).status_code == 404
-        # A stream opened now follows a turn whose job no worker has started yet.
+        # A stream opened now follows a turn whose job no worker has started yet; so does one opened on
+        # an API process that did not accept the turn (here: this one, made to forget), from the history.
         stream = asyncio.ensure_future(read_events(stack, turns[1]["job_id"]))
+        stack.app.state.accepted = RecentlyAccepted()
+        assert (await stack.http.get(f"/v1/jobs/{turns[2]['job_id']}")).json()["status"] == "queued"
+        other_stream = asyncio.ensure_future(read_events(stack, turns[2]["job_id"]))
 
         # A worker comes: everything accepted runs, the session's turns in acceptance order.
         index = open_index(stack.settings)
@@ -60,12 +65,14 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
             async with build_worker(stack.client, stack.settings, index, executor):
                 done = [await stack.wait_done(job_id, timeout=120) for job_id in job_ids]
                 events = [e for _, e in await asyncio.wait_for(stream, 60)]
+                other_events = [e for _, e in await asyncio.wait_for(other_stream, 60)]
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             index.close()
     assert all(job["status"] == "completed" for job in done), done
     assert events[0]["type"] == "ragline.job.accepted" and events[-1]["type"] == "ragline.job.completed"
     assert events[-1]["data"]["question"] == questions[1]
+    assert other_events[-1]["type"] == "ragline.job.completed" and other_events[-1]["data"]["question"] == questions[2]
     chat_jobs = done[1:5]
     assert [job["turn"] for job in chat_jobs] == [1, 2, 3, 4]
     assert [job["result"]["question"] for job in chat_jobs] == [*questions, f"Keyed question about {tag}?"]
@@ -153,6 +160,12 @@ async def test_a_turn_accepted_while_its_session_runs_a_workflow_task_reads_as_q
         second = await stack.chat(f"Second question {tag}?", session_id=session)
         r = await stack.http.get(f"/v1/jobs/{first['job_id']}")
         assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        # The API process that accepted the turn knows it, and needs no look at the history (which
+        # cannot show the turn before the held task ends: that look would end in "not found").
+        r = await stack.http.get(f"/v1/jobs/{second['job_id']}")
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        # Another API process (here: this one, made to forget) has only the session's history to go by.
+        stack.app.state.accepted = RecentlyAccepted()
         # Asked about while the task still runs, the second turn is not in the history yet: the API
         # looks again once the task is over (here the holder gives it up a moment later).
         asked = asyncio.create_task(stack.http.get(f"/v1/jobs/{second['job_id']}"))

@@ -26,7 +26,10 @@ def _outcomes(job: dict) -> dict[str, dict]:
 async def test_one_page_pdf_is_indexed_and_searchable(stack):
     body = await stack.upload(("crazyones.pdf", shared_pdf("crazyones.pdf").read_bytes()), collection="one")
     assert set(body) >= {"job_id", "status_url", "events_url", "documents"}
-    assert body["status_url"].endswith(f"/v1/jobs/{body['job_id']}")
+    # Absolute URLs a client follows as they are.
+    assert body["status_url"] == f"{stack.base_url}/v1/jobs/{body['job_id']}"
+    assert body["events_url"] == f"{stack.base_url}/v1/jobs/{body['job_id']}/events"
+    assert (await stack.http.get(body["status_url"])).status_code == 200
     [doc] = body["documents"]
     assert doc["filename"] == "crazyones.pdf" and len(doc["sha256"]) == 64
 

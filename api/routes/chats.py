@@ -19,7 +19,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from api import job_views, observability
 from api.auth import CallerDep
-from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
@@ -44,7 +44,7 @@ class ChatRequest(ChatQuestion):
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_session_id",
                                         503: TEMPORAL_DOWN}))
 async def post_chat(req: ChatRequest, request: Request, client: ClientDep, caller: CallerDep,
-                    settings: SettingsDep, timeout: RpcTimeoutDep,
+                    settings: SettingsDep, timeout: RpcTimeoutDep, accepted: AcceptedDep,
                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
                     ) -> ChatAccepted:
     validate_collection(req.collection)
@@ -66,6 +66,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                                                      SearchAttributePair(sa.SESSION, session_id),
                                                      SearchAttributePair(sa.TENANT, caller.tenant)]),
             rpc_timeout=timeout)
+        accepted.add(job_id)
         observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
 

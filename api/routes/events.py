@@ -21,7 +21,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.auth import CallerDep
-from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.job_views import accepted_turn, not_found, owned, wait_until_created
 from api.validators import JOB_ID
 from models.tenancy import scoped
@@ -59,29 +59,34 @@ STREAM_RESPONSES = {
 @router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)",
             response_class=EventSourceResponse, responses=STREAM_RESPONSES)
 async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep, settings: SettingsDep,
+                     accepted: AcceptedDep,
                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                      from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
                      ) -> EventSourceResponse:
     asked, job_id = job_id, scoped(caller.tenant, job_id)
     handle = client.get_workflow_handle(job_id)
+    pending = False
     try:
         desc = await handle.describe(rpc_timeout=timeout)
         if not owned(desc, caller.tenant):
             raise not_found(asked)
     except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
         # An accepted chat turn whose job its session has not started yet: the stream opens now
         # and its events follow once the job exists.
-        if exc.status != RPCStatusCode.NOT_FOUND or await accepted_turn(client, caller.tenant, job_id, timeout) is None:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                raise not_found(asked) from None
-            raise
+        pending = job_id in accepted or await accepted_turn(client, caller.tenant, job_id, timeout) is not None
+        if not pending:
+            raise not_found(asked) from None
     start = _start_offset(last_event_id, from_offset)
     cooldown = timedelta(seconds=settings.events_poll_cooldown)
-    return EventSourceResponse(_relay(client, caller.tenant, job_id, start, timeout, cooldown), ping=KEEPALIVE_SECONDS)
+    return EventSourceResponse(_relay(client, caller.tenant, job_id, start, timeout, cooldown, pending),
+                               ping=KEEPALIVE_SECONDS)
 
 
-async def _relay(client: Client, tenant: str, job_id: str, start: int, timeout: timedelta, cooldown: timedelta):
-    if not await wait_until_created(client, tenant, job_id, timeout):
+async def _relay(client: Client, tenant: str, job_id: str, start: int, timeout: timedelta, cooldown: timedelta,
+                 pending: bool):
+    if not await wait_until_created(client, tenant, job_id, timeout, pending=pending):
         return
     # Each poll is an Update that waits in the workflow until there is something new (no busy loop at
     # any cooldown). With no pause the next poll is already waiting when the job publishes its terminal

@@ -10,7 +10,7 @@ from temporalio.client import Client
 
 from api import job_views
 from api.auth import Caller, CallerDep, ReviewerDep
-from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobList, JobView, OperatorResult, error_responses
 from api.validators import JOB_ID
 from models.jobs import JobKind, JobStatus, OperatorAck, OperatorRequest
@@ -36,9 +36,9 @@ async def list_jobs(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep
 @router.get("/{job_id}", summary="One job: status, steps, result or error",
             responses=error_responses({404: "job_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def get_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings: SettingsDep,
-                  timeout: RpcTimeoutDep) -> JobView:
+                  timeout: RpcTimeoutDep, accepted: AcceptedDep) -> JobView:
     return await job_views.describe_job(client, caller.tenant, job_id, timeout,
-                                        ui_url=settings.effective_temporal_ui_url)
+                                        ui_url=settings.effective_temporal_ui_url, accepted=accepted)
 
 
 async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client, caller: Caller,
