@@ -655,7 +655,7 @@ async def acceptance(stack: Stack, client, args: argparse.Namespace, results: di
     # measured (httpx's 200 connections cost as much CPU as the API). Its turns are terminated, not run.
     # The floor moves by a third from one burst to the next on this machine: each light burst follows a
     # floor burst of its own, and the rounds are pooled.
-    raws, raw_floors, raw_rounds = [], [], []
+    raws, raw_floors, raw_rounds, raw_cpu = [], [], [], []
     for k in range(args.light_rounds):
         await asyncio.sleep(1)
         log(f"[4/4] round {k + 1}/{args.light_rounds}: floor, then Ragline with the light client (prebuilt "
@@ -665,7 +665,7 @@ async def acceptance(stack: Stack, client, args: argparse.Namespace, results: di
         raw_tag = f"rl-raw-{uuid.uuid4().hex[:8]}"
         before = cpu_snapshot(stack)
         raw = await raw_burst("ragline_raw", stack.api_url, n, 202, args.request_timeout, raw_tag)
-        cpu[f"ragline_raw_{k}"] = cpu_delta(before, cpu_snapshot(stack))
+        raw_cpu.append(cpu_delta(before, cpu_snapshot(stack)))
         raws.append(raw)
         raw_rounds.append({"floor_p50": raw_floors[-1].summary()["p50"], "p50": raw.summary()["p50"],
                            "floor_p99": raw_floors[-1].summary()["p99"], "p99": raw.summary()["p99"],
@@ -675,10 +675,10 @@ async def acceptance(stack: Stack, client, args: argparse.Namespace, results: di
         raw_ids = [x.body["job_id"] for x in raw.ok] + [session_workflow_id(TENANT, f"{raw_tag}-{i}") for i in range(n)]
         await ratios._terminate(client, raw_ids)
         await settle(stack)
-    if raws:
-        cpu["ragline_raw"] = {name: round(sum(cpu[f"ragline_raw_{k}"].get(name, 0.0) for k in range(len(raws)))
-                                          / len(raws), 2)
-                              for name in {x for k in range(len(raws)) for x in cpu[f"ragline_raw_{k}"]}}
+    if raw_cpu:  # per burst, the mean of the rounds
+        names = {name for used in raw_cpu for name in used}
+        cpu["ragline_raw"] = {name: round(sum(used.get(name, 0.0) for used in raw_cpu) / len(raw_cpu), 2)
+                              for name in names}
     results.update({"floor": floor.summary(), "sync": sync.summary(), "ragline": ragline.summary(),
                     "ragline_raw": Burst.pooled("ragline_raw", raws).summary() if raws else None,
                     "floor_raw": Burst.pooled("floor_raw", raw_floors).summary() if raws else None,
