@@ -62,7 +62,16 @@ $(WEBUI_STAMP): tests/webui/package-lock.json tests/webui/package.json
 	npm ci --prefix tests/webui --no-audit --no-fund
 	@touch $(WEBUI_STAMP)
 
-test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS)
+# Two API processes sharing their rate-limit counters (tests/test_security.py) need a real Redis:
+# Debian's redis-server, for `make test` only (`make run` runs one API process, counters in memory).
+REDIS := /usr/bin/redis-server
+
+$(REDIS):
+	@echo "Installing Debian's redis-server for the shared rate-limit test (~10 s)"
+	DEBIAN_FRONTEND=noninteractive apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
+
+test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS) $(REDIS)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: install

@@ -3,7 +3,13 @@ sha256 in the keys file (ragline/keys.py). Every route but /healthz depends on `
 
 401 `unauthenticated`: no key, or a key the file does not know. 403 `forbidden`: a member key on a
 reviewer's route. 429 `rate_limited` with `Retry-After`: the key sent more than its requests per
-minute (a moving window, `limits`; counters in RAGLINE_RATE_LIMIT_STORAGE).
+minute (a moving window, `limits`; counters in RAGLINE_RATE_LIMIT_STORAGE: this process's memory, or a
+Redis that every API process shares).
+
+When the shared counters cannot be reached, requests are let through rather than refused: a rate limit
+protects the service, and an outage of its counters must not become an outage of the API. Each such
+request counts in `ragline_rate_limit_storage_errors_total` (alert RaglineRateLimitsNotEnforced) and /healthz
+says `degraded`.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import structlog
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from limits import RateLimitItemPerMinute
+from limits.aio.storage import Storage
+from limits.aio.strategies import MovingWindowRateLimiter
+from limits.errors import StorageError
 from limits.storage import storage_from_string
-from limits.strategies import MovingWindowRateLimiter
 
 from api.errors import ApiError
+from api.observability import RATE_LIMIT_STORAGE_ERRORS
 from ragline.keys import KeyEntry, KeyRing, TenantLimits
 from ragline.settings import Settings
 
@@ -42,26 +51,70 @@ class Caller:
         return f"{self.name} ({self.tenant}, key {self.key_id})"
 
 
+# A Redis that does not answer within this long counts as unreachable: the request goes on unlimited.
+STORAGE_TIMEOUT_SECONDS = 0.5
+# At most one warning per this many seconds while the counters are unreachable (a busy API would
+# otherwise log one per request).
+STORAGE_WARNING_EVERY_SECONDS = 30.0
+
+
+def rate_limit_storage(uri: str) -> Storage:
+    """The async `limits` storage behind RAGLINE_RATE_LIMIT_STORAGE: memory:// (this process) or a Redis
+    URL, through redis-py's asyncio client, with its errors raised as `StorageError`."""
+    if uri.startswith("memory://"):
+        return storage_from_string("async+memory://")
+    return storage_from_string(f"async+{uri}", implementation="redispy", wrap_exceptions=True,
+                               socket_timeout=STORAGE_TIMEOUT_SECONDS,
+                               socket_connect_timeout=STORAGE_TIMEOUT_SECONDS)
+
+
+def shown_address(uri: str) -> str:
+    """The storage URL without its password, for /healthz and logs."""
+    scheme, sep, rest = uri.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+
+
 class Guard:
     """The keys and the rate limiter of one API process."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.keys = KeyRing(settings.effective_api_keys_file)
-        self.limiter = MovingWindowRateLimiter(storage_from_string(settings.rate_limit_storage))
+        self.storage = rate_limit_storage(settings.rate_limit_storage)
+        self.limiter = MovingWindowRateLimiter(self.storage)
+        self.shared = not settings.rate_limit_storage.startswith("memory://")
+        self._warned_at = float("-inf")
 
     def limits(self, tenant: str) -> TenantLimits:
         return self.keys.limits(tenant)
 
-    def check_rate(self, entry: KeyEntry) -> None:
+    async def check_rate(self, entry: KeyEntry) -> None:
         per_minute = entry.requests_per_minute or self.settings.rate_limit_per_minute
         item = RateLimitItemPerMinute(per_minute)
-        if self.limiter.hit(item, "key", entry.sha256):
+        try:
+            if await self.limiter.hit(item, "key", entry.sha256):
+                return
+            reset, _ = await self.limiter.get_window_stats(item, "key", entry.sha256)
+        except StorageError as exc:
+            self._counters_unreachable(exc)
             return
-        reset, _ = self.limiter.get_window_stats(item, "key", entry.sha256)
         retry_after = max(1, math.ceil(reset - time.time()))
         raise ApiError(429, "rate_limited", f"more than {per_minute} requests per minute with this key; "
                        f"try again in {retry_after} s", headers={"Retry-After": str(retry_after)})
+
+    async def counters_reachable(self) -> bool:
+        try:
+            return await self.storage.check()
+        except Exception:  # noqa: BLE001 - any failure to answer is "unreachable"
+            return False
+
+    def _counters_unreachable(self, exc: StorageError) -> None:
+        RATE_LIMIT_STORAGE_ERRORS.inc()
+        now = time.monotonic()
+        if now - self._warned_at >= STORAGE_WARNING_EVERY_SECONDS:
+            self._warned_at = now
+            log.warning("rate limits not enforced: their counters are unreachable",
+                        storage=shown_address(self.settings.rate_limit_storage), error=str(exc.storage_error))
 
 
 def _unauthenticated(message: str) -> ApiError:
@@ -76,15 +129,15 @@ async def authenticate(
     key = api_key or (bearer.credentials if bearer else None)
     if not key:
         raise _unauthenticated("an API key is required: `Authorization: Bearer <key>` or `X-API-Key: <key>`")
-    return admit(request, key)
+    return await admit(request, key)
 
 
-def admit(request: Request, key: str) -> Caller:
+async def admit(request: Request, key: str) -> Caller:
     guard: Guard = request.app.state.guard
     entry = guard.keys.find(key)
     if entry is None:
         raise _unauthenticated("unknown API key")
-    guard.check_rate(entry)
+    await guard.check_rate(entry)
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
                     key_id=entry.sha256[:8])
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)

@@ -5,6 +5,8 @@ instrumentation; the trace id goes back in the `X-Trace-Id` response header).
   ragline_http_request_duration_seconds{method,route,status}   until the response's headers are sent
                                                                (an SSE stream counts its first byte)
   ragline_jobs_accepted_total{kind}                            jobs started by a request (duplicates not)
+  ragline_rate_limit_storage_errors_total                      requests let through unlimited: the shared
+                                                               rate-limit counters did not answer
 
 `route` is the route's template (`/v1/jobs/{job_id}`), never the raw path: one series per route.
 """
@@ -25,6 +27,8 @@ HTTP_REQUESTS = Counter("ragline_http_requests", "HTTP requests by route and sta
 HTTP_DURATION = Histogram("ragline_http_request_duration_seconds", "Time to the response's headers",
                           ["method", "route", "status"], buckets=metrics.DURATION_BUCKETS)
 JOBS_ACCEPTED = Counter("ragline_jobs_accepted", "Jobs accepted by the API, by kind", ["kind"])
+RATE_LIMIT_STORAGE_ERRORS = Counter("ragline_rate_limit_storage_errors",
+                                    "Requests let through without a rate check: the rate-limit counters did not answer")
 
 router = APIRouter(tags=["health"])
 

@@ -145,9 +145,9 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = None
     # Requests per minute per API key unless its entry says otherwise (429 with Retry-After above it).
     rate_limit_per_minute: int = 600
-    # Where the rate-limit counters live: a `limits` storage URI. memory:// is per API process;
-    # redis://host:6379 shares them between several API processes.
-    rate_limit_storage: str = "memory://"
+    # Where the rate-limit counters live: memory:// (this API process only) or a Redis URL
+    # (redis://host:6379/0, rediss://, redis+unix:///path.sock), which every API process shares.
+    rate_limit_storage: str = Field("memory://", pattern=r"^(memory://$|redis://|rediss://|redis\+unix://)")
     # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued
     # (workflows/slot.py). `[tenants.<name>] max_running_jobs` in the keys file overrides it.
     tenant_max_running_jobs: int = Field(8, ge=1)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import random
+import shutil
 import socket
+import subprocess
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,9 +203,9 @@ def restore_policies():
     in-process worker runs on what was loaded): puts the loaded policies back afterwards."""
     from temporal import policies
 
-    saved = policies._loaded, policies._dead_letter_ttl
+    saved = policies._loaded
     yield
-    policies._loaded, policies._dead_letter_ttl = saved
+    policies._loaded = saved
 
 
 @pytest_asyncio.fixture
@@ -215,6 +217,77 @@ async def private_llm():
     await llm.start()
     yield llm
     await llm.stop()
+
+
+@asynccontextmanager
+async def serving_api(app: FastAPI, port: int | None = None):
+    """Serve an API app (its lifespan included) with uvicorn on 127.0.0.1; yields its base URL."""
+    port = port or free_port()
+    # The server's idle keep-alive must outlast the clients' (2 s in the stack's): otherwise a request
+    # sent on a connection the server is closing at that moment fails with ReadError. Here it races
+    # easily, as server and client share one event loop, where a busy step delays the close.
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on", timeout_keep_alive=600))
+    server_task = asyncio.create_task(server.serve())
+    while not server.started:
+        if server_task.done():
+            server_task.result()  # it could not start: say why
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await server_task
+
+
+class RedisServer:
+    """Debian's redis-server on a port of its own, no persistence; stop() and start() again on the same
+    port stand for an outage of the Redis the API processes share."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.port = free_server_port(span=1)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    async def start(self) -> None:
+        import redis
+
+        self.process = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                         "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        probe = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            for _ in range(200):
+                try:
+                    if probe.ping():
+                        return
+                except redis.ConnectionError:
+                    if self.process.poll() is not None:
+                        raise RuntimeError(f"redis-server exited with {self.process.returncode}") from None
+                    await asyncio.sleep(0.05)
+            raise RuntimeError(f"redis-server on port {self.port} did not answer within 10 s")
+        finally:
+            probe.close()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
+@pytest_asyncio.fixture
+async def redis_server():
+    """A running Redis of the test's own (`make test` installs Debian's redis-server)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: `make test` installs it (apt-get install redis-server)",
+                    pytrace=False)
+    server = RedisServer(binary)
+    await server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @asynccontextmanager
@@ -245,27 +318,18 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     worker = build_worker(client, settings, index, executor) if in_process_worker else None
     worker_task = asyncio.create_task(worker.run()) if worker else None
     poller = asyncio.create_task(ServerStatsPoller(client, settings, metrics_runtime()).run()) if worker else None
-    # The server's idle keep-alive must outlast the clients' (below): otherwise a request sent on a
-    # connection the server is closing at that moment fails with ReadError. Here it races easily, as
-    # server and client share one event loop, where a busy step delays the close to any later moment.
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=api_port,
-                                           log_level="warning", lifespan="on", timeout_keep_alive=600))
-    server_task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.05)
-    base_url = f"http://127.0.0.1:{api_port}"
     try:
-        def http_for(role: str) -> httpx.AsyncClient:
-            return httpx.AsyncClient(base_url=base_url, timeout=60, headers={"Authorization": f"Bearer {keys[role]}"},
-                                     limits=httpx.Limits(keepalive_expiry=2.0))
+        async with serving_api(app, api_port) as base_url:
+            def http_for(role: str) -> httpx.AsyncClient:
+                return httpx.AsyncClient(base_url=base_url, timeout=60, limits=httpx.Limits(keepalive_expiry=2.0),
+                                         headers={"Authorization": f"Bearer {keys[role]}"})
 
-        async with http_for("reviewer") as http, http_for("member") as member_http, http_for("other") as other_http:
-            yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=llm,
-                        keys=keys, member_http=member_http, other_http=other_http, app=app)
+            async with http_for("reviewer") as http, http_for("member") as member_http, \
+                    http_for("other") as other_http:
+                yield Stack(settings=settings, client=client, http=http, index=index, base_url=base_url, llm=llm,
+                            keys=keys, member_http=member_http, other_http=other_http, app=app)
     finally:
-        server.should_exit = True
-        await server_task
         if poller:
             poller.cancel()
         if worker:

@@ -35,6 +35,12 @@ def config(objects) -> dict[str, str]:
     return objects[("ConfigMap", "ragline-config")]["data"]
 
 
+def _ragline_deployments(objects) -> dict[str, dict]:
+    """The API's and every worker role's Deployment: the pods that run Ragline's image."""
+    return {name: doc for (kind, name), doc in objects.items()
+            if kind == "Deployment" and (name == "ragline-api" or name.startswith("ragline-worker-"))}
+
+
 def _container(deployment: dict) -> dict:
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     return container
@@ -64,9 +70,7 @@ def test_every_manifest_parses_and_has_the_basics(objects):
 
 def test_every_ragline_variable_is_a_setting_and_parses(objects):
     fields = {f"RAGLINE_{name.upper()}" for name in Settings.model_fields}
-    for (kind, name), doc in objects.items():
-        if kind != "Deployment":
-            continue
+    for name, doc in _ragline_deployments(objects).items():
         env = _env(objects, doc)
         unknown = {k for k in env if k.startswith("RAGLINE_")} - fields
         assert not unknown, f"{name}: not settings: {unknown}"
@@ -112,9 +116,8 @@ def test_keda_scales_each_role_on_its_own_queues(objects, config):
 
 
 def test_the_build_id_is_the_image_tag(objects, config):
-    for (kind, name), doc in objects.items():
-        if kind == "Deployment" and name.startswith("ragline-"):
-            assert _container(doc)["image"].rsplit(":", 1)[1] == config["RAGLINE_WORKER_BUILD_ID"], name
+    for name, doc in _ragline_deployments(objects).items():
+        assert _container(doc)["image"].rsplit(":", 1)[1] == config["RAGLINE_WORKER_BUILD_ID"], name
 
 
 def test_api_ports_and_probe(objects):
@@ -145,11 +148,29 @@ def test_qdrant_server_matches_the_url_and_the_key(objects, config):
     assert ref["key"] == "RAGLINE_QDRANT_API_KEY"  # the workers get the same key under its setting name
 
 
+def test_api_replicas_share_their_rate_limits_in_the_redis_service(objects):
+    from urllib.parse import urlsplit
+
+    api = objects[("Deployment", "ragline-api")]
+    assert api["spec"]["replicas"] > 1
+    url = urlsplit(_env(objects, api)["RAGLINE_RATE_LIMIT_STORAGE"])
+    assert url.scheme in {"redis", "rediss"}  # memory:// would give each replica counters of its own
+    service = objects[("Service", url.hostname.split(".")[0])]
+    redis = objects[("Deployment", "ragline-redis")]
+    assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
+    [port] = [p for p in service["spec"]["ports"] if p["port"] == url.port]
+    c = _container(redis)
+    assert port["targetPort"] in {p["name"] for p in c["ports"]}
+    # The password in the API's URL is the one the server requires.
+    assert c["args"][c["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    [password] = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+    ref = password["valueFrom"]["secretKeyRef"]
+    assert objects[("Secret", ref["name"])]["stringData"][ref["key"]] == url.password
+
+
 def test_mounted_secrets_and_volumes_exist(objects, config):
     tls_dir = str(Path(config["RAGLINE_TEMPORAL_TLS_CA"]).parent)
-    for (kind, name), doc in objects.items():
-        if kind != "Deployment":
-            continue
+    for name, doc in _ragline_deployments(objects).items():
         spec = doc["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in _container(doc)["volumeMounts"]}

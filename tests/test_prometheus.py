@@ -26,6 +26,7 @@ from tests.pdfgen import pdf_bytes
 
 PROJECT = Path(__file__).resolve().parent.parent
 RULES = PROJECT / "deploy" / "prometheus" / "rules.yml"
+RULES_TEST = PROJECT / "deploy" / "prometheus" / "rules_test.yml"
 CONFIG = PROJECT / "deploy" / "prometheus" / "prometheus.yml"
 DASHBOARD = PROJECT / "deploy" / "grafana" / "ragline-dashboard.json"
 SCREENSHOT = PROJECT / "docs" / "prometheus" / "alerts.png"
@@ -41,12 +42,15 @@ def _require(tool: str) -> str:
     return path
 
 
-def test_promtool_accepts_the_rules_and_the_config():
+def test_promtool_accepts_the_rules_and_the_config_and_the_alerts_fire_on_their_conditions():
+    """`promtool test rules` evaluates the rules over synthetic series (deploy/prometheus/rules_test.yml):
+    the model error rate, the unenforced rate limits and the waiting dead letters each fire, with their
+    labels and text, on their condition and not just below it."""
     promtool = _require("promtool")
-    for argv in (["check", "rules", str(RULES)], ["check", "config", str(CONFIG)]):
+    for argv in (["check", "rules", str(RULES)], ["check", "config", str(CONFIG)], ["test", "rules", str(RULES_TEST)]):
         done = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 6 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
+    assert "SUCCESS: 7 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
                                                       capture_output=True, text=True).stdout
 
 

@@ -14,14 +14,18 @@ import uuid
 import httpx
 import pytest
 from google.protobuf import json_format
+from prometheus_client import REGISTRY
 from temporalio.api.common.v1 import Payload
 
+from api.app import create_app
+from api.auth import shown_address
 from devtools.devserver import temporal_binary
 from ragline import audit, keys as api_keys, logs
 from ragline.llm import ChatModel
 from ragline.redact import redact
 from ragline.settings import Settings
 from temporal import codec as codec_mod
+from tests.conftest import serving_api
 from tests.helpers import delegate_until, waiting_reviews
 
 DOC_A = "The {tag} lighthouse of Acme is painted red and white and has 120 steps."
@@ -89,6 +93,58 @@ async def test_a_key_over_its_rate_gets_429_with_retry_after(stack):
         assert 1 <= int(r.headers["retry-after"]) <= 60
     # Another key is not held back by it.
     assert (await stack.member_http.get("/v1/jobs?limit=1")).status_code == 200
+
+
+async def test_api_processes_share_each_keys_rate_through_redis(stack, redis_server):
+    """Two API processes (two apps, each with its own limiter) on one Redis: a key's requests per minute
+    count across both, so running more API replicas does not multiply anyone's rate."""
+    key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "shared", requests_per_minute=4)
+    settings = stack.settings.model_copy(update={"rate_limit_storage": redis_server.url})
+    async with serving_api(create_app(settings)) as url_a, serving_api(create_app(settings)) as url_b, \
+            httpx.AsyncClient(base_url=url_a, headers={"X-API-Key": key}) as a, \
+            httpx.AsyncClient(base_url=url_b, headers={"X-API-Key": key}) as b:
+        codes = [(await http.get("/v1/jobs?limit=1")).status_code for http in (a, b, a, b)]
+        assert codes == [200, 200, 200, 200]
+        for http in (a, b):
+            r = await http.get("/v1/jobs?limit=1")
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
+            assert 1 <= int(r.headers["retry-after"]) <= 60
+        health = (await a.get("/healthz")).json()
+        assert health["components"]["rate_limits"] == {"status": "up", "address": redis_server.url}
+
+
+def _unchecked_requests() -> float:
+    return REGISTRY.get_sample_value("ragline_rate_limit_storage_errors_total")
+
+
+async def test_requests_go_through_while_the_shared_counters_are_down_and_are_held_again_after(
+        stack, redis_server):
+    key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "outage", requests_per_minute=2)
+    settings = stack.settings.model_copy(update={"rate_limit_storage": redis_server.url})
+    app = create_app(settings)
+    async with serving_api(app) as url, httpx.AsyncClient(base_url=url, headers={"X-API-Key": key}) as http:
+        redis_server.stop()
+        unchecked = _unchecked_requests()
+        # Over the key's rate, yet served: the limit protects the service, its outage must not stop it.
+        assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(4)] == [200] * 4
+        assert _unchecked_requests() - unchecked == 4  # only this test's app has a Redis it cannot reach
+        health = (await http.get("/healthz")).json()
+        assert health["status"] == "degraded"
+        assert health["components"]["rate_limits"]["status"] == "down"
+        assert "let through unlimited" in health["components"]["rate_limits"]["reason"]
+
+        await redis_server.start()  # back, empty, on the same address
+        assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(3)] == [200, 200, 429]
+        assert (await http.get("/healthz")).json()["components"]["rate_limits"]["status"] == "up"
+
+
+def test_rate_limit_storage_must_be_memory_or_redis():
+    for good in ("memory://", "redis://cache:6379/0", "rediss://:secret@cache:6380", "redis+unix:///run/redis.sock"):
+        assert Settings(rate_limit_storage=good).rate_limit_storage == good
+    for bad in ("memcached://cache:11211", "mongodb://db", "redis", ""):
+        with pytest.raises(ValueError, match="rate_limit_storage"):
+            Settings(rate_limit_storage=bad)
+    assert shown_address("rediss://:secret@cache:6380/1") == "rediss://cache:6380/1"
 
 
 # -- tenants ---------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
                        allow_methods=["POST", "OPTIONS"], allow_credentials=True,
                        allow_headers=["Content-Type", "X-Namespace", "Authorization", "X-API-Key"])
 
-    def reviewer(request: Request, path_key: str | None) -> None:
+    async def reviewer(request: Request, path_key: str | None) -> None:
         key = path_key or request.headers.get("x-api-key")
         auth = request.headers.get("authorization", "")
         if not key and auth.lower().startswith("bearer "):
@@ -54,12 +54,12 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
         if not key:
             raise ApiError(401, "unauthenticated", "the codec endpoint needs a reviewer key",
                            headers={"WWW-Authenticate": "Bearer"})
-        caller = admit(request, key)
+        caller = await admit(request, key)
         if caller.role != "reviewer":
             raise ApiError(403, "forbidden", "the codec endpoint needs a reviewer key")
 
     async def run(request: Request, action: str, path_key: str | None, namespace: str | None) -> Response:
-        reviewer(request, path_key)
+        await reviewer(request, path_key)
         codec = get_codec()
         if codec is None:
             raise ApiError(404, "encryption_off", "payload encryption is off (RAGLINE_ENCRYPT_PAYLOADS)")

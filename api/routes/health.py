@@ -1,5 +1,5 @@
-"""GET /healthz: each component's state, with the workers polling each task queue; 503 when Temporal
-is down."""
+"""GET /healthz: each component's state, with the workers polling each task queue (and the shared
+rate-limit counters, when there are); 503 when Temporal is down."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest, GetSystemInfoRequest
 from temporalio.client import Client
 
+from api.auth import GuardDep, shown_address
 from api.deps import ClientDep, SettingsDep
 from api.schemas import Component, Health, QueuePollers
 from temporal import queues
@@ -45,8 +46,14 @@ async def queue_pollers(client: Client, task_queue: str) -> dict[str, QueuePolle
 
 @router.get("/healthz", summary="Component health", response_model_exclude_none=True,
             responses={503: {"model": Health, "description": "Temporal is down: no work can be recorded"}})
-async def healthz(client: ClientDep, settings: SettingsDep, response: Response) -> Health:
+async def healthz(client: ClientDep, settings: SettingsDep, guard: GuardDep, response: Response) -> Health:
     components: dict[str, Component] = {}
+    if guard.shared:  # counters in this process's memory are always there
+        address = shown_address(settings.rate_limit_storage)
+        components["rate_limits"] = (
+            Component(status="up", address=address) if await guard.counters_reachable() else
+            Component(status="down", address=address,
+                      reason="the shared rate-limit counters do not answer: requests are let through unlimited"))
     try:
         await client.workflow_service.get_system_info(GetSystemInfoRequest(), timeout=CHECK_TIMEOUT)
         components["temporal"] = Component(status="up", address=settings.temporal_address)
