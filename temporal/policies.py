@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from temporalio import activity
@@ -106,10 +106,16 @@ class ActivityPolicy(BaseModel):
         return options
 
 
-_loaded: dict[str, ActivityPolicy] | None = None
-_dead_letter_ttl: timedelta | None = None
-_slot_sweep: timedelta | None = None
-_subscriber_grace: timedelta | None = None
+@dataclass(frozen=True)
+class LoadedPolicies:
+    """What the worker read from the policy file at start."""
+    activities: dict[str, ActivityPolicy]
+    dead_letter_ttl: timedelta
+    slot_sweep: timedelta
+    subscriber_grace: timedelta
+
+
+_loaded: LoadedPolicies | None = None
 DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 DEFAULT_SLOT_SWEEP = timedelta(minutes=1)
 DEFAULT_SUBSCRIBER_GRACE = timedelta(milliseconds=500)
@@ -219,43 +225,41 @@ def load(path: Path | None, activities: Iterable[str], *,
          dead_letter_ttl: str | None = None) -> dict[str, ActivityPolicy]:
     """Read and validate the policy file for the registered `activities`; called once by the worker
     before it polls."""
-    global _loaded, _dead_letter_ttl, _slot_sweep, _subscriber_grace
+    global _loaded
     path = Path(path) if path else DEFAULT_FILE
     try:
         text = path.read_text()
     except OSError as exc:
         raise PolicyError(f"cannot read policy file {path}: {exc}") from None
-    _loaded = parse(text, activities, str(path))
-    _dead_letter_ttl = parse_dead_letter_ttl(text, str(path), dead_letter_ttl)
-    _slot_sweep = parse_slot_sweep(text, str(path))
-    _subscriber_grace = parse_subscriber_grace(text, str(path))
+    _loaded = LoadedPolicies(activities=parse(text, activities, str(path)),
+                             dead_letter_ttl=parse_dead_letter_ttl(text, str(path), dead_letter_ttl),
+                             slot_sweep=parse_slot_sweep(text, str(path)),
+                             subscriber_grace=parse_subscriber_grace(text, str(path)))
+    return _loaded.activities
+
+
+def loaded() -> LoadedPolicies:
+    if _loaded is None:
+        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
     return _loaded
 
 
 def dead_letter_ttl() -> timedelta:
     """How long a dead-lettered job waits for an operator before it ends as failed."""
-    if _dead_letter_ttl is None:
-        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
-    return _dead_letter_ttl
+    return loaded().dead_letter_ttl
 
 
 def slot_sweep_interval() -> timedelta:
-    if _slot_sweep is None:
-        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
-    return _slot_sweep
+    return loaded().slot_sweep
 
 
 def subscriber_grace() -> timedelta:
-    if _subscriber_grace is None:
-        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
-    return _subscriber_grace
+    return loaded().subscriber_grace
 
 
 def policy(name: str) -> ActivityPolicy:
-    if _loaded is None:
-        raise PolicyError("policies not loaded: the worker must call temporal.policies.load() at start")
     try:
-        return _loaded[name]
+        return loaded().activities[name]
     except KeyError:
         raise PolicyError(f"no policy for activity {name!r}: it is not registered with this worker") from None
 
