@@ -7,9 +7,10 @@ minute (a moving window, `limits`; counters in RAGLINE_RATE_LIMIT_STORAGE: this 
 Redis that every API process shares).
 
 When the shared counters cannot be reached, requests are let through rather than refused: a rate limit
-protects the service, and an outage of its counters must not become an outage of the API. Each such
-request counts in `ragline_rate_limit_storage_errors_total` (alert RaglineRateLimitsNotEnforced) and /healthz
-says `degraded`.
+protects the service, and an outage of its counters must not become an outage of the API. After a
+failure the counters are left alone for STORAGE_RETRY_AFTER_SECONDS, so that only one request in that
+time pays the connection timeout. Each request let through counts in
+`ragline_rate_limit_storage_errors_total` (alert RaglineRateLimitsNotEnforced) and /healthz says `degraded`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Caller:
 
 # A Redis that does not answer within this long counts as unreachable: the request goes on unlimited.
 STORAGE_TIMEOUT_SECONDS = 0.5
+# After the counters failed to answer, requests skip them for this long; then one tries them again. A
+# Redis that times out must not add its timeout to every request of an outage.
+STORAGE_RETRY_AFTER_SECONDS = 2.0
 # At most one warning per this many seconds while the counters are unreachable (a busy API would
 # otherwise log one per request).
 STORAGE_WARNING_EVERY_SECONDS = 30.0
@@ -83,6 +87,7 @@ class Guard:
         self.storage = rate_limit_storage(settings.rate_limit_storage)
         self.limiter = MovingWindowRateLimiter(self.storage)
         self.shared = not settings.rate_limit_storage.startswith("memory://")
+        self._skip_until = float("-inf")
         self._warned_at = float("-inf")
 
     def limits(self, tenant: str) -> TenantLimits:
@@ -91,6 +96,9 @@ class Guard:
     async def check_rate(self, entry: KeyEntry) -> None:
         per_minute = entry.requests_per_minute or self.settings.rate_limit_per_minute
         item = RateLimitItemPerMinute(per_minute)
+        if time.monotonic() < self._skip_until:
+            RATE_LIMIT_STORAGE_ERRORS.inc()
+            return
         try:
             if await self.limiter.hit(item, "key", entry.sha256):
                 return
@@ -103,14 +111,19 @@ class Guard:
                        f"try again in {retry_after} s", headers={"Retry-After": str(retry_after)})
 
     async def counters_reachable(self) -> bool:
+        """Asks the counters directly (/healthz); an answer ends the pause after a failure at once."""
         try:
-            return await self.storage.check()
+            reachable = await self.storage.check()
         except Exception:  # noqa: BLE001 - any failure to answer is "unreachable"
-            return False
+            reachable = False
+        if reachable:
+            self._skip_until = float("-inf")
+        return reachable
 
     def _counters_unreachable(self, exc: StorageError) -> None:
         RATE_LIMIT_STORAGE_ERRORS.inc()
         now = time.monotonic()
+        self._skip_until = now + STORAGE_RETRY_AFTER_SECONDS
         if now - self._warned_at >= STORAGE_WARNING_EVERY_SECONDS:
             self._warned_at = now
             log.warning("rate limits not enforced: their counters are unreachable",

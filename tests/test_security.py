@@ -134,8 +134,35 @@ async def test_requests_go_through_while_the_shared_counters_are_down_and_are_he
         assert "let through unlimited" in health["components"]["rate_limits"]["reason"]
 
         await redis_server.start()  # back, empty, on the same address
-        assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(3)] == [200, 200, 429]
+        # Seen back by /healthz (a probe every few seconds on a cluster), or by a request once the pause
+        # after the failure is over: the key is held to its rate again.
         assert (await http.get("/healthz")).json()["components"]["rate_limits"]["status"] == "up"
+        assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(3)] == [200, 200, 429]
+
+
+async def test_a_redis_that_hangs_costs_one_request_its_timeout_not_every_request(stack):
+    """A Redis that accepts connections and never answers (a host gone silent): the first request waits
+    for the timeout and is let through; the requests right after it skip the counters instead of each
+    waiting as long (they would each open a new connection to try)."""
+    connections = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        await reader.read()  # until the client gives up and closes
+
+    silent = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "hang", requests_per_minute=2)
+    settings = stack.settings.model_copy(update={"rate_limit_storage": f"redis://127.0.0.1:{port}/0"})
+    try:
+        async with serving_api(create_app(settings)) as url, \
+                httpx.AsyncClient(base_url=url, headers={"X-API-Key": key}) as http:
+            assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(5)] == [200] * 5
+            assert len(connections) == 1
+    finally:
+        silent.close()
+        for writer in connections:
+            writer.close()
 
 
 def test_rate_limit_storage_must_be_memory_or_redis():
