@@ -14,6 +14,8 @@ from starlette.routing import Match
 from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
+from temporal.codec import CodecError
+
 
 log = structlog.get_logger("ragline.api")
 
@@ -74,6 +76,15 @@ def install(app: FastAPI) -> None:
         log.exception("unhandled error")
         return JSONResponse(_body("internal_error", "an unexpected error occurred; see the API log"),
                             status_code=500)
+
+    @app.exception_handler(CodecError)
+    async def _unreadable(_: Request, exc: CodecError) -> JSONResponse:
+        # Data encrypted with a key this process lacks: the API and the workers do not share one codec
+        # keys file, or a key was dropped while histories still need it. An operator's fix, not the caller's.
+        log.error("job data unreadable", error=str(exc))
+        return JSONResponse(_body("payload_unreadable", f"this job's data cannot be decrypted here ({exc}); the API "
+                                  "and every worker must share RAGLINE_CODEC_KEYS_FILE and keep old keys while "
+                                  "histories need them"), status_code=500)
 
     @app.exception_handler(WorkflowUpdateRPCTimeoutOrCancelledError)
     async def _update_timeout(_: Request, exc: WorkflowUpdateRPCTimeoutOrCancelledError) -> JSONResponse:

@@ -18,6 +18,7 @@ import random
 import shutil
 import socket
 import subprocess
+import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,10 @@ def worker_metrics_url() -> str:
 
 
 TEMPORAL_METRICS_PORT = free_server_port()
+# Every stack of the test session is one deployment's worth of processes on one namespace, and tenant
+# `acme` lists the jobs of all of them: like the API and the workers of a deployment, they share one
+# set of payload keys (a test that needs keys of its own sets codec_keys_file).
+SHARED_CODEC_KEYS = Path(tempfile.mkdtemp(prefix="ragline-test-codec-")) / "codec_keys.toml"
 
 
 def shared_pdf(name: str) -> Path:
@@ -298,7 +303,7 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     options = dict(data_dir=data_dir, temporal_address=address, api_port=api_port, task_queue="ragline-test",
                    embed_batch_size=16, llm_base_url=llm.base_url, llm_model="scripted", llm_timeout=3,
                    policies=FIXTURES.parent / "fast_policies.toml", metrics_poll_interval=1.0,
-                   rate_limit_per_minute=100_000,
+                   rate_limit_per_minute=100_000, codec_keys_file=SHARED_CODEC_KEYS,
                    # The shared stack's questions test plumbing with made-up texts: no relevance gate and
                    # no answer cache there. tests/test_grounded.py runs a stack with both, as shipped.
                    relevance_threshold=0.0, answer_cache_size=0,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 from devtools.devserver import DevServer
-from tests.conftest import FIXTURES, free_server_port, running_stack
+from tests.conftest import FIXTURES, SHARED_CODEC_KEYS, free_server_port, running_stack
 from tests.helpers import assert_nothing_lost_or_doubled, eventually
 from tests.pdfgen import pdf_bytes
 
@@ -79,6 +79,7 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
     address = temporal_env.client.service_client.config.target_host
     queue = "ragline-kill"
     env = {"RAGLINE_DATA_DIR": str(tmp_path), "RAGLINE_TEMPORAL_ADDRESS": address, "RAGLINE_TASK_QUEUE": queue,
+           "RAGLINE_CODEC_KEYS_FILE": str(SHARED_CODEC_KEYS),  # the keys of the test's API (running_stack)
            "RAGLINE_LLM_BASE_URL": scripted_llm.base_url, "RAGLINE_LLM_MODEL": "scripted",
            "RAGLINE_LLM_TIMEOUT": "3", "RAGLINE_POLICIES": str(FIXTURES.parent / "fast_policies.toml"),
            "RAGLINE_EMBED_BATCH_SIZE": "4"}

@@ -18,7 +18,7 @@ from devtools.supervisor import ProcessSpec, worker_specs
 from ragline.errors import StoreUnavailableError
 from ragline.settings import Settings
 from ragline.vectorstore import open_index
-from tests.conftest import FIXTURES, running_stack
+from tests.conftest import FIXTURES, SHARED_CODEC_KEYS, running_stack
 from tests.helpers import assert_nothing_lost_or_doubled, eventually
 from tests.pdfgen import pdf_bytes
 
@@ -74,6 +74,7 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
     address = temporal_env.client.service_client.config.target_host
     queue = f"scale-{uuid.uuid4().hex[:6]}"
     env = {"RAGLINE_DATA_DIR": str(tmp_path), "RAGLINE_TEMPORAL_ADDRESS": address, "RAGLINE_TASK_QUEUE": queue,
+           "RAGLINE_CODEC_KEYS_FILE": str(SHARED_CODEC_KEYS),  # the keys of the test's API (running_stack)
            "RAGLINE_LLM_BASE_URL": private_llm.base_url, "RAGLINE_LLM_MODEL": "scripted",
            "RAGLINE_LLM_TIMEOUT": "5", "RAGLINE_LLM_CONCURRENCY": "4",
            "RAGLINE_POLICIES": str(FIXTURES.parent / "fast_policies.toml"), "RAGLINE_EMBED_BATCH_SIZE": "4",

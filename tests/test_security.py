@@ -16,6 +16,7 @@ import pytest
 from google.protobuf import json_format
 from prometheus_client import REGISTRY
 from temporalio.api.common.v1 import Payload
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from api.app import create_app
 from api.auth import shown_address
@@ -25,6 +26,8 @@ from ragline.llm import ChatModel
 from ragline.redact import redact
 from ragline.settings import Settings
 from temporal import codec as codec_mod
+from temporal import search_attributes as sa
+from temporal.client import connect
 from tests.conftest import serving_api
 from tests.helpers import delegate_until, waiting_reviews
 
@@ -371,6 +374,25 @@ async def test_codec_endpoint_contract_cors_and_roles(stack):
         evil = await http.options("/codec/decode", headers={"Origin": "http://evil.example",
                                                            "Access-Control-Request-Method": "POST"})
         assert evil.headers.get("access-control-allow-origin") != "http://evil.example"
+
+
+async def test_a_job_encrypted_with_a_key_this_api_lacks_gets_a_clear_error(stack, tmp_path):
+    """A deployment whose processes do not share one codec keys file: the API says what is wrong
+    (500 `payload_unreadable`, JSON, naming the setting) instead of failing with a bare 500."""
+    elsewhere = await connect(stack.settings.model_copy(update={"codec_keys_file": tmp_path / "other_keys.toml"}))
+    job_id = stack.workflow_id(f"chat-{uuid.uuid4().hex}.{'0' * 20}")
+    handle = await elsewhere.start_workflow(
+        "ChatTurnWorkflow", id=job_id, task_queue=f"nobody-{uuid.uuid4().hex[:8]}", memo={"turn": 1},
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat"),
+                                                 SearchAttributePair(sa.JOB_STATUS, "queued"),
+                                                 SearchAttributePair(sa.TENANT, stack.tenant)]))
+    try:
+        r = await stack.http.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "payload_unreadable" and "RAGLINE_CODEC_KEYS_FILE" in error["message"]
+    finally:
+        await handle.terminate("test over")
 
 
 async def test_keys_rotate_and_old_payloads_stay_readable(tmp_path):
