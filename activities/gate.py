@@ -12,7 +12,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from models.tenancy import GateState, JobIds, SlotRequest, workflow_id
 from ragline.keys import KeyRing
 from ragline.settings import Settings
-from temporal import queues
+from temporal import policies, queues
 from temporal import search_attributes as sa
 from temporal.errors import translate_errors
 
@@ -44,6 +44,7 @@ class GateActivities:
             GATE_WORKFLOW, GateState(tenant=req.tenant, limit=limit), id=gate_id(req.tenant, self.settings.task_queue),
             task_queue=queues.queue_name(self.settings.task_queue, "main"),
             start_signal="acquire", start_signal_args=[req.model_copy(update={"limit": limit})],
+            priority=policies.workflow_priority("tenant_gate"),
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "tenant_gate"),
                                                      SearchAttributePair(sa.TENANT, req.tenant)]))
 

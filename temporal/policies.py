@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from temporalio import activity
 from temporalio.common import Priority, RetryPolicy
 
@@ -106,6 +106,16 @@ class ActivityPolicy(BaseModel):
         return options
 
 
+class WorkflowPriorities(BaseModel):
+    """[workflows]: the priority of the workflows Ragline's workers start (1 first .. 5 last). Their
+    workflow tasks, and their activities without a priority of their own, are handed out by it among
+    tasks waiting on one queue. Unset: 3 (the jobs the API starts, sessions included, run at 3)."""
+    model_config = ConfigDict(extra="forbid")
+
+    tenant_gate: int | None = Field(None, ge=1, le=5)
+    chat_turn: int | None = Field(None, ge=1, le=5)
+
+
 @dataclass(frozen=True)
 class LoadedPolicies:
     """What the worker read from the policy file at start."""
@@ -113,6 +123,7 @@ class LoadedPolicies:
     dead_letter_ttl: timedelta
     slot_sweep: timedelta
     subscriber_grace: timedelta
+    workflows: WorkflowPriorities
 
 
 _loaded: LoadedPolicies | None = None
@@ -133,7 +144,7 @@ def parse(text: str, activities: Iterable[str], source: str = "policies") -> dic
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{source}: not valid TOML: {exc}") from None
-    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots", "events"}
+    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots", "events", "workflows"}
     if unknown_sections:
         raise PolicyError(f"{source}: unknown section(s): {', '.join(sorted(unknown_sections))}")
     try:
@@ -221,6 +232,13 @@ def parse_subscriber_grace(text: str, source: str = "policies") -> timedelta:
     return _positive_duration(text, source, "events", "subscriber_grace", DEFAULT_SUBSCRIBER_GRACE)
 
 
+def parse_workflow_priorities(text: str, source: str = "policies") -> WorkflowPriorities:
+    try:
+        return WorkflowPriorities(**tomllib.loads(text).get("workflows", {}))
+    except ValidationError as exc:
+        raise PolicyError(f"{source}: [workflows]: {_explain(exc)}") from None
+
+
 def load(path: Path | None, activities: Iterable[str], *,
          dead_letter_ttl: str | None = None) -> dict[str, ActivityPolicy]:
     """Read and validate the policy file for the registered `activities`; called once by the worker
@@ -234,7 +252,8 @@ def load(path: Path | None, activities: Iterable[str], *,
     _loaded = LoadedPolicies(activities=parse(text, activities, str(path)),
                              dead_letter_ttl=parse_dead_letter_ttl(text, str(path), dead_letter_ttl),
                              slot_sweep=parse_slot_sweep(text, str(path)),
-                             subscriber_grace=parse_subscriber_grace(text, str(path)))
+                             subscriber_grace=parse_subscriber_grace(text, str(path)),
+                             workflows=parse_workflow_priorities(text, str(path)))
     return _loaded.activities
 
 
@@ -255,6 +274,12 @@ def slot_sweep_interval() -> timedelta:
 
 def subscriber_grace() -> timedelta:
     return loaded().subscriber_grace
+
+
+def workflow_priority(kind: Literal["tenant_gate", "chat_turn"]) -> Priority:
+    """The priority to start a workflow of this kind with ([workflows] of the policy file)."""
+    key = getattr(loaded().workflows, kind)
+    return Priority(priority_key=key) if key is not None else Priority.default
 
 
 def policy(name: str) -> ActivityPolicy:

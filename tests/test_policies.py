@@ -168,6 +168,16 @@ def test_priority_orders_tasks_on_a_queue_and_is_checked():
                        worker.activity_names())
 
 
+def test_the_policy_file_puts_the_gate_then_chat_turns_ahead_of_other_workflows():
+    shipped = policies.parse_workflow_priorities(policies.DEFAULT_FILE.read_text())
+    assert shipped.tenant_gate < shipped.chat_turn < 3  # 3: the sessions and the jobs the API starts
+    assert policies.parse_workflow_priorities(MINIMAL) == policies.WorkflowPriorities()
+    for bad, named in (("chat_turn = 0", "chat_turn"), ("chat_turn = 6", "chat_turn"),
+                       ("ingest = 4", "ingest")):
+        with pytest.raises(policies.PolicyError, match=rf"\[workflows\]: {named}"):
+            policies.parse_workflow_priorities(MINIMAL + f"[workflows]\n{bad}\n")
+
+
 def test_the_workflow_timeouts_of_the_policy_file_have_defaults_and_must_be_positive():
     assert policies.parse_slot_sweep(MINIMAL) == policies.DEFAULT_SLOT_SWEEP
     assert policies.parse_subscriber_grace(MINIMAL) == policies.DEFAULT_SUBSCRIBER_GRACE

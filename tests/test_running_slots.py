@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import httpx
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
+from temporalio.common import Priority
 from temporalio.worker import Worker
 
 from activities.gate import gate_id
@@ -227,7 +228,7 @@ async def test_the_gate_hands_out_every_slot_once_across_continue_as_new(stack):
                       activities=[none_ended]):
         started = await stack.client.start_workflow(
             TenantGateWorkflow.run, GateState(tenant="t", limit=3, rotate_after=40), id=f"t.gate.{queue}",
-            task_queue=queue)
+            task_queue=queue, priority=Priority(priority_key=1))
         gate = stack.client.get_workflow_handle(started.id)  # whichever run is current, as jobs address it
         jobs = [f"t.job-{n}-{uuid.uuid4().hex[:6]}" for n in range(30)]
         waiters = [await stack.client.start_workflow(WaitsForSlot.run, id=j, task_queue=queue) for j in jobs]
@@ -248,6 +249,8 @@ async def test_the_gate_hands_out_every_slot_once_across_continue_as_new(stack):
                 assert any(s["granted"] for s in await handle.result())
             state = await gate.query(TenantGateWorkflow.slots)
             assert (state.holders, state.waiting, state.tickets) == ([], [], {})
-            assert (await gate.describe()).run_id != started.run_id  # it continued as new on the way
+            now = await gate.describe()
+            assert now.run_id != started.run_id  # it continued as new on the way
+            assert now.raw_description.workflow_execution_info.priority.priority_key == 1  # still first in line
         finally:
             await gate.terminate("test over")

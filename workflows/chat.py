@@ -202,6 +202,7 @@ class ChatSessionWorkflow:
                 return await workflow.start_child_workflow(
                     ChatTurnWorkflow.run, turn, id=turn.job_id,
                     id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                    priority=policies.workflow_priority("chat_turn"),
                     parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                     memo={"turn": turn.turn, "message": turn.question.message[:500]},
                     search_attributes=TypedSearchAttributes([
