@@ -47,10 +47,17 @@ LOG_TAIL_LINES = 40
 # default, per shard): each such hop waited 30-45 ms, even with one workflow running. A cluster spreads
 # workflows over hundreds of shards. Measured with one workflow at a time running 4 activities on
 # another task queue: 451 ms at 20, 70 ms at 1000 (p50 of 12).
+#
+# A worker deployment version that is no longer current shows `drained` (README, rolling out a new
+# build: step 3) once no pinned workflow runs on it; the server checks that first after a grace period
+# for visibility to catch up, then at an interval, 3 minutes each by default. The dev server's
+# visibility store is its own SQLite file, written at once: seconds are enough.
 DYNAMIC_CONFIG = {
     "matching.numTaskqueueReadPartitions": 1,
     "matching.numTaskqueueWritePartitions": 1,
     "history.transferProcessorMaxPollRPS": 1000,
+    "matching.wv.VersionDrainageStatusVisibilityGracePeriod": '"2s"',
+    "matching.wv.VersionDrainageStatusRefreshInterval": '"2s"',
 }
 
 

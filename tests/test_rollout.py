@@ -1,10 +1,11 @@
 """Rolling out a new build while sessions are open (README "Rolling out a new build while sessions are
 open"), live on the dev server: two builds of the same code as two versions of one worker deployment,
-switched with the `temporal worker deployment set-current-version` command the README gives.
+switched with the `temporal worker deployment set-current-version` command the README gives, and
+the old one found drained with `describe-version`.
 
 What a team relies on: once the new build is current, new jobs run on it; an open chat session and a
 turn waiting for its review move to it (AUTO_UPGRADE); a job pinned to the old build (an evaluation,
-mid-flight during the switch) finishes there."""
+mid-flight during the switch) finishes there, and the old build reads `drained` only after it has."""
 
 from __future__ import annotations
 
@@ -57,6 +58,22 @@ async def set_current_version(settings, build_id: str) -> None:
         await eventually(attempt, timeout=30, every=0.5, what=f"set-current-version {build_id}")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; the CLI said: {said[-1]}") from None
+
+
+async def drainage(settings, build_id: str) -> str:
+    """README step 3, as an operator types it: the version's drainage status ("" before it has one)."""
+    proc = await asyncio.create_subprocess_exec(
+        temporal_binary(), "worker", "deployment", "describe-version",
+        "--deployment-name", settings.worker_deployment_name, "--build-id", build_id,
+        "--address", settings.temporal_address, "--namespace", settings.temporal_namespace, "--output", "json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode(errors="replace")
+    return str(json.loads(out).get("drainageInfo", {}).get("drainageStatus", "")).lower()
+
+
+async def _drained(settings, build_id: str) -> bool:
+    return (await drainage(settings, build_id)).endswith("drained")  # VERSION_DRAINAGE_STATUS_DRAINED
 
 
 async def versioning(stack, job_id: str) -> tuple[int, str]:
@@ -113,10 +130,15 @@ async def test_a_new_build_takes_new_jobs_and_open_sessions_while_a_pinned_job_f
 
                 await set_current_version(stack.settings, "2.0")  # README step 2
                 assert not (await mine.wait_for_calls(1, task="answer"))[0].finished_at  # still in flight
+                # README step 3: the old build is not to be scaled down while a pinned job runs on it.
+                assert "draining" in await drainage(stack.settings, "1.0")
 
                 # Pinned: the evaluation finishes on the build that started it.
                 assert (await stack.wait_job(evaluation))["status"] == "completed"
                 assert await versioning(stack, evaluation) == (VersioningBehavior.VERSIONING_BEHAVIOR_PINNED, "1.0")
+            # ... and says so once its last pinned job has ended: the old workers may go.
+            await eventually(lambda: _drained(stack.settings, "1.0"), timeout=60, every=1,
+                             what="the old build drained")
 
             # A new session's turn runs on the new build.
             r = await stack.http.post("/v1/chats", json={"message": "What colours is the lighthouse?",
