@@ -8,8 +8,8 @@ Redis that every API process shares).
 
 When the shared counters cannot be reached, requests are let through rather than refused: a rate limit
 protects the service, and an outage of its counters must not become an outage of the API. After a
-failure the counters are left alone for STORAGE_RETRY_AFTER_SECONDS, so that only one request in that
-time pays the connection timeout. Each request let through counts in
+failure the counters are left alone for RAGLINE_RATE_LIMIT_STORAGE_PAUSE seconds, so that only one
+request in that time pays the connection timeout (RAGLINE_RATE_LIMIT_STORAGE_TIMEOUT). Each request let through counts in
 `ragline_rate_limit_storage_errors_total` (alert RaglineRateLimitsNotEnforced) and /healthz says `degraded`.
 """
 
@@ -52,24 +52,20 @@ class Caller:
         return f"{self.name} ({self.tenant}, key {self.key_id})"
 
 
-# A Redis that does not answer within this long counts as unreachable: the request goes on unlimited.
-STORAGE_TIMEOUT_SECONDS = 0.5
-# After the counters failed to answer, requests skip them for this long; then one tries them again. A
-# Redis that times out must not add its timeout to every request of an outage.
-STORAGE_RETRY_AFTER_SECONDS = 2.0
 # At most one warning per this many seconds while the counters are unreachable (a busy API would
 # otherwise log one per request).
 STORAGE_WARNING_EVERY_SECONDS = 30.0
 
 
-def rate_limit_storage(uri: str) -> Storage:
+def rate_limit_storage(settings: Settings) -> Storage:
     """The async `limits` storage behind RAGLINE_RATE_LIMIT_STORAGE: memory:// (this process) or a Redis
     URL, through redis-py's asyncio client, with its errors raised as `StorageError`."""
+    uri = settings.rate_limit_storage
     if uri.startswith("memory://"):
         return storage_from_string("async+memory://")
+    timeout = settings.rate_limit_storage_timeout
     return storage_from_string(f"async+{uri}", implementation="redispy", wrap_exceptions=True,
-                               socket_timeout=STORAGE_TIMEOUT_SECONDS,
-                               socket_connect_timeout=STORAGE_TIMEOUT_SECONDS)
+                               socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
 def shown_address(uri: str) -> str:
@@ -84,7 +80,7 @@ class Guard:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.keys = KeyRing(settings.effective_api_keys_file)
-        self.storage = rate_limit_storage(settings.rate_limit_storage)
+        self.storage = rate_limit_storage(settings)
         self.limiter = MovingWindowRateLimiter(self.storage)
         self.shared = not settings.rate_limit_storage.startswith("memory://")
         self._skip_until = float("-inf")
@@ -123,7 +119,7 @@ class Guard:
     def _counters_unreachable(self, exc: StorageError) -> None:
         RATE_LIMIT_STORAGE_ERRORS.inc()
         now = time.monotonic()
-        self._skip_until = now + STORAGE_RETRY_AFTER_SECONDS
+        self._skip_until = now + self.settings.rate_limit_storage_pause
         if now - self._warned_at >= STORAGE_WARNING_EVERY_SECONDS:
             self._warned_at = now
             log.warning("rate limits not enforced: their counters are unreachable",

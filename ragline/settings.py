@@ -148,6 +148,11 @@ class Settings(BaseSettings):
     # Where the rate-limit counters live: memory:// (this API process only) or a Redis URL
     # (redis://host:6379/0, rediss://, redis+unix:///path.sock), which every API process shares.
     rate_limit_storage: str = Field("memory://", pattern=r"^(memory://$|redis://|rediss://|redis\+unix://)")
+    # Seconds: a Redis that does not answer within the timeout counts as unreachable and the request goes
+    # on unlimited; the next requests then skip the counters for the pause (an outage must not add the
+    # timeout to every request), after which one tries them again.
+    rate_limit_storage_timeout: float = Field(0.5, gt=0, le=30)
+    rate_limit_storage_pause: float = Field(2.0, ge=0, le=300)
     # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued
     # (workflows/slot.py). `[tenants.<name>] max_running_jobs` in the keys file overrides it.
     tenant_max_running_jobs: int = Field(8, ge=1)

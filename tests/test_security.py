@@ -143,10 +143,12 @@ async def test_requests_go_through_while_the_shared_counters_are_down_and_are_he
         assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(3)] == [200, 200, 429]
 
 
-async def test_a_redis_that_hangs_costs_one_request_its_timeout_not_every_request(stack):
+@pytest.mark.parametrize("pause, tries", [(None, 1), (0, 5)], ids=["default-pause", "no-pause"])
+async def test_a_redis_that_hangs_costs_one_request_its_timeout_not_every_request(stack, pause, tries):
     """A Redis that accepts connections and never answers (a host gone silent): the first request waits
     for the timeout and is let through; the requests right after it skip the counters instead of each
-    waiting as long (they would each open a new connection to try)."""
+    waiting as long (they would each open a new connection to try). With
+    RAGLINE_RATE_LIMIT_STORAGE_PAUSE=0 every request tries, and waits."""
     connections = []
 
     async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -156,12 +158,15 @@ async def test_a_redis_that_hangs_costs_one_request_its_timeout_not_every_reques
     silent = await asyncio.start_server(never_answer, "127.0.0.1", 0)
     port = silent.sockets[0].getsockname()[1]
     key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "hang", requests_per_minute=2)
-    settings = stack.settings.model_copy(update={"rate_limit_storage": f"redis://127.0.0.1:{port}/0"})
+    update = {"rate_limit_storage": f"redis://127.0.0.1:{port}/0", "rate_limit_storage_timeout": 0.2}
+    if pause is not None:
+        update["rate_limit_storage_pause"] = pause
+    settings = stack.settings.model_copy(update=update)
     try:
         async with serving_api(create_app(settings)) as url, \
                 httpx.AsyncClient(base_url=url, headers={"X-API-Key": key}) as http:
             assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(5)] == [200] * 5
-            assert len(connections) == 1
+            assert len(connections) == tries
     finally:
         silent.close()
         for writer in connections:
@@ -175,6 +180,9 @@ def test_rate_limit_storage_must_be_memory_or_redis():
         with pytest.raises(ValueError, match="rate_limit_storage"):
             Settings(rate_limit_storage=bad)
     assert shown_address("rediss://:secret@cache:6380/1") == "rediss://cache:6380/1"
+    for bad in ({"rate_limit_storage_timeout": 0}, {"rate_limit_storage_pause": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Settings(**bad)
 
 
 # -- tenants ---------------------------------------------------------------------------------------
