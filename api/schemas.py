@@ -53,7 +53,7 @@ UNAUTHENTICATED = {"WWW-Authenticate": {"description": "Bearer", "schema": {"typ
 
 def error_responses(codes: dict[int, str], *, auth: bool = True) -> dict[int | str, dict[str, Any]]:
     """`responses=` of a route: each error status it returns with the codes it uses there, and any
-    unexpected error (500 `internal_error`, 502 `temporal_error`) as `default`. Declaring 422 (or
+    unexpected error (500 `internal_error` or `payload_unreadable`, 502 `temporal_error`) as `default`. Declaring 422 (or
     `default`) also replaces FastAPI's own validation-error schema, which is not what this API sends.
     Routes behind an API key (`auth`) also answer 401 and 429."""
     codes = {**AUTH_ERRORS, **codes} if auth else codes
@@ -64,7 +64,9 @@ def error_responses(codes: dict[int, str], *, auth: bool = True) -> dict[int | s
         documented[429]["headers"] = RETRY_AFTER
         documented[401]["headers"] = UNAUTHENTICATED
     documented["default"] = {"model": ErrorBody,
-                             "description": "unexpected error: internal_error (500) or temporal_error (502)"}
+                             "description": "unexpected error: internal_error (500); payload_unreadable (500: the "
+                                            "job's data is encrypted with a key this API does not hold); "
+                                            "temporal_error (502)"}
     return documented
 
 

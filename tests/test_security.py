@@ -399,6 +399,9 @@ async def test_a_job_encrypted_with_a_key_this_api_lacks_gets_a_clear_error(stac
         assert r.status_code == 500, r.text
         error = r.json()["error"]
         assert error["code"] == "payload_unreadable" and "RAGLINE_CODEC_KEYS_FILE" in error["message"]
+        # ... as the API's description of the route says it may.
+        route = (await stack.http.get("/openapi.json")).json()["paths"]["/v1/jobs/{job_id}"]["get"]
+        assert "payload_unreadable" in route["responses"]["default"]["description"]
     finally:
         await handle.terminate("test over")
 
