@@ -367,25 +367,38 @@ def render_ratios(r: dict) -> str:
 
     # -- burst ----------------------------------------------------------------------------------------
     b = rt.get("burst")
-    sync = r.get("sync")
+    # Runs before the rounds existed compared their one burst with the acceptance phase's sync burst.
+    rounds = (b or {}).get("rounds") or ([{**b, "sync": r.get("sync") or {}}] if b else [])
+    paired = len(rounds) > 1 or bool((b or {}).get("rounds"))
     lines.append(f"**A burst of chats** ({p['burst_chats']} at once, distinct sessions, scripted model answering "
-                 f"after {delay:g} s; each client POSTs, then reads its job's events to the end; the sync app's "
-                 f"numbers are those of the acceptance burst above, same model delay, same run).")
+                 f"after {delay:g} s; each client POSTs, then reads its job's events to the end; "
+                 + (f"{len(rounds)} rounds, each a burst of as many requests to the sync app right before Ragline's, "
+                    f"so each Ragline burst is held against the sync burst next to it; the verdict is the median "
+                    f"round's)." if paired else
+                    "the sync app's numbers are those of the acceptance burst above, same model delay, same run)."))
     lines.append("")
     lines.append("| target | completed | POST → 202 p50 | POST → first delta p50 / p99 | sync app response p50 "
                  "| first delta / sync p50 | POST → `ragline.job.completed` p50 / max |")
     lines.append("| --- | --- | --- | --- | --- | --- | --- |")
-    if b:
-        fd, sy50 = b["first_delta"], (sync or {}).get("p50")
+    for k, rb in enumerate(rounds, 1):
+        fd, sy50 = rb["first_delta"], rb["sync"].get("p50")
         rr = _r(fd["p50"], sy50)
         verdict = "–" if rr is None else f"{ratio(fd['p50'], sy50)} ({'below' if rr < 1 else '**not below**'})"
-        done = f"{b['completed']}/{b['n']}"
-        lines.append(f"| Ragline, {b['n']} chats | {_bold_if(done, b['completed'] < b['n'])} | {ms(b['accept']['p50'])} "
+        done = f"{rb['completed']}/{rb['n']}"
+        label = f"Ragline, {rb['n']} chats" + (f", round {k}" if paired else "")
+        lines.append(f"| {label} | {_bold_if(done, rb['completed'] < rb['n'])} | {ms(rb['accept']['p50'])} "
                      f"| {secs(fd['p50'])} / {secs(fd['p99'])} | {secs(sy50)} | {verdict} | "
-                     f"{secs(b['terminal']['p50'])} / {secs(b['terminal']['max'])} |")
-    else:
+                     f"{secs(rb['terminal']['p50'])} / {secs(rb['terminal']['max'])} |")
+    if not rounds:
         lines.append("| Ragline | not run (`burst` not in --phases) | | | | | |")
     lines.append("")
+    if len(rounds) > 1:
+        fd, sy50 = b["first_delta"]["p50"], b["sync"]["p50"]
+        rr = _r(fd, sy50)
+        lines.append(f"Median round ({b['round']}): first delta p50 {secs(fd)} against the sync app's {secs(sy50)}, "
+                     f"{ratio(fd, sy50)}: **{'below' if rr is not None and rr < 1 else 'not below'}**. The segments "
+                     f"and model-call notes below are that round's.")
+        lines.append("")
 
     # -- orchestration cost -----------------------------------------------------------------------
     o = rt.get("overhead")
@@ -512,22 +525,23 @@ def _ratio_notes(r: dict) -> list[str]:
                          f"{limit:g} s** and still got their `202`.")
     b = rt.get("burst")
     if b:
+        which = f" (round {b['round']}, the median)" if len(b.get("rounds") or []) > 1 else ""
         if b["errors"]:
             notes.append(f"**Burst problems:** {'; '.join(str(e) for e in b['errors'])}.")
         cpu = b.get("cpu") or {}
         if cpu:
-            notes.append("Burst, CPU seconds by process: " + ", ".join(
+            notes.append(f"Burst{which}, CPU seconds by process: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.05)
                 + f" (over {secs(b['wall'])}).")
         llm, co = b.get("llm") or {}, b.get("call_order") or {}
         if llm.get("max_concurrency"):
-            notes.append(f"Burst: at most {llm['max_concurrency']} model calls in flight "
+            notes.append(f"Burst{which}: at most {llm['max_concurrency']} model calls in flight "
                          f"({st.get('llm_slots_text', '?')}); {b['no_delta']} turns saw no answer delta."
                          + (f" Half of the {co['answers']} answer calls had started {secs(co['answers_half'])} after "
                             f"the first model call, and {co['side_before_half']} of the {co['side']} side-step calls "
-                            f"(summarize, extract_entities) had started before that: the `llm` task queue hands "
-                            f"out tasks in arrival order, so the side steps of early turns take slots ahead of the "
-                            f"answers of later ones." if co.get("answers") else ""))
+                            f"(summarize, extract_entities) had started before that (on the `llm` queue a waiting "
+                            f"answer goes before a waiting side step, by priority; a side step of an earlier turn "
+                            f"can start while the later answers are not yet scheduled)." if co.get("answers") else ""))
     for key in ("ttfd", "local"):
         t = rt.get(key)
         if t and not t.get("skipped") and t["completed"] < t["turns"]:

@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default 3)")
     r.add_argument("--burst-chats", type=int, default=200,
                    help="chats at once in `burst`, each followed on its SSE stream, at --delay (default 200)")
+    r.add_argument("--burst-rounds", type=int, default=3,
+                   help="rounds of `burst`, each a sync-app burst of as many requests right before a Ragline "
+                        "burst; the verdict is the median round's ratio (default 3)")
     r.add_argument("--seq-requests", type=int, default=1000, help="POST /v1/chats in `order` (default 1000)")
     r.add_argument("--seq-sessions", type=int, default=50,
                    help="sessions in `order`, each sending its share one after another (default 50)")
@@ -132,6 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.phases.remove("faults")
     if not 0 < args.fault_rate <= 1 or args.fault_chats < 0 or args.fault_ingests < 0 or args.fault_delay < 0:
         p.error("--fault-rate must be within (0, 1], --fault-chats, --fault-ingests and --fault-delay >= 0")
+    if not 1 <= args.burst_rounds <= 10:
+        p.error("--burst-rounds must be within 1..10")
     if not 1 <= args.requests <= 1000 or not 1 <= args.burst_chats <= 1000:
         p.error("--requests and --burst-chats must be within 1..1000 (the load stays bounded)")
     if not 1 <= args.seq_sessions <= args.seq_requests <= 5000 or args.seq_requests % args.seq_sessions:
@@ -772,6 +777,38 @@ async def settle(stack: Stack, limit: float = 60.0) -> None:
     log(f"      settled after {time.monotonic() - t0:.1f} s (no model call in flight)")
 
 
+async def burst_rounds(stack: Stack, client, args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """`burst`, round by round: the sync app answers a burst of as many requests, then Ragline takes its burst
+    of chats, each followed on its stream. One burst of each differs from the next by seconds on this
+    machine, so each Ragline burst is compared with the sync burst right before it and the verdict is the
+    median round's; the details shown (segments, model calls) are that round's."""
+    n, rounds = args.burst_chats, []
+    for k in range(1, args.burst_rounds + 1):
+        log(f"[burst {k}/{args.burst_rounds}] sync app: {n} concurrent requests, then Ragline: {n} chats at once, "
+            f"model delay {args.delay:g} s, each POST followed by its event stream (SSE) to the end")
+        await stack.llm_control(delay=args.delay, stream_chunk_delay=0, clear_calls=True)
+        sync = await http_burst("sync", stack.sync_url, n, 200, args.request_timeout, f"bsync-{uuid.uuid4().hex[:8]}")
+        await asyncio.sleep(1)
+        await stack.llm_control(clear_calls=True)
+        out = await measured(stack, ratios.burst_stream(
+            stack.api_url, client, n, max(args.e2e_timeout, 60), QUESTION, COLLECTION, log))
+        burst_llm = await stack.llm_stats(calls=True)
+        out["llm"], out["call_order"] = _llm_digest(burst_llm), call_order(burst_llm)
+        out["sync"] = {key: v for key, v in sync.summary().items() if not key.endswith("latencies")}
+        log(f"      sync app p50 {report.ms(out['sync']['p50'])}")
+        rounds.append(out)
+        await asyncio.sleep(1)
+    median = sorted(rounds, key=_burst_ratio)[(len(rounds) - 1) // 2]
+    summary = [{"first_delta": r["first_delta"], "sync": r["sync"], "completed": r["completed"], "n": r["n"],
+                "accept": r["accept"], "terminal": r["terminal"], "cpu": r["cpu"]} for r in rounds]
+    return {**median, "round": rounds.index(median) + 1, "rounds": summary}
+
+
+def _burst_ratio(r: dict) -> float:
+    fd, sync = r["first_delta"]["p50"], r["sync"]["p50"]
+    return fd / sync if fd is not None and sync else float("inf")
+
+
 async def measured(stack: Stack, phase) -> dict:  # noqa: ANN001 - a coroutine returning a dict
     """Run a phase; add the CPU seconds each process used meanwhile and the phase's wall time (a phase that
     stops a process of its own puts its CPU time in `cpu` itself)."""
@@ -810,6 +847,7 @@ async def run(args: argparse.Namespace) -> int:
         results: dict[str, Any] = {
             "params": {"requests": n, "delay": args.delay, "poll_interval": args.poll_interval,
                        "e2e_timeout": args.e2e_timeout, "phases": phases, "burst_chats": args.burst_chats,
+                       "burst_rounds": args.burst_rounds,
                        "seq_requests": args.seq_requests, "seq_sessions": args.seq_sessions,
                        "ttfd_turns": args.ttfd_turns, "ttfd_delay": args.ttfd_delay,
                        "ttfd_chunk_delay": args.ttfd_chunk_delay, "overhead_turns": args.overhead_turns,
@@ -821,15 +859,7 @@ async def run(args: argparse.Namespace) -> int:
         if "accept" in phases:
             await acceptance(stack, client, args, results)
         if "burst" in phases:
-            log(f"[burst] {args.burst_chats} chats at once, model delay {args.delay:g} s, each POST followed by "
-                f"its event stream (SSE) to the end")
-            await stack.llm_control(delay=args.delay, stream_chunk_delay=0, clear_calls=True)
-            rt["burst"] = await measured(stack, ratios.burst_stream(
-                stack.api_url, client, args.burst_chats, max(args.e2e_timeout, 60), QUESTION, COLLECTION, log))
-            burst_llm = await stack.llm_stats(calls=True)
-            rt["burst"]["llm"] = _llm_digest(burst_llm)
-            rt["burst"]["call_order"] = call_order(burst_llm)
-            await asyncio.sleep(1)
+            rt["burst"] = await burst_rounds(stack, client, args)
         prompt: list[dict] | None = None
         if "ttfd" in phases:
             await stack.llm_control(delay=args.ttfd_delay, stream_chunk_delay=args.ttfd_chunk_delay)
