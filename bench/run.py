@@ -16,11 +16,12 @@ retrieves a passage and really calls the model: answer, summarize, extract_entit
 model delay at 0, then with the delay at D: (1) N concurrent bare start_workflow calls, (2) N concurrent
 POST /v1/chats to the sync app, (3) N concurrent POST /v1/chats to Ragline, then wait until Ragline's N
 jobs are done (GET /v1/jobs every --poll-interval s) and check every one (GET /v1/jobs/{id}).
-Then (bench/ratios.py): `burst` (N chats at once, each followed on its SSE stream), `order`
-(--seq-requests over --seq-sessions sessions, each session's in order, for Ragline, the floor and the
-sync app), `ttfd` (first answer delta against a bare streamed call, scripted model), `overhead` (a
-turn at a 0 s model against a bare one-activity workflow), `local` (first answer delta with the local
-model). Last, on the same stack with the worker restarted with RAGLINE_LLM_TIMEOUT=3, completion under
+Then (bench/ratios.py) the turns one at a time, before the bursts fill the server's store: `ttfd` (first
+answer delta against a bare streamed call, scripted model) and `overhead` (a turn at a 0 s model against
+a bare one-activity workflow); then `burst` (rounds of N chats at once, each followed on its SSE stream,
+each round after a burst of the sync app), `local` (first answer delta with the local model: its model
+time dwarfs the rest) and `order` (--seq-requests over --seq-sessions sessions, each session's in order,
+for Ragline, the floor and the sync app). Last, on the same stack with the worker restarted with RAGLINE_LLM_TIMEOUT=3, completion under
 injected model faults (bench/faults.py). --phases picks a subset (for development).
 """
 
@@ -858,8 +859,6 @@ async def run(args: argparse.Namespace) -> int:
         results["ratios"] = rt
         if "accept" in phases:
             await acceptance(stack, client, args, results)
-        if "burst" in phases:
-            rt["burst"] = await burst_rounds(stack, client, args)
         prompt: list[dict] | None = None
         if "ttfd" in phases:
             await stack.llm_control(delay=args.ttfd_delay, stream_chunk_delay=args.ttfd_chunk_delay)
@@ -881,6 +880,8 @@ async def run(args: argparse.Namespace) -> int:
                 stack.api_url, client, turns=args.overhead_turns, warm=3, floor_workflow=floor_worker.WORKFLOW,
                 floor_queue=FLOOR_QUEUE, question=QUESTION, collection=COLLECTION, timeout=120, log=log))
             rt["overhead"]["llm"] = _llm_digest(await stack.llm_stats())
+        if "burst" in phases:
+            rt["burst"] = await burst_rounds(stack, client, args)
         if "local" in phases:
             await stack.llm_control(delay=0, stream_chunk_delay=0)
             if prompt is None:
