@@ -9,8 +9,9 @@ Redis that every API process shares).
 When the shared counters cannot be reached, requests are let through rather than refused: a rate limit
 protects the service, and an outage of its counters must not become an outage of the API. After a
 failure the counters are left alone for RAGLINE_RATE_LIMIT_STORAGE_PAUSE seconds, so that only one
-request in that time pays the connection timeout (RAGLINE_RATE_LIMIT_STORAGE_TIMEOUT). Each request let through counts in
-`ragline_rate_limit_storage_errors_total` (alert RaglineRateLimitsNotEnforced) and /healthz says `degraded`.
+request in that time pays the connection timeout (RAGLINE_RATE_LIMIT_STORAGE_TIMEOUT). Each request let
+through counts in `ragline_rate_limit_storage_errors_total` (alert RaglineRateLimitsNotEnforced) and
+/healthz says `degraded`.
 """
 
 from __future__ import annotations

@@ -53,8 +53,9 @@ UNAUTHENTICATED = {"WWW-Authenticate": {"description": "Bearer", "schema": {"typ
 
 def error_responses(codes: dict[int, str], *, auth: bool = True) -> dict[int | str, dict[str, Any]]:
     """`responses=` of a route: each error status it returns with the codes it uses there, and any
-    unexpected error (500 `internal_error` or `payload_unreadable`, 502 `temporal_error`) as `default`. Declaring 422 (or
-    `default`) also replaces FastAPI's own validation-error schema, which is not what this API sends.
+    unexpected error (500 `internal_error` or `payload_unreadable`, 502 `temporal_error`) as `default`.
+    Declaring 422 (or `default`) also replaces FastAPI's own validation-error schema, which is not what
+    this API sends.
     Routes behind an API key (`auth`) also answer 401 and 429."""
     codes = {**AUTH_ERRORS, **codes} if auth else codes
     documented: dict[int | str, dict[str, Any]] = {

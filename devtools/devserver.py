@@ -51,7 +51,8 @@ LOG_TAIL_LINES = 40
 # A worker deployment version that is no longer current shows `drained` (README, rolling out a new
 # build: step 3) once no pinned workflow runs on it; the server checks that first after a grace period
 # for visibility to catch up, then at an interval, 3 minutes each by default. The dev server's
-# visibility store is its own SQLite file, written at once: seconds are enough.
+# visibility store is its own SQLite file, written at once: seconds are enough. (Each value is read as
+# JSON, hence the quoted durations.)
 DYNAMIC_CONFIG = {
     "matching.numTaskqueueReadPartitions": 1,
     "matching.numTaskqueueWritePartitions": 1,
