@@ -21,8 +21,8 @@ answer delta against a bare streamed call, scripted model) and `overhead` (a tur
 a bare one-activity workflow); then `burst` (rounds of N chats at once, each followed on its SSE stream,
 each round after a burst of the sync app), `local` (first answer delta with the local model: its model
 time dwarfs the rest) and `order` (--seq-requests over --seq-sessions sessions, each session's in order,
-for Ragline, the floor and the sync app). Last, on the same stack with the worker restarted with RAGLINE_LLM_TIMEOUT=3, completion under
-injected model faults (bench/faults.py). --phases picks a subset (for development).
+for Ragline, the floor and the sync app). Last, on the same stack with the worker restarted with
+RAGLINE_LLM_TIMEOUT=3, completion under injected model faults (bench/faults.py). --phases picks a subset (for development).
 """
 
 from __future__ import annotations

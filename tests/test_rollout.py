@@ -72,8 +72,12 @@ async def drainage(settings, build_id: str) -> str:
     return str(json.loads(out).get("drainageInfo", {}).get("drainageStatus", "")).lower()
 
 
-async def _drained(settings, build_id: str) -> bool:
-    return (await drainage(settings, build_id)).endswith("drained")  # VERSION_DRAINAGE_STATUS_DRAINED
+async def drainage_reads(settings, build_id: str, status: str) -> None:
+    """Until the version's drainage status reads `status` (the server sets it just after a switch)."""
+    async def reads() -> bool:
+        return (await drainage(settings, build_id)).endswith(status)  # e.g. VERSION_DRAINAGE_STATUS_DRAINED
+
+    await eventually(reads, timeout=60, every=0.5, what=f"build {build_id} {status}")
 
 
 async def versioning(stack, job_id: str) -> tuple[int, str]:
@@ -131,14 +135,13 @@ async def test_a_new_build_takes_new_jobs_and_open_sessions_while_a_pinned_job_f
                 await set_current_version(stack.settings, "2.0")  # README step 2
                 assert not (await mine.wait_for_calls(1, task="answer"))[0].finished_at  # still in flight
                 # README step 3: the old build is not to be scaled down while a pinned job runs on it.
-                assert "draining" in await drainage(stack.settings, "1.0")
+                await drainage_reads(stack.settings, "1.0", "draining")
 
                 # Pinned: the evaluation finishes on the build that started it.
                 assert (await stack.wait_job(evaluation))["status"] == "completed"
                 assert await versioning(stack, evaluation) == (VersioningBehavior.VERSIONING_BEHAVIOR_PINNED, "1.0")
             # ... and says so once its last pinned job has ended: the old workers may go.
-            await eventually(lambda: _drained(stack.settings, "1.0"), timeout=60, every=1,
-                             what="the old build drained")
+            await drainage_reads(stack.settings, "1.0", "drained")
 
             # A new session's turn runs on the new build.
             r = await stack.http.post("/v1/chats", json={"message": "What colours is the lighthouse?",
