@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import json
 import re
 from datetime import datetime, timedelta, timezone
@@ -12,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 import structlog
 from temporalio import activity
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
+from temporalio.service import RPCError
 
 from activities.search import find_passages
 from models.chat import (
@@ -133,7 +135,7 @@ class ChatActivities:
                                          for i in cited],
                               model=result.model, usage=Usage(prompt_tokens=result.prompt_tokens,
                                                               completion_tokens=result.completion_tokens),
-                              attempt=attempt)
+                              unsent_events=deltas.unsent, attempt=attempt)
 
     @activity.defn
     @translate_errors
@@ -177,28 +179,38 @@ class ChatActivities:
 
 class AnswerDeltas:
     """Publishes pieces of the answer to the job's event stream and heartbeats meanwhile. The first
-    piece goes out at once (a person waits for it); later ones are batched."""
+    piece goes out at once (a person waits for it); later ones in batches, every DELTA_FLUSH. The batch
+    still unsent when the answer is complete stays in `unsent`: it goes back with the activity's result
+    and the job publishes it, which saves a signal and a read of the stream. An attempt that fails sends
+    everything, so its partial answer shows before the next attempt's."""
 
     def __init__(self, attempt: int) -> None:
         self.attempt = attempt
         self.index = 0
-        self._stream = WorkflowStreamClient.from_within_activity(batch_interval=DELTA_FLUSH)
+        self.unsent: list[dict] = []
+        self._stream = WorkflowStreamClient.from_within_activity()
         self._topic = self._stream.topic(EVENTS_TOPIC)
+        self._sender: asyncio.Task | None = None
         self._last_beat = 0.0
 
     async def __aenter__(self) -> "AnswerDeltas":
-        await self._stream.__aenter__()
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        await self._stream.__aexit__(*exc)
+    async def __aexit__(self, exc_type, *_exc) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sender
+        if exc_type is not None:
+            self._hand_over()
+        await self._stream.flush()  # what was handed over goes out before the result
 
     async def publish(self, piece: str) -> None:
         info = activity.info()
         now = datetime.now(timezone.utc)
         self.index += 1
         traceparent = tracing.current_traceparent()  # the attempt's span: same trace as the job's events
-        self._topic.publish({
+        self.unsent.append({
             **({"traceparent": traceparent} if traceparent else {}),
             "specversion": "1.0", "id": f"{info.workflow_id}/answer/{self.attempt}/{self.index}",
             "source": "ragline/generate_answer", "type": "ragline.answer.delta", "time": now.isoformat(),
@@ -206,10 +218,28 @@ class AnswerDeltas:
             "data": {"text": piece, "index": self.index, "attempt": self.attempt},
         })
         if self.index == 1:
+            self._hand_over()
             await self._stream.flush()
+            self._sender = asyncio.create_task(self._send_batches())
         if now.timestamp() - self._last_beat > HEARTBEAT_EVERY:
             self._last_beat = now.timestamp()
             activity.heartbeat(self.index)
+
+    def _hand_over(self) -> None:
+        for event in self.unsent:
+            self._topic.publish(event)
+        self.unsent = []
+
+    async def _send_batches(self) -> None:
+        while True:
+            await asyncio.sleep(DELTA_FLUSH.total_seconds())
+            if not self.unsent:
+                continue
+            self._hand_over()
+            try:
+                await self._stream.flush()
+            except RPCError as exc:  # the batch stays with the stream client, which sends it next time
+                log.warning("answer deltas not sent yet", error=str(exc))
 
 
 def citation(hit: SearchHit, quote: str = "") -> Citation:

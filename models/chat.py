@@ -8,7 +8,7 @@ import re
 from pydantic import BaseModel, Field
 
 from models.inputs import STRICT_INPUT, Int
-from models.jobs import COLLECTION_PATTERN, StepResult
+from models.jobs import COLLECTION_PATTERN, StepResult, StreamedStepResult
 from models.review import ReviewRecord
 from models.tenancy import DEFAULT_TENANT, workflow_id
 
@@ -198,7 +198,7 @@ class GenerateInput(BaseModel):
     history: list[HistoryItem] = []
 
 
-class GenerateOutput(StepResult):
+class GenerateOutput(StreamedStepResult):
     answer: str
     # 1-based numbers of the passages the answer relies on, and their citations with the quoted span.
     cited: list[int]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel
 
@@ -26,6 +26,12 @@ EVENTS_TOPIC = "events"
 class StepResult(BaseModel):
     """Base of every activity output: which attempt produced it, so a job shows retries afterwards."""
     attempt: int = 1
+
+
+class StreamedStepResult(StepResult):
+    """The output of an activity that publishes events into its job's stream (answer deltas): the last
+    batch comes back with the result, and the job publishes it (one signal, one stream read fewer)."""
+    unsent_events: list[dict[str, Any]] = []
 
 
 class StepState(BaseModel):

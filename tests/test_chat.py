@@ -225,6 +225,38 @@ async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
     resumed = await read_events(stack, accepted["job_id"], last_event_id=str(ids[3]))
     assert [e for _, e in resumed] == [e for _, e in events[4:]]
 
+    # Each read of the stream is an Update of the job (a workflow task, a write on the server). The step
+    # events ride along with what the person waits for, so the stream was read once per batch of deltas
+    # and three times besides (the answer about to stream, the answer, the end), not once per step.
+    history = await stack.client.get_workflow_handle(accepted["job_id"]).fetch_history()
+    reads, batches = stream_traffic(history)
+    assert reads <= batches + 3, (reads, batches)
+
+
+def stream_traffic(history) -> tuple[int, int]:
+    """(reads of the job's event stream, batches of events an activity signalled into it) in its history."""
+    reads = sum(e.HasField("workflow_execution_update_accepted_event_attributes") for e in history.events)
+    batches = sum(e.workflow_execution_signaled_event_attributes.signal_name == "__temporal_workflow_stream_publish"
+                  for e in history.events if e.HasField("workflow_execution_signaled_event_attributes"))
+    return reads, batches
+
+
+async def test_an_answer_that_arrives_at_once_streams_its_first_piece_and_returns_the_rest(stack, chat_docs):
+    """The first piece goes out as soon as the model sends it; the pieces still unsent when the answer is
+    complete come back with the step's result and the job publishes them: one signal, not two."""
+    with stack.llm.scope(stream_chunk_delay=0) as llm:
+        accepted = await stack.chat(f"What crosses the Mara river? {llm.token}", collection="chat")
+        events = [e for _, e in await read_events(stack, accepted["job_id"])]
+        [answer_call] = llm.calls("answer")
+    deltas = [e["data"] for e in events if e["type"] == "ragline.answer.delta"]
+    assert len(deltas) >= 3 and [d["index"] for d in deltas] == list(range(1, len(deltas) + 1))
+    assert "".join(d["text"] for d in deltas) == answer_call.reply
+    types = [e["type"] for e in events]
+    assert types.index("ragline.step.started") < types.index("ragline.answer.delta")
+    assert max(i for i, t in enumerate(types) if t == "ragline.answer.delta") < types.index("ragline.answer.completed")
+    history = await stack.client.get_workflow_handle(accepted["job_id"]).fetch_history()
+    assert stream_traffic(history)[1] == 1
+
 
 async def test_broken_entity_json_does_not_break_the_turn(stack, chat_docs):
     with stack.llm.scope() as llm:

@@ -11,6 +11,7 @@ ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
   -> [the slot] -> generate_answer (streams deltas) -> summarize_context || extract_entities
   Only when the passages overflow the model's context budget does summarize_context run before
   generate_answer, which then answers from the summary. Nothing else delays the answer's first token.
+  Its step events ride along with the events a person waits for (the deltas, the answer, the end).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                   ready=lambda: self._go(turn))
 
     SLOT_BEFORE_WORK = False  # retrieval (no model call) runs while the slot is asked for
+    HOLD_STEP_EVENTS = True   # a stream read fewer for each step: the person waits for the answer
 
     def takes_slot(self) -> bool:
         return True  # its parent, the session, holds no running slot
@@ -69,6 +71,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     async def _go(self, turn: TurnInput) -> None:
         """The session's go: this turn is next in its session (the context came with the start when idle)."""
         self.context = self.context or turn.context
+        if self.context is None:
+            self.events.release()  # earlier turns of the session go first: `accepted` says which turn this is
         await workflow.wait_condition(lambda: self.context is not None)
 
     async def _answer(self, turn: TurnInput) -> TurnResult:
@@ -109,10 +113,10 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
         async def fall_back():
             fell_back.append(True)
-            return await self.step(ChatActivities.generate_answer_fallback, generate)
+            return await self.step(ChatActivities.generate_answer_fallback, generate, publishes=True)
 
         answer = await self.step(ChatActivities.generate_answer, generate,
-                                 on_exhausted=fall_back if turn.fallback else None)
+                                 on_exhausted=fall_back if turn.fallback else None, publishes=True)
         fallback_model = (answer.model or "fallback") if fell_back else None
         citations = answer.citations
         self.events.emit("ragline.answer.completed", {

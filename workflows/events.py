@@ -1,7 +1,13 @@
 """A job's live events: CloudEvents 1.0 objects on its durable stream
 (`temporalio.contrib.workflow_streams`), which the API relays as Server-Sent Events. Each carries the
 W3C `traceparent` of the request that started the job (the CloudEvents distributed-tracing extension),
-read from the run's tracing header."""
+read from the run's tracing header.
+
+Every event that enters the stream wakes the stream's waiting poll, and each poll is an Update: a
+workflow task on the worker and a write on the server. A job that sets `hold_steps` keeps the events
+nobody waits for (`RIDE_ALONG`: accepted, a step started or completed) until the next event a person
+does wait for (an answer delta, the answer, queued, a review, a failure, the end), which carries them
+out in order in one read."""
 
 from __future__ import annotations
 
@@ -18,6 +24,11 @@ with workflow.unsafe.imports_passed_through():
 
 # Histories recorded before the terminal event waited for a watching subscriber replay without it.
 LINGER_PATCH = "events-linger-for-subscriber"
+# Histories recorded before step events could ride along replay with every event published at once:
+# the polls they record returned at those points.
+HOLD_PATCH = "events-ride-along"
+# The events that wait for the next one a person waits for, in a job that holds them.
+RIDE_ALONG = frozenset({"ragline.job.accepted", "ragline.step.started", "ragline.step.completed"})
 
 
 class JobEvents:
@@ -29,6 +40,9 @@ class JobEvents:
         # Merged into every event's data (an agent adds its depth).
         self.context: dict[str, Any] = {}
         self._watched = False  # a subscriber has been seen waiting for events
+        # Whether RIDE_ALONG events wait for the next event a person waits for (a chat turn: seconds).
+        self.hold_steps = False
+        self._held: list[dict[str, Any]] = []
 
     def traceparent(self) -> str | None:
         if self._traceparent is None:
@@ -37,12 +51,34 @@ class JobEvents:
             self._traceparent = (carrier or {}).get("traceparent") or ""
         return self._traceparent or None
 
-    def emit(self, type_: str, data: dict[str, Any] | None = None) -> None:
+    def emit(self, type_: str, data: dict[str, Any] | None = None, *, wake: bool = False) -> None:
+        """Publish one event. `wake`: a RIDE_ALONG event that must go out now all the same (a step whose
+        activity publishes into the stream itself: what is held must precede what it publishes)."""
         self._watched = self._watched or self._subscriber_waiting()
+        event = self._event(type_, data)
+        if self.hold_steps and type_ in RIDE_ALONG and not wake:
+            self._held.append(event)
+            return
+        self.release()
+        self._topic.publish(event)
+
+    def publish_unsent(self, events: list[dict[str, Any]]) -> None:
+        """Events an activity built and left for the job to publish with its result (workflows/job.py)."""
+        self.release()
+        for event in events:
+            self._topic.publish(event)
+
+    def release(self) -> None:
+        """Publish the held events now: the job is about to wait for something else than its own steps."""
+        held, self._held = self._held, []
+        for event in held:
+            self._topic.publish(event)
+
+    def _event(self, type_: str, data: dict[str, Any] | None) -> dict[str, Any]:
         info = workflow.info()
         self._published += 1
         traceparent = self.traceparent()
-        self._topic.publish({
+        return {
             **({"traceparent": traceparent} if traceparent else {}),
             "specversion": "1.0",
             "id": f"{info.workflow_id}/{info.run_id[:8]}/{self._published}",
@@ -52,7 +88,7 @@ class JobEvents:
             "subject": info.workflow_id,
             "datacontenttype": "application/json",
             "data": {**self.context, **(data or {})},
-        })
+        }
 
     async def close(self, type_: str, data: dict[str, Any] | None = None, *, linger: bool = True) -> None:
         """Publish the terminal event, release subscribers and let handlers drain before the run ends.

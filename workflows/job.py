@@ -25,13 +25,13 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
-    from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest
+    from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest, StreamedStepResult
     from models.tenancy import SlotGrant
     from ragline import metrics
     from temporal import policies
     from temporal import search_attributes as sa
     from workflows.dead_letters import DeadLetters
-    from workflows.events import JobEvents
+    from workflows.events import HOLD_PATCH, JobEvents
     from workflows.failures import exhausted_retries, failure_reason, failure_type
     from workflows.review import Reviews
     from workflows.slot import RunningSlot
@@ -54,6 +54,9 @@ class JobWorkflow:
     # Whether the job's steps wait for its running slot (workflows/slot.py). False: the job's own code
     # awaits `running_slot()` before the steps the cap is for, and runs cheap ones meanwhile.
     SLOT_BEFORE_WORK: ClassVar[bool] = True
+    # Whether the job's accepted and step events wait for the next event a person waits for
+    # (workflows/events.py): for a short job whose person waits for its answer, not for its steps.
+    HOLD_STEP_EVENTS: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.events = JobEvents()
@@ -71,6 +74,7 @@ class JobWorkflow:
                       ready: Callable[[], Awaitable[None]] | None = None) -> R:
         """Run the job's DAG between its `accepted` and its terminal event: once `ready` (a job's own
         precondition, like a chat turn's go) and a running slot of its tenant are there."""
+        self.events.hold_steps = self.HOLD_STEP_EVENTS and workflow.patched(HOLD_PATCH)
         self.events.emit("ragline.job.accepted", accepted)
         try:
             if ready is not None:
@@ -128,16 +132,20 @@ class JobWorkflow:
         self._sync_status()
 
     async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None,
-                   on_exhausted: Callable[[], Awaitable[Any]] | None = None) -> Any:
+                   on_exhausted: Callable[[], Awaitable[Any]] | None = None, publishes: bool = False) -> Any:
         """One activity as one step of the DAG: started, retried by its policy, parked when its retries
         are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
-        retryable error run that instead (a fallback), which parks in turn if it fails."""
+        retryable error run that instead (a fallback), which parks in turn if it fails. `publishes`: the
+        activity publishes events into the job's stream (answer deltas); those it left unsent come back
+        in its result (`StreamedStepResult`) and are published before the step shows as completed."""
         name = name or policies.activity_name(activity)
-        self.steps.start(name)
+        self.steps.start(name, publishes=publishes)
         try:
             result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted)
         except _FellBack as fell_back:
             return fell_back.result
+        if isinstance(result, StreamedStepResult):
+            self.events.publish_unsent(result.unsent_events)
         self.steps.complete(name, attempts=getattr(result, "attempt", 1))
         return result
 
