@@ -113,10 +113,10 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
         async def fall_back():
             fell_back.append(True)
-            return await self.step(ChatActivities.generate_answer_fallback, generate, publishes=True)
+            return await self.step(ChatActivities.generate_answer_fallback, generate)
 
         answer = await self.step(ChatActivities.generate_answer, generate,
-                                 on_exhausted=fall_back if turn.fallback else None, publishes=True)
+                                 on_exhausted=fall_back if turn.fallback else None)
         fallback_model = (answer.model or "fallback") if fell_back else None
         citations = answer.citations
         self.events.emit("ragline.answer.completed", {

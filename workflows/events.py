@@ -6,8 +6,8 @@ read from the run's tracing header.
 Every event that enters the stream wakes the stream's waiting poll, and each poll is an Update: a
 workflow task on the worker and a write on the server. A job that sets `hold_steps` keeps the events
 nobody waits for (`RIDE_ALONG`: accepted, a step started or completed) until the next event a person
-does wait for (an answer delta, the answer, queued, a review, a failure, the end), which carries them
-out in order in one read."""
+does wait for (an answer delta an activity publishes, the answer, queued, a review, a failure, the
+end), which carries them out in order in one read."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 from temporalio import workflow
-from temporalio.contrib.workflow_streams import WorkflowStream
+from temporalio.contrib.workflow_streams import PublishInput, WorkflowStream
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import EVENTS_TOPIC
@@ -29,6 +29,8 @@ LINGER_PATCH = "events-linger-for-subscriber"
 HOLD_PATCH = "events-ride-along"
 # The events that wait for the next one a person waits for, in a job that holds them.
 RIDE_ALONG = frozenset({"ragline.job.accepted", "ragline.step.started", "ragline.step.completed"})
+# The signal that carries what activities and clients publish into the stream (the library's protocol).
+PUBLISH_SIGNAL = "__temporal_workflow_stream_publish"
 
 
 class JobEvents:
@@ -43,6 +45,14 @@ class JobEvents:
         # Whether RIDE_ALONG events wait for the next event a person waits for (a chat turn: seconds).
         self.hold_steps = False
         self._held: list[dict[str, Any]] = []
+        # What is held goes into the stream before what an activity publishes (answer deltas).
+        append_published = workflow.get_signal_handler(PUBLISH_SIGNAL)
+
+        def publish_after_held(batch: PublishInput) -> None:
+            self.release()
+            append_published(batch)
+
+        workflow.set_signal_handler(PUBLISH_SIGNAL, publish_after_held)
 
     def traceparent(self) -> str | None:
         if self._traceparent is None:
@@ -51,12 +61,10 @@ class JobEvents:
             self._traceparent = (carrier or {}).get("traceparent") or ""
         return self._traceparent or None
 
-    def emit(self, type_: str, data: dict[str, Any] | None = None, *, wake: bool = False) -> None:
-        """Publish one event. `wake`: a RIDE_ALONG event that must go out now all the same (a step whose
-        activity publishes into the stream itself: what is held must precede what it publishes)."""
+    def emit(self, type_: str, data: dict[str, Any] | None = None) -> None:
         self._watched = self._watched or self._subscriber_waiting()
         event = self._event(type_, data)
-        if self.hold_steps and type_ in RIDE_ALONG and not wake:
+        if self.hold_steps and type_ in RIDE_ALONG:
             self._held.append(event)
             return
         self.release()

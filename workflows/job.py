@@ -132,14 +132,14 @@ class JobWorkflow:
         self._sync_status()
 
     async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None,
-                   on_exhausted: Callable[[], Awaitable[Any]] | None = None, publishes: bool = False) -> Any:
+                   on_exhausted: Callable[[], Awaitable[Any]] | None = None) -> Any:
         """One activity as one step of the DAG: started, retried by its policy, parked when its retries
         are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
-        retryable error run that instead (a fallback), which parks in turn if it fails. `publishes`: the
-        activity publishes events into the job's stream (answer deltas); those it left unsent come back
-        in its result (`StreamedStepResult`) and are published before the step shows as completed."""
+        retryable error run that instead (a fallback), which parks in turn if it fails. The events an
+        activity that publishes into the job's stream left unsent (`StreamedStepResult`, the answer's
+        last deltas) are published before the step shows as completed."""
         name = name or policies.activity_name(activity)
-        self.steps.start(name, publishes=publishes)
+        self.steps.start(name)
         try:
             result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted)
         except _FellBack as fell_back:

@@ -22,14 +22,13 @@ class StepLog:
     def started(self) -> bool:
         return any(s.status != "pending" for s in self._steps.values())
 
-    def start(self, name: str, detail: str | None = None, *, publishes: bool = False) -> None:
-        """`publishes`: the step's activity publishes into the job's stream, after what is held there."""
+    def start(self, name: str, detail: str | None = None) -> None:
         step = self._steps.setdefault(name, StepState(name=name))
         if detail is not None:
             step.detail = detail
         if step.status != "running":
             step.status, step.started_at, step.error = "running", workflow.now(), None
-            self._events.emit("ragline.step.started", {"step": name, "detail": step.detail}, wake=publishes)
+            self._events.emit("ragline.step.started", {"step": name, "detail": step.detail})
             self._on_change()
 
     def progress(self, name: str, *, attempts: int, detail: str) -> None:
