@@ -77,7 +77,7 @@ class JobEvents:
             self._topic.publish(event)
 
     def release(self) -> None:
-        """Publish the held events now: the job is about to wait for something else than its own steps."""
+        """Publish the held events now: the job is about to wait for something other than its own steps."""
         held, self._held = self._held, []
         for event in held:
             self._topic.publish(event)
