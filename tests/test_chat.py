@@ -305,3 +305,23 @@ async def test_unknown_session_and_bad_requests(stack):
     assert (await stack.http.post("/v1/chats", json={"message": ""})).status_code == 422
     assert (await stack.http.post("/v1/chats", json={"message": "hi", "session_id": "../x"})).status_code == 422
     assert (await stack.http.post("/v1/chats", json={"message": "hi", "collection": "a b"})).status_code == 422
+
+
+async def test_a_retried_answer_streams_again_under_its_new_attempt(stack, chat_docs):
+    """The model's stream breaks after its first piece: that piece has gone out, as attempt 1's; the retry
+    streams the whole answer again under attempt 2, and the job's answer is the retry's."""
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["malformed"])
+        accepted = await stack.chat(f"Who counts the herds? {llm.token}", collection="chat")
+        events = [e for _, e in await read_events(stack, accepted["job_id"])]
+        broken, answered = llm.calls("answer")
+    assert broken.fault == "malformed" and answered.ok
+    deltas = [e["data"] for e in events if e["type"] == "ragline.answer.delta"]
+    first = [d for d in deltas if d["attempt"] == 1]
+    retry = [d for d in deltas if d["attempt"] == 2]
+    assert [d["text"] for d in first] == ["Acc"]  # what the broken stream sent before it broke
+    assert deltas == first + retry
+    assert [d["index"] for d in retry] == list(range(1, len(retry) + 1))
+    assert "".join(d["text"] for d in retry) == answered.reply
+    assert events[-1]["type"] == "ragline.job.completed"
+    assert events[-1]["data"]["answer"] == answered.reply.strip()
