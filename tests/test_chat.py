@@ -19,6 +19,7 @@ from activities.gate import gate_id
 from devtools.scripted_llm import last_user_message, parse_prompt
 from models.chat import session_workflow_id
 from tests.helpers import read_events
+from workflows.events import PUBLISH_SIGNAL
 
 ZEBRA = ("The great zebra migration crosses the Mara river every July. Crocodiles wait in the river. "
          "Rangers of the Serengeti count the herds from small aircraft.")
@@ -236,7 +237,7 @@ async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
 def stream_traffic(history) -> tuple[int, int]:
     """(reads of the job's event stream, batches of events an activity signalled into it) in its history."""
     reads = sum(e.HasField("workflow_execution_update_accepted_event_attributes") for e in history.events)
-    batches = sum(e.workflow_execution_signaled_event_attributes.signal_name == "__temporal_workflow_stream_publish"
+    batches = sum(e.workflow_execution_signaled_event_attributes.signal_name == PUBLISH_SIGNAL
                   for e in history.events if e.HasField("workflow_execution_signaled_event_attributes"))
     return reads, batches
 
