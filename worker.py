@@ -269,6 +269,9 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
     ]
     common: dict[str, Any] = {"activity_executor": executor, **_pollers(settings),
                               "graceful_shutdown_timeout": timedelta(seconds=settings.worker_graceful_shutdown),
+                              # A cancel reaches a running activity with a heartbeat's answer: soon.
+                              "max_heartbeat_throttle_interval": policies.heartbeat_every(),
+                              "default_heartbeat_throttle_interval": policies.heartbeat_every(),
                               # step latency/attempts, log context; tracing comes from the client
                               "interceptors": [StepTelemetry()],
                               "workflow_runner": WORKFLOW_RUNNER}

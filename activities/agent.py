@@ -6,6 +6,7 @@ import json
 
 from temporalio import activity
 
+from activities.heartbeats import heartbeating
 from activities.search import find_passages
 from models.agent import PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, ToolCall
 from ragline import prompts
@@ -30,7 +31,8 @@ class AgentActivities:
             "agent", goal=req.goal, instructions=req.instructions or "(none)", depth=str(req.depth),
             max_depth=str(req.max_depth), observations="\n".join(f"- {o}" for o in req.observations) or "(none)")
         tools = prompts.agent_tools()
-        plan = await self.model.plan(messages, tools, step="agent")
+        async with heartbeating():
+            plan = await self.model.plan(messages, tools, step="agent")
         allowed = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
         return PlanOutput(calls=[checked_call(c.name, c.arguments, allowed) for c in plan.calls], text=plan.text,
                           prompt_tokens=plan.prompt_tokens, completion_tokens=plan.completion_tokens,

@@ -13,8 +13,9 @@ from datetime import datetime, timedelta, timezone
 import structlog
 from temporalio import activity
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
+from activities.heartbeats import heartbeating
 from activities.search import find_passages
 from models.chat import (
     CacheInput, CacheOutput, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
@@ -46,7 +47,6 @@ SUPPORT_THRESHOLD = 0.35
 # Room kept in the model's context for the prompt's own text, history and question.
 PROMPT_OVERHEAD_TOKENS = 600
 DELTA_FLUSH = timedelta(milliseconds=150)
-HEARTBEAT_EVERY = 5.0
 
 
 class ChatActivities:
@@ -125,7 +125,7 @@ class ChatActivities:
             context = f"SUMMARY OF THE PASSAGES: {req.summary}\n\n{prompts.format_passage_heads(passages)}"
         messages = prompts.messages("answer", passages=context, history=history, question=req.question)
         result = StreamedCompletion(model=model.model)
-        async with AnswerDeltas(attempt) as deltas:
+        async with heartbeating(), AnswerDeltas(attempt) as deltas:
             async for piece in model.stream(messages, result, step="generate"):
                 await deltas.publish(piece)
         answer = result.text.strip()
@@ -143,8 +143,9 @@ class ChatActivities:
         passages = await asyncio.to_thread(self._passages, req.context_ref)
         if not passages:
             return SummaryOutput(summary="", attempt=activity.info().attempt)
-        reply = await self.model.complete(prompts.messages(
-            "summarize", passages=prompts.format_passages(passages), question=req.question), step="summarize")
+        async with heartbeating():
+            reply = await self.model.complete(prompts.messages(
+                "summarize", passages=prompts.format_passages(passages), question=req.question), step="summarize")
         return SummaryOutput(summary=reply.text.strip(), attempt=activity.info().attempt,
                              usage=Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens))
 
@@ -156,15 +157,16 @@ class ChatActivities:
             return EntitiesOutput(entities=[], attempt=activity.info().attempt)
         messages = prompts.messages("extract_entities", passages=prompts.format_passages(passages),
                                     question=req.question)
-        reply = await self.model.complete(messages, step="extract_entities")
-        usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
-        entities = parse_entities(reply.text)
-        if entities is None:  # one corrective re-ask, then give up gracefully
-            messages += [{"role": "assistant", "content": reply.text},
-                         {"role": "user", "content": prompts.text("extract_entities", "repair")}]
+        async with heartbeating():
             reply = await self.model.complete(messages, step="extract_entities")
-            usage = usage + Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+            usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
             entities = parse_entities(reply.text)
+            if entities is None:  # one corrective re-ask, then give up gracefully
+                messages += [{"role": "assistant", "content": reply.text},
+                             {"role": "user", "content": prompts.text("extract_entities", "repair")}]
+                reply = await self.model.complete(messages, step="extract_entities")
+                usage = usage + Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
+                entities = parse_entities(reply.text)
         warnings = []
         if entities is None:
             warnings.append("entity extraction returned invalid JSON twice; continuing without entities")
@@ -178,11 +180,11 @@ class ChatActivities:
 
 
 class AnswerDeltas:
-    """Publishes pieces of the answer to the job's event stream and heartbeats meanwhile. The first
-    piece goes out at once (a person waits for it); later ones in batches, every DELTA_FLUSH. The batch
-    still unsent when the answer is complete stays in `unsent`: it goes back with the activity's result
-    and the job publishes it, which saves a signal and a read of the stream. An attempt that fails sends
-    everything, so its partial answer shows before the next attempt's."""
+    """Publishes pieces of the answer to the job's event stream. The first piece goes out at once (a
+    person waits for it); later ones in batches, every DELTA_FLUSH. The batch still unsent when the
+    answer is complete stays in `unsent`: it goes back with the activity's result and the job publishes
+    it, which saves a signal and a read of the stream. An attempt that fails sends everything, so its
+    partial answer shows before the next attempt's."""
 
     def __init__(self, attempt: int) -> None:
         self.attempt = attempt
@@ -191,7 +193,7 @@ class AnswerDeltas:
         self._stream = WorkflowStreamClient.from_within_activity()
         self._topic = self._stream.topic(EVENTS_TOPIC)
         self._sender: asyncio.Task | None = None
-        self._last_beat = 0.0
+        self._job_ended = False
 
     async def __aenter__(self) -> "AnswerDeltas":
         return self
@@ -203,7 +205,7 @@ class AnswerDeltas:
                 await self._sender
         if exc_type is not None:
             self._hand_over()
-        await self._stream.flush()  # what was handed over goes out before the result
+        await self._send()  # what was handed over goes out before the result
 
     async def publish(self, piece: str) -> None:
         info = activity.info()
@@ -219,11 +221,8 @@ class AnswerDeltas:
         })
         if self.index == 1:
             self._hand_over()
-            await self._stream.flush()
+            await self._send()
             self._sender = asyncio.create_task(self._send_batches())
-        if now.timestamp() - self._last_beat > HEARTBEAT_EVERY:
-            self._last_beat = now.timestamp()
-            activity.heartbeat(self.index)
 
     def _hand_over(self) -> None:
         for event in self.unsent:
@@ -231,15 +230,26 @@ class AnswerDeltas:
         self.unsent = []
 
     async def _send_batches(self) -> None:
-        while True:
+        while not self._job_ended:
             await asyncio.sleep(DELTA_FLUSH.total_seconds())
-            if not self.unsent:
-                continue
-            self._hand_over()
-            try:
-                await self._stream.flush()
-            except RPCError as exc:  # the batch stays with the stream client, which sends it next time
+            if self.unsent:
+                self._hand_over()
+                await self._send()
+
+    async def _send(self) -> None:
+        """Send what was handed over. A batch that cannot go yet stays with the stream client, which sends
+        it with the next one; once the job has ended (cancelled, terminated) nobody reads its stream, and
+        the attempt itself is cancelled by its next heartbeat."""
+        if self._job_ended:
+            return
+        try:
+            await self._stream.flush()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
                 log.warning("answer deltas not sent yet", error=str(exc))
+                return
+            log.info("answer deltas dropped: the job has ended", error=str(exc))
+            self._job_ended = True
 
 
 def citation(hit: SearchHit, quote: str = "") -> Citation:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
+
+from activities.heartbeats import heartbeating
 
 from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
 from models.ingest import AwaitDocumentInput, DocumentOutcome
@@ -22,7 +22,8 @@ class JobActivities:
         """Outcome of a document ingestion another job started (same bytes, same collection)."""
         handle = self.client.get_workflow_handle(req.workflow_id, result_type=DocumentOutcome)
         try:
-            return await _with_heartbeats(handle.result())
+            async with heartbeating():
+                return await handle.result()
         except WorkflowFailureError as exc:
             cause = exc.cause
             return DocumentOutcome.failed_from(req.workflow_id, getattr(cause, "message", None) or str(cause))
@@ -33,7 +34,8 @@ class JobActivities:
         """Outcome of a chat turn whose job an earlier run of its session started (continue-as-new)."""
         handle = self.client.get_workflow_handle(req.workflow_id, result_type=TurnResult)
         try:
-            result = await _with_heartbeats(handle.result())
+            async with heartbeating():
+                result = await handle.result()
         except WorkflowFailureError:
             return TurnOutcome(answer=None)
         return TurnOutcome(answer=result.answer)
@@ -41,14 +43,3 @@ class JobActivities:
     def all(self) -> list:
         return [self.await_document, self.await_turn]
 
-
-async def _with_heartbeats(awaitable, every: float = 10.0):
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=every)
-            if done:
-                return task.result()
-            activity.heartbeat()
-    finally:
-        task.cancel()

@@ -52,6 +52,11 @@ class Caller:
     def who(self) -> str:
         return f"{self.name} ({self.tenant}, key {self.key_id})"
 
+    @property
+    def on_record(self) -> dict[str, str]:
+        """Who acted, as the audit log records it (ragline/audit.py)."""
+        return {"tenant": self.tenant, "key": self.key_id, "key_name": self.name}
+
 
 # At most one warning per this many seconds while the counters are unreachable (a busy API would
 # otherwise log one per request).

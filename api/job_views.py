@@ -325,6 +325,34 @@ async def _failure(handle, desc, rpc_timeout: timedelta) -> JobError:
     return JobError(message=f"workflow ended {desc.status.name.lower()}", type="Workflow")
 
 
+async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> str:
+    """Ask a running job to stop: its steps are cancelled (a model call stops within the heartbeat
+    interval) and it ends as `cancelled`. Unknown job (or another tenant's): 404; ended: 409; a chat turn
+    its session has accepted but not started yet (no worker has run the session): 409."""
+    asked, job_id = job_id, scoped(tenant, job_id)
+    try:
+        desc = await client.get_workflow_handle(job_id).describe(rpc_timeout=rpc_timeout)
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+        if await accepted_turn(client, tenant, job_id, rpc_timeout) is not None:
+            raise ApiError(409, "job_not_started", f"turn {job_id} is accepted and its session has not started "
+                                                   "it yet (no worker has run the session): cancel it once it has") from None
+        raise not_found(asked) from None
+    if not owned(desc, tenant):
+        raise not_found(asked)
+    closed = ApiError(409, "job_closed", f"job {job_id} has already ended ({job_status(desc)})")
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        raise closed
+    try:
+        await client.get_workflow_handle(job_id, run_id=desc.run_id).cancel(rpc_timeout=rpc_timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:  # it ended in between
+            raise closed from None
+        raise
+    return job_id
+
+
 async def send_update(client: Client, tenant: str, job_id: str, name: str, payload: BaseModel,
                       result_type: type[Ack], rpc_timeout: timedelta, *, refused_code: str) -> Ack:
     """A person's decision on a job (operator retry/discard, review), as a validated Update; answers

@@ -1,4 +1,4 @@
-"""The audit log: who decided each review and operated each dead-lettered job through the API.
+"""The audit log: who decided each review, cancelled a job or operated a dead-lettered one through the API.
 
 One JSON object per line in <data_dir>/audit.log (append-only), and the same event in the API log.
 Decisions sent straight to Temporal (Web UI, CLI) are recorded by the job itself (its result's
@@ -7,9 +7,11 @@ Decisions sent straight to Temporal (Web UI, CLI) are recorded by the job itself
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,18 @@ def record(data_dir: Path, *, action: str, tenant: str, key: str, key_name: str,
             f.write(line)
     log.info("audit", **entry)
     return entry
+
+
+@contextlib.contextmanager
+def recorded(data_dir: Path, **details: Any) -> Iterator[dict[str, Any]]:
+    """Record the action the block takes once it is done: `accepted`, or `refused: <error code>` when the
+    block raises. The block may add to the details it is given (what the action touched)."""
+    try:
+        yield details
+    except Exception as exc:
+        record(data_dir, outcome=f"refused: {getattr(exc, 'code', type(exc).__name__)}", **details)
+        raise
+    record(data_dir, outcome="accepted", **details)
 
 
 def read(data_dir: Path) -> list[dict]:

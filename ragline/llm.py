@@ -146,18 +146,19 @@ class ChatModel:
             response = await self._client.chat.completions.create(
                 model=self.model, messages=self._mask(messages), temperature=temperature, max_tokens=self.max_tokens,
                 stream=True, stream_options={"include_usage": True}, extra_headers=observed.headers)
-            async for chunk in response:
-                if chunk.model:
-                    result.model = chunk.model
-                if chunk.usage:
-                    result.prompt_tokens = chunk.usage.prompt_tokens
-                    result.completion_tokens = chunk.usage.completion_tokens
-                    observed.take(chunk.usage)
-                for choice in chunk.choices:
-                    piece = choice.delta.content if choice.delta else None
-                    if piece:
-                        result.parts.append(piece)
-                        yield piece
+            async with response:  # closed however the reading ends (a cancelled job): the model stops
+                async for chunk in response:
+                    if chunk.model:
+                        result.model = chunk.model
+                    if chunk.usage:
+                        result.prompt_tokens = chunk.usage.prompt_tokens
+                        result.completion_tokens = chunk.usage.completion_tokens
+                        observed.take(chunk.usage)
+                    for choice in chunk.choices:
+                        piece = choice.delta.content if choice.delta else None
+                        if piece:
+                            result.parts.append(piece)
+                            yield piece
         if not result.completion_tokens:
             result.completion_tokens = max(1, len(result.text) // 4)
 

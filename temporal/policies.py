@@ -123,6 +123,7 @@ class LoadedPolicies:
     dead_letter_ttl: timedelta
     slot_sweep: timedelta
     subscriber_grace: timedelta
+    heartbeat_every: timedelta
     workflows: WorkflowPriorities
 
 
@@ -130,6 +131,7 @@ _loaded: LoadedPolicies | None = None
 DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 DEFAULT_SLOT_SWEEP = timedelta(minutes=1)
 DEFAULT_SUBSCRIBER_GRACE = timedelta(milliseconds=500)
+DEFAULT_HEARTBEAT_EVERY = timedelta(seconds=2)
 
 
 def activity_name(fn: Callable[..., Any]) -> str:
@@ -144,7 +146,7 @@ def parse(text: str, activities: Iterable[str], source: str = "policies") -> dic
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{source}: not valid TOML: {exc}") from None
-    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots", "events", "workflows"}
+    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots", "events", "heartbeats", "workflows"}
     if unknown_sections:
         raise PolicyError(f"{source}: unknown section(s): {', '.join(sorted(unknown_sections))}")
     try:
@@ -232,6 +234,12 @@ def parse_subscriber_grace(text: str, source: str = "policies") -> timedelta:
     return _positive_duration(text, source, "events", "subscriber_grace", DEFAULT_SUBSCRIBER_GRACE)
 
 
+def parse_heartbeat_every(text: str, source: str = "policies") -> timedelta:
+    """[heartbeats].every: how often a long activity tells the server it is alive, and so how soon it
+    learns that its job was cancelled or has ended (activities/heartbeats.py)."""
+    return _positive_duration(text, source, "heartbeats", "every", DEFAULT_HEARTBEAT_EVERY)
+
+
 def parse_workflow_priorities(text: str, source: str = "policies") -> WorkflowPriorities:
     try:
         return WorkflowPriorities(**tomllib.loads(text).get("workflows", {}))
@@ -253,6 +261,7 @@ def load(path: Path | None, activities: Iterable[str], *,
                              dead_letter_ttl=parse_dead_letter_ttl(text, str(path), dead_letter_ttl),
                              slot_sweep=parse_slot_sweep(text, str(path)),
                              subscriber_grace=parse_subscriber_grace(text, str(path)),
+                             heartbeat_every=parse_heartbeat_every(text, str(path)),
                              workflows=parse_workflow_priorities(text, str(path)))
     return _loaded.activities
 
@@ -274,6 +283,10 @@ def slot_sweep_interval() -> timedelta:
 
 def subscriber_grace() -> timedelta:
     return loaded().subscriber_grace
+
+
+def heartbeat_every() -> timedelta:
+    return loaded().heartbeat_every
 
 
 def workflow_priority(kind: Literal["tenant_gate", "chat_turn"]) -> Priority:

@@ -245,7 +245,10 @@ class ChatSessionWorkflow:
         child = await start if start is not None else None
         if child is not None:
             if head.context is None:
-                await child.signal(ChatTurnWorkflow.proceed, context)
+                try:
+                    await child.signal(ChatTurnWorkflow.proceed, context)
+                except FailureError:
+                    pass  # it has ended already (cancelled while it waited): its outcome is all that is left
             try:
                 return (await child).answer
             except ChildWorkflowError:

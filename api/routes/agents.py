@@ -99,13 +99,8 @@ async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep
                      settings: SettingsDep, timeout: RpcTimeoutDep) -> ReviewResult:
     """Needs a reviewer key. Recorded in the audit log with the key that decided."""
     job_id = scoped(caller.tenant, job_id)
-    details = dict(action="review", tenant=caller.tenant, key=caller.key_id, key_name=caller.name, job_id=job_id,
-                   decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment or None)
-    try:
+    with audit.recorded(settings.data_dir, action="review", job_id=job_id, decision=decision.decision,
+                        reviewer=decision.reviewer, comment=decision.comment or None, **caller.on_record):
         ack = await job_views.send_update(client, caller.tenant, job_id, "review", decision, ReviewAck, timeout,
                                           refused_code="not_waiting_for_review")
-    except Exception as exc:
-        audit.record(settings.data_dir, outcome=f"refused: {getattr(exc, 'code', type(exc).__name__)}", **details)
-        raise
-    audit.record(settings.data_dir, outcome="accepted", **details)
     return ReviewResult(job_id=job_id, **ack.model_dump())

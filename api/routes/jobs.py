@@ -1,17 +1,19 @@
-"""GET /v1/jobs, GET /v1/jobs/{job_id}, POST /v1/jobs/{job_id}/retry and /discard."""
+"""GET /v1/jobs, GET /v1/jobs/{job_id}, POST /v1/jobs/{job_id}/cancel, /retry and /discard."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Body, Query, Request
 from temporalio.client import Client
 
 from api import job_views
 from api.auth import Caller, CallerDep, ReviewerDep
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
-from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobList, JobView, OperatorResult, error_responses
+from api.schemas import (
+    INVALID_REQUEST, TEMPORAL_DOWN, Accepted, JobList, JobView, OperatorResult, error_responses,
+)
 from api.validators import JOB_ID
 from models.jobs import JobKind, JobStatus, OperatorAck, OperatorRequest
 from models.tenancy import scoped
@@ -41,18 +43,25 @@ async def get_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings
                                         ui_url=settings.effective_temporal_ui_url, accepted=accepted)
 
 
+@router.post("/{job_id}/cancel", status_code=202, summary="Cancel a running job (any key of its tenant)",
+             response_description="Cancel requested: the job's running steps stop (a model call within seconds) "
+                                  "and it ends as cancelled; `ragline.job.cancelled` ends its event stream",
+             responses=error_responses({404: "job_not_found", 409: "job_closed, job_not_started",
+                                        422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+async def cancel_job(job_id: JOB_ID, request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep,
+                     timeout: RpcTimeoutDep) -> Accepted:
+    with audit.recorded(settings.data_dir, action="cancel", job_id=job_id, **caller.on_record):
+        workflow_id = await job_views.cancel(client, caller.tenant, job_id, timeout)
+    return Accepted.for_job(request, workflow_id)
+
+
 async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client, caller: Caller,
                     settings: Settings, timeout: timedelta) -> OperatorResult:
-    try:
+    with audit.recorded(settings.data_dir, action=action, job_id=job_id, operator=req.operator, reason=req.reason,
+                        **caller.on_record) as details:
         ack = await job_views.send_update(client, caller.tenant, job_id, action, req, OperatorAck, timeout,
                                           refused_code="not_dead_lettered")
-    except Exception as exc:
-        audit.record(settings.data_dir, action=action, tenant=caller.tenant, key=caller.key_id,
-                     key_name=caller.name, job_id=job_id, outcome=f"refused: {getattr(exc, 'code', type(exc).__name__)}",
-                     operator=req.operator, reason=req.reason)
-        raise
-    audit.record(settings.data_dir, action=action, tenant=caller.tenant, key=caller.key_id, key_name=caller.name,
-                 job_id=job_id, outcome="accepted", operator=req.operator, reason=req.reason, steps=ack.steps)
+        details["steps"] = ack.steps
     return OperatorResult(job_id=scoped(caller.tenant, job_id), **ack.model_dump())
 
 

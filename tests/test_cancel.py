@@ -1,0 +1,111 @@
+"""Cancelling a job through the API (`POST /v1/jobs/{id}/cancel`): the job ends as `cancelled`, its
+running model call stops (nobody pays for an answer nobody waits for), and a chat session goes on
+with its next turn. The language model is the scripted server, which records a stream its client
+cut off."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import timedelta
+
+import httpx
+import pytest
+
+from models.chat import session_workflow_id
+from ragline import audit
+from temporal import policies
+from tests.helpers import eventually
+
+HERDS = "The herds of the Serengeti cross the Mara river every July, watched by rangers in small aircraft."
+# 300 pieces: streamed at 50 ms a piece the whole answer takes 15 s, within the attempt's 20 s.
+LONG_ANSWER = " ".join(["herds"] * 300)
+
+
+@pytest.fixture(scope="module")
+async def herds(stack):
+    body = await stack.upload(("herds.txt", HERDS.encode()), collection="cancel")
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+
+
+@pytest.fixture
+def shipped_answer_heartbeat(restore_policies):
+    """generate_answer's heartbeat timeout as shipped (60 s, where the test policies have 5 s): the SDK
+    would then send its heartbeats, and hear of a cancel, only every 48 s, unless Ragline bounds that."""
+    loaded = policies.loaded()
+    answer = loaded.activities["generate_answer"].model_copy(update={"heartbeat": timedelta(seconds=60)})
+    policies._loaded = dataclasses.replace(loaded, activities={**loaded.activities, "generate_answer": answer})
+
+
+async def test_a_cancelled_turn_stops_its_model_stream_and_ends_its_events(stack, herds, shipped_answer_heartbeat):
+    with stack.llm.scope(stream_chunk_delay=0.05) as llm:
+        llm.script("answer", [LONG_ANSWER])
+        job_id = (await stack.chat(f"When do the herds cross the river? {llm.token}", collection="cancel"))["job_id"]
+        types = []
+        async with stack.http.stream("GET", f"/v1/jobs/{job_id}/events", timeout=httpx.Timeout(60)) as events:
+            async for line in events.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                types.append(json.loads(line[5:])["type"])
+                if types[-1] == "ragline.answer.delta" and types.count(types[-1]) == 1:
+                    # Another tenant's key cannot see the job, let alone cancel it.
+                    other = await stack.other_http.post(f"/v1/jobs/{job_id}/cancel")
+                    assert other.status_code == 404, other.text
+                    # Any key of the tenant can: the member who asked, not only a reviewer.
+                    cancelled = await stack.member_http.post(f"/v1/jobs/{job_id}/cancel")
+                    assert cancelled.status_code == 202, cancelled.text
+                    assert cancelled.json()["job_id"] == job_id
+                    assert cancelled.json()["status_url"].endswith(f"/v1/jobs/{job_id}")
+        [answer] = await llm.wait_for_calls(1, "answer", finished=True, timeout=30)
+    assert types[-1] == "ragline.job.cancelled"
+    assert "ragline.answer.completed" not in types
+    # The stream was closed from Ragline's side before the model had sent the whole answer.
+    assert answer.cut_off
+    job = await stack.wait_done(job_id)
+    assert job["status"] == "cancelled"
+    again = await stack.http.post(f"/v1/jobs/{job_id}/cancel")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "job_closed"
+    records = [(e["key_name"], e["outcome"]) for e in audit.read(stack.settings.data_dir)
+               if e["action"] == "cancel" and e["job_id"] == job_id]
+    assert records == [("globex-reviewer", "refused: job_not_found"), ("acme-member", "accepted"),
+                       ("acme-reviewer", "refused: job_closed")]
+
+
+async def test_a_cancelled_waiting_turn_is_skipped_and_its_session_goes_on(stack, herds, shipped_answer_heartbeat):
+    # The first turn's answer streams a piece a second; the later turns' answers come at once.
+    with stack.llm.scope(stream_chunk_delay=1.0) as slow, stack.llm.scope() as llm:
+        slow.script("answer", ["They cross the river in July, watched by rangers [1]."])
+        first = await stack.chat(f"When do the herds cross? {slow.token}", collection="cancel")
+        session = first["session_id"]
+        second = await stack.chat(f"Who watches them? {llm.token}", session_id=session, collection="cancel")
+        await slow.wait_for_calls(1, "answer")  # the first turn streams; the second waits for its go
+
+        async def cancel_second() -> httpx.Response | None:
+            r = await stack.http.post(f"/v1/jobs/{second['job_id']}/cancel")
+            # Until its session has started the turn's job, there is no job to cancel yet.
+            started = not (r.status_code == 409 and r.json()["error"]["code"] == "job_not_started")
+            return r if started else None
+
+        r = await eventually(cancel_second, what="the second turn's job to be started")
+        assert r.status_code == 202, r.text
+        assert (await stack.wait_done(second["job_id"]))["status"] == "cancelled"
+
+        # Cancelling the first turn stops its model call in the middle of the stream.
+        r = await stack.http.post(f"/v1/jobs/{first['job_id']}/cancel")
+        assert r.status_code == 202, r.text
+        [streamed] = await slow.wait_for_calls(1, "answer", finished=True, timeout=30)
+        assert streamed.cut_off
+        assert (await stack.wait_done(first["job_id"]))["status"] == "cancelled"
+
+        third = await stack.chat(f"Where do they cross? {llm.token}", session_id=session, collection="cancel")
+        done = await stack.wait_done(third["job_id"])
+        answers = llm.calls("answer")
+    assert done["status"] == "completed" and done["turn"] == 3
+    assert [a.reply.strip() for a in answers] == [done["result"]["answer"]]  # the cancelled turn never asked
+    session_run = await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, session)).describe()
+    assert session_run.status.name == "RUNNING"
+
+
+async def test_cancelling_an_unknown_job_is_404(stack):
+    r = await stack.http.post("/v1/jobs/acme.chat-nosuchsession.0000/cancel")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
