@@ -125,6 +125,12 @@ def session_workflow_id(tenant: str, session_id: str) -> str:
     return workflow_id(tenant, f"session-{session_id}")
 
 
+def keyed_session_id(request_key: str) -> str:
+    """The session a keyed request without a session id starts: the same Idempotency-Key names the same
+    new session, so a resent first message finds its job instead of starting a second conversation."""
+    return "k" + hashlib.sha256(f"session\n{request_key}".encode()).hexdigest()[:31]
+
+
 def turn_job_id(session_id: str, request_key: str) -> str:
     """A turn's job id, known without asking any workflow: the same session and Idempotency-Key give the
     same job (a resent request is not run twice), and a fresh key a fresh job for the life of the id."""

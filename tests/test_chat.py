@@ -196,6 +196,27 @@ async def test_concurrent_duplicates_with_one_idempotency_key_run_one_chain(stac
     assert [t["turn"] for t in session_view["turns"]] == [1, 2]
 
 
+async def test_a_resent_first_message_without_a_session_returns_its_job_and_runs_once(stack, chat_docs):
+    """The README's first chat names no session: resending it with its Idempotency-Key (a timeout, a
+    retrying client) finds the same job in the same new session instead of starting a second one."""
+    key = f"first-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as llm:
+        question = f"Who counts the herds? {llm.token}"
+        first, resent = [await stack.chat(question, collection="chat", idempotency_key=key) for _ in range(2)]
+        assert (resent["job_id"], resent["session_id"]) == (first["job_id"], first["session_id"])
+        assert (first["duplicate"], resent["duplicate"]) == (False, True)
+        assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
+        unkeyed = [await stack.chat(question, collection="chat") for _ in range(2)]
+        assert unkeyed[0]["session_id"] != unkeyed[1]["session_id"]  # no key: each a new conversation
+        for job in unkeyed:
+            assert (await stack.wait_job(job["job_id"]))["status"] == "completed"
+        assert len(llm.calls("answer")) == 3
+    # Another tenant's request with the same key is its own.
+    r = await stack.other_http.post("/v1/chats", json={"message": question, "collection": "chat"},
+                                    headers={"Idempotency-Key": key})
+    assert r.status_code == 202 and r.json()["duplicate"] is False
+
+
 async def test_chat_events_stream_steps_deltas_and_resume(stack, chat_docs):
     with stack.llm.scope(stream_chunk_delay=0.05) as llm:
         accepted = await stack.chat(f"How are paper cranes folded? {llm.token}", collection="chat")

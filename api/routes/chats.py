@@ -25,7 +25,9 @@ from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
 )
 from api.validators import SESSION_ID, review_timeout_seconds, validate_collection, validate_session_id
-from models.chat import SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, session_workflow_id, turn_job_id
+from models.chat import (
+    SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, keyed_session_id, session_workflow_id, turn_job_id,
+)
 from models.tenancy import workflow_id
 from ragline import tracing
 from temporal import search_attributes as sa
@@ -48,11 +50,16 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
                     ) -> ChatAccepted:
     validate_collection(req.collection)
-    session_id = validate_session_id(req.session_id or uuid.uuid4().hex)
+    if req.session_id is not None:
+        session_id = validate_session_id(req.session_id)
+    else:  # a new session; a keyed request names it by its key, so that resending it starts no other
+        session_id = keyed_session_id(idempotency_key) if idempotency_key is not None else uuid.uuid4().hex
     # Scoped per tenant: two tenants may use the same session id and the same Idempotency-Key.
     job_id = workflow_id(caller.tenant, turn_job_id(session_id, idempotency_key or uuid.uuid4().hex))
-    # Only a keyed request can repeat one already made; its job may exist (then nothing is written).
-    duplicate = idempotency_key is not None and await job_views.exists(client, job_id, timeout)
+    # Only a keyed request can repeat one already made: accepted by this process a moment ago, or its
+    # job exists. Either way nothing is written (a resend its session has not started yet is let
+    # through: the session skips a job id it has seen).
+    duplicate = idempotency_key is not None and (job_id in accepted or await job_views.exists(client, job_id, timeout))
     if not duplicate:
         turn = TurnInput(tenant=caller.tenant, job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
             exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
