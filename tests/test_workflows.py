@@ -81,6 +81,7 @@ class Fakes:
     plan: Callable[[PlanInput], PlanOutput] | None = None
     side_step_seconds: float = 0.2
     ended: set[str] = field(default_factory=set)  # jobs ended_jobs reports as no longer running
+    sweeps_fail: int = 0  # how many ended_jobs calls fail (a server too busy to answer)
     calls: list[Call] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -233,6 +234,9 @@ class Fakes:
     @activity.defn(name="ended_jobs")
     async def ended_jobs(self, req: JobIds) -> JobIds:
         self._end(self._start("ended_jobs", req))
+        if self.sweeps_fail > 0:
+            self.sweeps_fail -= 1
+            raise ApplicationError("the server is too busy", non_retryable=True)
         return JobIds(job_ids=[j for j in req.job_ids if j in self.ended])
 
 
@@ -586,9 +590,15 @@ async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended
         assert (await heard(jobs[4]))["position"] == 1
         assert (await gate.query(TenantGateWorkflow.slots)).waiting == [jobs[4]]
 
-        # A holder that ended without releasing (terminated by hand) is found by the sweep.
+        # A holder that ended without releasing (terminated by hand) is found by the sweep; a sweep that
+        # fails is tried again one interval later, and the gate keeps its holders and line meanwhile.
         fakes.ended.add(jobs[1])
+        fakes.sweeps_fail = 1
+        sweeps = len(fakes.named("ended_jobs"))
         await env.sleep(policies.slot_sweep_interval().total_seconds() + 1)
+        assert len(fakes.named("ended_jobs")) == sweeps + 1 and fakes.sweeps_fail == 0
+        assert (await gate.query(TenantGateWorkflow.slots)).waiting == [jobs[4]]
+        await env.sleep(policies.slot_sweep_interval().total_seconds())
         await waiters[jobs[4]].result()
         state = await gate.query(TenantGateWorkflow.slots)
         assert (state.holders, state.waiting) == ([jobs[2], jobs[3], jobs[4]], [])

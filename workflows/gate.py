@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.gate import GateActivities
@@ -121,8 +122,13 @@ class TenantGateWorkflow:
 
     async def _sweep(self) -> None:
         check = GateActivities.ended_jobs
-        ended = await workflow.execute_activity_method(check, JobIds(job_ids=list(self.state.holders)),
-                                                       **policies.options(policies.activity_name(check)))
+        try:
+            ended = await workflow.execute_activity_method(check, JobIds(job_ids=list(self.state.holders)),
+                                                           **policies.options(policies.activity_name(check)))
+        except ActivityError as exc:
+            # The gate must outlive a server too busy to answer: its holders and line are all it has.
+            workflow.logger.warning("could not check the holders (next try in one sweep interval): %s", exc)
+            return
         for job_id in ended.job_ids:
             workflow.logger.warning("job %s ended without giving its slot back; freeing it", job_id)
             self._drop(job_id)
