@@ -357,13 +357,16 @@ async def send_update(client: Client, tenant: str, job_id: str, name: str, paylo
                       result_type: type[Ack], rpc_timeout: timedelta, *, refused_code: str) -> Ack:
     """A person's decision on a job (operator retry/discard, review), as a validated Update; answers
     the workflow's acknowledgement. Unknown job (or another tenant's): 404; refused by the workflow's
-    validator: 409 with its reason; job ended: 409."""
+    validator: 409 with its reason (422 when the decision itself is invalid); job ended: 409."""
     job_id = (await describe_job(client, tenant, job_id, rpc_timeout)).job_id
     try:
         ack = await client.get_workflow_handle(job_id).execute_update(
             name, payload, result_type=result_type, rpc_timeout=rpc_timeout)
     except WorkflowUpdateFailedError as exc:
-        raise ApiError(409, refused_code, getattr(exc.cause, "message", None) or str(exc.cause)) from None
+        message = getattr(exc.cause, "message", None) or str(exc.cause)
+        if getattr(exc.cause, "type", None) == "InvalidReview":  # what was sent is wrong, not the job's state
+            raise ApiError(422, "invalid_review", message) from None
+        raise ApiError(409, refused_code, message) from None
     except RPCError as exc:
         if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
             raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from models.inputs import STRICT_INPUT
 from models.review import ReviewRecord
@@ -56,8 +56,8 @@ class DeadLetter(BaseModel):
 class OperatorRequest(BaseModel):
     """Payload of the `retry` and `discard` Updates. Every field is optional: `{}` is valid."""
     model_config = STRICT_INPUT
-    operator: str | None = None
-    reason: str | None = None
+    operator: str | None = Field(None, max_length=200)
+    reason: str | None = Field(None, max_length=2000)
 
 
 class OperatorAck(BaseModel):

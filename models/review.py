@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from models.inputs import STRICT_INPUT, Int
+
+# What one review may grant: finite, not negative, and within what the workflow's arithmetic takes
+# (an infinite token budget cannot be counted down, and would fail the job on every replay).
+MAX_EXTRA_DEPTH = 10
+MAX_EXTRA_BUDGET = 1e9
+Extension = Annotated[float, Field(ge=0, le=MAX_EXTRA_BUDGET, allow_inf_nan=False)]
 
 
 
@@ -15,13 +21,13 @@ class ReviewDecision(BaseModel):
     """Payload of the `review` Update and Signal (Web UI, CLI, or POST /v1/jobs/{id}/review)."""
     model_config = STRICT_INPUT
     decision: Literal["approve", "reject", "revise"]
-    reviewer: str
-    comment: str = ""
-    instructions: str | None = None
-    extra_depth: Int = 0
-    extra_budget: dict[str, float] = {}
+    reviewer: str = Field(max_length=200)
+    comment: str = Field("", max_length=4000)
+    instructions: str | None = Field(None, max_length=4000)
+    extra_depth: Int = Field(0, ge=0, le=MAX_EXTRA_DEPTH)
+    extra_budget: dict[str, Extension] = {}
     # For held chat answers: the text to release instead of the model's.
-    answer: str | None = None
+    answer: str | None = Field(None, max_length=20_000)
 
 
 class ReviewRequest(BaseModel):

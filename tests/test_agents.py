@@ -180,6 +180,21 @@ async def test_signal_reviews_record_bad_input_and_accept_good_input(stack):
 
         [rejected] = await eventually(rejected_inputs, timeout=10, what="the bad signal recorded")
         assert "decision" in rejected["error"]
+        # An extension beyond what one review may grant is bad input too, not an agent a billion levels deep.
+        await _cli(stack, "workflow", "signal", "-w", job_id, "--name", "review",
+                   "--input", json.dumps({"decision": "approve", "reviewer": "dee", "extra_depth": 10**9}))
+        _, too_deep = await eventually(lambda: _at_least(2, rejected_inputs), timeout=10, what="2 bad signals")
+        assert "extra_depth" in too_deep["error"]
+        # Through the API the same is refused at once, with what is wrong: an infinite budget (1e400 is
+        # valid JSON), an unknown budget key, a blank reviewer.
+        for body, code in ((b'{"decision": "approve", "reviewer": "x", "extra_budget": {"max_tokens": 1e400}}',
+                            "invalid_request"),
+                           (b'{"decision": "approve", "reviewer": "x", "extra_budget": {"max_pages": 1}}',
+                            "invalid_review"),
+                           (b'{"decision": "approve", "reviewer": " "}', "invalid_review")):
+            r = await stack.http.post(f"/v1/jobs/{job_id}/review", content=body,
+                                      headers={"content-type": "application/json"})
+            assert (r.status_code, r.json()["error"]["code"]) == (422, code), body
         # The bad input left the agent waiting.
         assert (await stack.http.get(f"/v1/jobs/{job_id}")).json()["status"] == "waiting_review"
         await _cli(stack, "workflow", "signal", "-w", job_id, "--name", "review",
@@ -187,6 +202,11 @@ async def test_signal_reviews_record_bad_input_and_accept_good_input(stack):
         job = await stack.wait_done(job_id)
     assert job["status"] == "completed" and job["result"]["status"] == "stopped"
     assert job["result"]["decisions"][0]["reviewer"] == "dee"
+
+
+async def _at_least(n: int, probe) -> list | None:
+    found = await probe()
+    return found if len(found) >= n else None
 
 
 async def test_bad_tool_calls_are_tool_errors_and_events_carry_depth(stack):

@@ -94,7 +94,7 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
 @router.post("/v1/jobs/{job_id}/review", summary="Approve, reject or revise what a job waits on",
              responses=error_responses({403: "forbidden", 404: "job_not_found",
                                         409: "not_waiting_for_review, job_closed",
-                                        422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+                                        422: f"{INVALID_REQUEST}, invalid_review", 503: TEMPORAL_DOWN}))
 async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: ReviewerDep,
                      settings: SettingsDep, timeout: RpcTimeoutDep) -> ReviewResult:
     """Needs a reviewer key. Recorded in the audit log with the key that decided."""
