@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI
 from api import errors, observability
 from api.auth import Guard, authenticate
 from api.job_views import RecentlyAccepted
+from api.limits import SMALL_BODY_BYTES, BodyLimit
 from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from api.routes.codec import HideCodecKey, create_codec_app
 from ragline import logs, tracing
@@ -52,6 +53,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     observability.install(app)
     _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))
+    # Multipart framing adds a little to the files themselves.
+    app.add_middleware(BodyLimit, guard=lambda: app.state.guard, limits={
+        "/v1/documents": documents.MAX_FILES_PER_REQUEST * settings.max_upload_bytes + SMALL_BODY_BYTES,
+        "/v1/evaluations": evaluations.MAX_BODY_BYTES})
     return app
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -132,8 +133,17 @@ class Guard:
                         storage=shown_address(self.settings.rate_limit_storage), error=str(exc.storage_error))
 
 
-def _unauthenticated(message: str) -> ApiError:
+def unauthenticated(message: str) -> ApiError:
     return ApiError(401, "unauthenticated", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a request carries, read as `authenticate` reads it (for a check made before FastAPI
+    has parsed the request: api/limits.py)."""
+    if key := headers.get("x-api-key"):
+        return key
+    scheme, _, credentials = (headers.get("authorization") or "").partition(" ")
+    return credentials.strip() or None if scheme.lower() == "bearer" else None
 
 
 async def authenticate(
@@ -143,7 +153,7 @@ async def authenticate(
 ) -> Caller:
     key = api_key or (bearer.credentials if bearer else None)
     if not key:
-        raise _unauthenticated("an API key is required: `Authorization: Bearer <key>` or `X-API-Key: <key>`")
+        raise unauthenticated("an API key is required: `Authorization: Bearer <key>` or `X-API-Key: <key>`")
     return await admit(request, key)
 
 
@@ -151,7 +161,7 @@ async def admit(request: Request, key: str) -> Caller:
     guard: Guard = request.app.state.guard
     entry = guard.keys.find(key)
     if entry is None:
-        raise _unauthenticated("unknown API key")
+        raise unauthenticated("unknown API key")
     await guard.check_rate(entry)
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
                     key_id=entry.sha256[:8])

@@ -38,10 +38,14 @@ def _body(code: str, message: str, **extra: Any) -> dict:
     return {"error": {"code": code, "message": message, **{k: v for k, v in extra.items() if v is not None}}}
 
 
+def error_body(exc: ApiError) -> dict:
+    return _body(exc.code, exc.message, **exc.extra)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(_body(exc.code, exc.message, **exc.extra), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -67,10 +71,10 @@ def install(app: FastAPI) -> None:
         return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code,
                             headers=headers or None)
 
-    @app.exception_handler(RuntimeError)
-    async def _unexpected(_: Request, exc: RuntimeError) -> JSONResponse:
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A lazy Temporal client that cannot connect raises a plain RuntimeError.
-        if "Failed client connect" in str(exc):
+        if isinstance(exc, RuntimeError) and "Failed client connect" in str(exc):
             err = temporal_unavailable(exc)
             return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503)
         log.exception("unhandled error")

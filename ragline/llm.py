@@ -6,6 +6,8 @@ and `ragline.provider_errors` maps failures onto the project's error taxonomy.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -37,6 +39,38 @@ class Completion:
 class ToolChoice:
     name: str
     arguments: str  # JSON text as the model wrote it
+
+
+_TOOL_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
+
+
+def tool_calls_in_text(text: str) -> list[ToolChoice]:
+    """Tool calls a model wrote as its reply's text, for a server that does not parse them into
+    `tool_calls` (llama.cpp's server with a model's own chat template: Qwen answers
+    `{"name": ..., "arguments": {...}}`, or the same inside <tool_call> tags). Only a reply that is
+    nothing but calls counts; prose that quotes one stays prose."""
+    text = text.strip()
+    tagged = _TOOL_CALL_TAG.findall(text)
+    if tagged:
+        if _TOOL_CALL_TAG.sub("", text).strip():
+            return []
+        parts = tagged
+    else:
+        parts = [_FENCE.sub("", text)]
+    calls = []
+    for part in parts:
+        try:
+            value = json.loads(part)
+        except ValueError:
+            return []
+        for item in value if isinstance(value, list) else [value]:
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and set(item) <= {"name", "arguments"}):
+                return []
+            arguments = item.get("arguments", {})
+            calls.append(ToolChoice(name=item["name"],
+                                    arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return calls
 
 
 @dataclass
@@ -134,8 +168,11 @@ class ChatModel:
         message = response.choices[0].message
         calls = [ToolChoice(name=c.function.name, arguments=c.function.arguments or "{}")
                  for c in (message.tool_calls or []) if getattr(c, "function", None)]
+        text = message.content or ""
+        if not calls and (calls := tool_calls_in_text(text)):
+            text = ""
         usage = response.usage
-        return ToolPlan(text=message.content or "", calls=calls, model=response.model or self.model,
+        return ToolPlan(text=text, calls=calls, model=response.model or self.model,
                         prompt_tokens=usage.prompt_tokens if usage else 0,
                         completion_tokens=usage.completion_tokens if usage else 0)
 

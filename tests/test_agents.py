@@ -226,6 +226,23 @@ async def test_bad_tool_calls_are_tool_errors_and_events_carry_depth(stack):
     assert all(e["data"].get("depth") == 0 for _, e in events)
 
 
+async def test_tool_calls_a_model_writes_as_its_text_are_run(stack):
+    """llama.cpp's server (the offline default) hands back a Qwen model's tool calls as the reply's text:
+    a bare JSON call, or one in <tool_call> tags. They are run as calls, not taken for the answer."""
+    with stack.llm.scope() as llm:
+        llm.script("agent", [json.dumps({"name": "compare", "arguments": {"a": 1}}),
+                             json.dumps({"name": "search_documents", "arguments": {"query": "tide tables"}}),
+                             '<tool_call>\n{"name": "finish", "arguments": {"answer": "High tide at noon."}}\n</tool_call>'])
+        job_id = await _start(stack, f"When is high tide? {llm.token}")
+        job = await stack.wait_done(job_id)
+        plans = llm.calls("agent")
+    assert job["status"] == "completed" and job["result"]["answer"] == "High tide at noon."
+    assert len(plans) == 3
+    assert "unknown tool 'compare'" in plans[1].user_message  # an invented tool is a tool error, not an answer
+    assert [s["name"] for s in job["steps"]] == ["plan 1", "plan 2", "search 2", "plan 3"]
+    assert "search_documents('tide tables')" in plans[2].user_message  # the search's outcome went back
+
+
 async def test_limits_above_the_ceiling_are_refused(stack):
     r = await stack.http.post("/v1/agents", json={"goal": "x", "max_depth": 99})
     assert r.status_code == 422 and "max_depth" in r.json()["error"]["message"]

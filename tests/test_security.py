@@ -62,6 +62,44 @@ async def test_every_route_but_healthz_needs_a_known_key(stack):
     assert (await stack.member_http.get("/v1/jobs")).status_code == 200
 
 
+async def _raw(stack, head: str, body: bytes = b"") -> tuple[int, dict]:
+    """Send a request as raw bytes (a length it does not keep, a chunked body) and read the answer the
+    API gives, which must come without the rest of the body: reading it would wait forever."""
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), timeout=30)
+        head_lines = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)).decode().split("\r\n")
+        length = next(int(h.split(":")[1]) for h in head_lines if h.lower().startswith("content-length:"))
+        payload = await asyncio.wait_for(reader.readexactly(length), timeout=30)
+    finally:
+        writer.close()
+    return int(status_line.split()[1]), json.loads(payload)
+
+
+async def test_a_large_body_is_refused_before_it_is_read(stack):
+    """FastAPI reads a body before it checks the key: a body over its route's limit, or a large one without
+    a known key, is refused from the request's head alone."""
+    gigabyte = f"POST /v1/documents HTTP/1.1\nHost: x\nContent-Type: multipart/form-data; boundary=b\n" \
+               f"Content-Length: {10**9}\n"
+    status, body = await _raw(stack, gigabyte)
+    assert (status, body["error"]["code"]) == (401, "unauthenticated")
+    status, body = await _raw(stack, gigabyte + "X-API-Key: rgl_not_a_key\n")
+    assert (status, body["error"]["code"]) == (401, "unauthenticated")
+    # A body over its route's limit (a chat's: 1 MiB) is refused from its length, whoever sends it.
+    status, body = await _raw(stack, f"POST /v1/chats HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                                     f"Content-Length: {2 * 1024 * 1024}\nX-API-Key: {stack.keys['member']}\n")
+    assert (status, body["error"]["code"]) == (413, "body_too_large")
+    # A chunked body that grows past the limit is cut off there.
+    chunk = b"x" * 65536
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(20))
+    status, body = await _raw(stack, f"POST /v1/chats HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                                     f"Transfer-Encoding: chunked\nX-API-Key: {stack.keys['member']}\n", chunked)
+    assert (status, body["error"]["code"]) == (413, "body_too_large")
+
+
 async def test_member_keys_cannot_decide_or_operate(stack):
     for path in ("/v1/jobs/acme.agent-x/review", "/v1/jobs/acme.agent-x/retry", "/v1/jobs/acme.agent-x/discard"):
         body = {"decision": "approve", "reviewer": "m"} if path.endswith("review") else {}

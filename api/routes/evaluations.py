@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from api import job_views, observability
@@ -48,7 +49,7 @@ async def create_evaluation(request: Request, client: ClientDep, caller: CallerD
         questions = evaluation.parse_jsonl(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(422, "invalid_golden_set", f"golden questions: {exc}") from None
-    ref = blobs.put(body)
+    ref = await run_in_threadpool(blobs.put, body)
     job_id = workflow_id(caller.tenant, f"evaluation-{collection}-{uuid.uuid4().hex[:12]}")
     await client.start_workflow(
         EvaluationWorkflow.run, EvaluationInput(tenant=caller.tenant, collection=collection, questions_ref=ref,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
@@ -36,7 +37,8 @@ PROGRESS_AFTER = 30
 
 
 def _start_offset(last_event_id: str | None, from_offset: int | None) -> int:
-    if last_event_id is not None and last_event_id.strip().isdigit():
+    """After the event the client saw last; an id that is not one of ours (not an offset) is ignored."""
+    if last_event_id is not None and re.fullmatch(r"[0-9]{1,18}", last_event_id.strip()):
         return int(last_event_id) + 1
     return from_offset or 0
 

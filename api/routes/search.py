@@ -9,7 +9,9 @@ from datetime import timedelta
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
+from temporalio.client import WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import ActivityError
 
 from api.auth import CallerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
@@ -36,7 +38,7 @@ class SearchRequest(BaseModel):
 
 @router.post("/search", summary="Semantic search over a collection",
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection",
-                                        503: f"{TEMPORAL_DOWN}, worker_unavailable"}))
+                                        503: f"{TEMPORAL_DOWN}, worker_unavailable, search_failed"}))
 async def search(req: SearchRequest, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                  timeout: RpcTimeoutDep) -> SearchOutput:
     validate_collection(req.collection)
@@ -51,3 +53,6 @@ async def search(req: SearchRequest, client: ClientDep, caller: CallerDep, setti
     except asyncio.TimeoutError:
         raise ApiError(503, "worker_unavailable",
                        f"no worker answered the search within {seconds:g} s; is the worker running?") from None
+    except WorkflowFailureError as exc:  # the store failed the search (unreachable, say): try again later
+        cause = exc.cause.cause if isinstance(exc.cause, ActivityError) and exc.cause.cause else exc.cause
+        raise ApiError(503, "search_failed", f"the search failed: {getattr(cause, 'message', None) or cause}") from None

@@ -1,0 +1,89 @@
+"""Request bodies are bounded before anything reads them.
+
+FastAPI reads a route's whole body (and spools uploaded files to disk) before it runs the route's
+dependencies, the API key check among them. So a body over its route's limit is refused from its
+Content-Length alone (413), and a large body, or one sent without a length, is read only for a
+known API key (401 otherwise) and only up to the limit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.auth import Guard, presented_key, unauthenticated
+from api.errors import ApiError, error_body
+
+# A JSON body (a chat message, an agent's goal, a review) fits in this many bytes with room to spare.
+SMALL_BODY_BYTES = 1024 * 1024
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, *, limits: Mapping[str, int], guard: Callable[[], Guard]) -> None:
+        """`limits`: the body limit of a path (POST), where it is not SMALL_BODY_BYTES."""
+        self.app = app
+        self.limits = limits
+        self.guard = guard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        limit = self.limits.get(scope["path"], SMALL_BODY_BYTES)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES:
+            await self.app(scope, receive, send)  # the server reads no more than the length says
+            return
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await _refuse(ApiError(413, "body_too_large", f"the request body is over {limit} bytes"), scope, receive,
+                          send)
+            return
+        key = presented_key(headers)
+        if key is None or self.guard().keys.find(key) is None:
+            await _refuse(unauthenticated("an API key is required before a large body is read: "
+                                          "`Authorization: Bearer <key>` or `X-API-Key: <key>`"), scope, receive, send)
+            return
+        await self._counted(scope, receive, send, limit)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        """A body without a length (chunked) is cut off at the limit: the route's answer is replaced by 413."""
+        received = 0
+        over = False
+        started = False
+
+        async def limited() -> Message:
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    raise _TooLarge
+            return message
+
+        async def guarded(message: Message) -> None:
+            nonlocal started
+            if over:
+                return  # whatever the route made of a cut-off body
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited, guarded)
+        except _TooLarge:
+            pass
+        if over and not started:
+            await _refuse(ApiError(413, "body_too_large", f"the request body is over {limit} bytes"), scope, receive,
+                          send)
+
+
+async def _refuse(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+    response = JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+    await response(scope, receive, send)
