@@ -125,7 +125,7 @@ class ChatActivities:
             context = f"SUMMARY OF THE PASSAGES: {req.summary}\n\n{prompts.format_passage_heads(passages)}"
         messages = prompts.messages("answer", passages=context, history=history, question=req.question)
         result = StreamedCompletion(model=model.model)
-        async with heartbeating(), AnswerDeltas(attempt) as deltas:
+        async with heartbeating(), AnswerDeltas(attempt, send=req.stream) as deltas:
             async for piece in model.stream(messages, result, step="generate"):
                 await deltas.publish(piece)
         answer = result.text.strip()
@@ -186,8 +186,9 @@ class AnswerDeltas:
     it, which saves a signal and a read of the stream. An attempt that fails sends everything, so its
     partial answer shows before the next attempt's."""
 
-    def __init__(self, attempt: int) -> None:
+    def __init__(self, attempt: int, *, send: bool = True) -> None:
         self.attempt = attempt
+        self.send = send  # False: an answer a reviewer may hold is not shown while it comes
         self.index = 0
         self.unsent: list[dict] = []
         self._stream = WorkflowStreamClient.from_within_activity()
@@ -208,6 +209,8 @@ class AnswerDeltas:
         await self._send()  # what was handed over goes out before the result
 
     async def publish(self, piece: str) -> None:
+        if not self.send:
+            return
         info = activity.info()
         now = datetime.now(timezone.utc)
         self.index += 1

@@ -202,6 +202,8 @@ class GenerateInput(BaseModel):
     # Only when the passages did not fit the context budget: the answer works from this instead.
     summary: str | None = None
     history: list[HistoryItem] = []
+    # Whether the answer streams to the job's events as it comes: not when a reviewer may hold it.
+    stream: bool = True
 
 
 class GenerateOutput(StreamedStepResult):

@@ -122,6 +122,18 @@ async def record() -> list[Path]:
             for n, job_id in enumerate(watched, 1):
                 saved += await _save(client, f"watched-turn-{n}", f"WorkflowId = '{job_id}'")
 
+            # A watched turn whose answer waits for a reviewer, who releases a revised text.
+            reviewed = await stack.http.post("/v1/chats", json={
+                "message": "Question: when are the lamps lit?", "collection": "record", "require_review": True})
+            reviewed_id = reviewed.json()["job_id"]
+            watching = asyncio.create_task(read_events(stack, reviewed_id))
+            await waiting_reviews(stack, reviewed_id)
+            await stack.http.post(f"/v1/jobs/{reviewed_id}/review", json={
+                "decision": "approve", "reviewer": "rec", "answer": "At dusk [1]."})
+            assert (await watching)[-1][1]["type"] == "ragline.job.completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-review", f"WorkflowId = '{reviewed_id}'")
+
             # An agent tree: the depth guard waits for a review, which approves one level more.
             stack.llm.script_fn("agent", delegate_until(leaf_depth=2))
             r = await stack.http.post("/v1/agents", json={"goal": "Map the harbour records", "collection": "record",

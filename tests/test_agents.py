@@ -268,12 +268,21 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
     session = (await stack.http.get(f"/v1/chats/{r.json()['session_id']}")).json()
     assert session["turns"][0]["answer"] is None
 
+    # A chat answer is revised by giving the text to release: `revise` alone would release it unchanged.
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "revise", "reviewer": "editor"})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_review")
     await stack.http.post(f"/v1/jobs/{job_id}/review", json={
-        "decision": "approve", "reviewer": "editor", "answer": "High tide is at noon [1]."})
+        "decision": "revise", "reviewer": "editor", "answer": "High tide is at noon [1]."})
     job = await stack.wait_done(job_id)
     assert job["status"] == "completed"
     assert job["result"]["answer"] == "High tide is at noon [1]."
     assert job["result"]["review"]["reviewer"] == "editor"
+    # The event stream showed nothing of the held answer: no deltas, and the answer only as released.
+    types = [(e["type"], e["data"]) for _, e in await read_events(stack, job_id)]
+    assert not [t for t, _ in types if t == "ragline.answer.delta"]
+    [(index, shown)] = [(i, d) for i, (t, d) in enumerate(types) if t == "ragline.answer.completed"]
+    assert shown["answer"] == "High tide is at noon [1]."
+    assert index > [t for t, _ in types].index("ragline.review.decided")
 
 
 async def test_unsupported_answers_are_held_when_configured(temporal_env, scripted_llm, tmp_path):

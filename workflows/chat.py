@@ -37,6 +37,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.job import JobWorkflow
     from workflows.review import ReviewHandlers
 
+# Turns recorded before a reviewer's hold kept the answer out of the stream replay showing it at once.
+REVIEW_HOLDS_ANSWER_PATCH = "review-holds-answer"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
 MAX_SEEN = 1000             # job ids remembered per session, to skip a resent request
@@ -51,6 +53,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     def __init__(self) -> None:
         super().__init__()
         self.context: TurnContext | None = None
+        # A reviewer may hold this turn's answer: it is shown (streamed, `answer.completed`) only once
+        # released. What `answer.completed` will carry waits here meanwhile.
+        self._answer_held = False
+        self._held_answer: dict | None = None
+        self.reviews.revise_needs_answer = True  # a chat turn is revised by giving the text to release
 
     @workflow.signal
     def proceed(self, context: TurnContext) -> None:
@@ -76,10 +83,25 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         await workflow.wait_condition(lambda: self.context is not None)
 
     async def _answer(self, turn: TurnInput) -> TurnResult:
+        self._answer_held = (turn.question.require_review or turn.review_unsupported) and \
+            workflow.patched(REVIEW_HOLDS_ANSWER_PATCH)
         result = await self._chain(turn)
-        if turn.question.require_review or (turn.review_unsupported and not result.citations):
+        if self._needs_review(turn, result):
             result = await self._hold_for_review(turn, result)
+        if self._held_answer is not None:  # released (or never held after all): the person sees it now
+            self.events.emit("ragline.answer.completed", {**self._held_answer, "answer": result.answer})
         return result
+
+    @staticmethod
+    def _needs_review(turn: TurnInput, result: TurnResult) -> bool:
+        return turn.question.require_review or (turn.review_unsupported and not result.citations)
+
+    def _show_answer(self, data: dict) -> None:
+        """`ragline.answer.completed`, before the side steps; held back while a reviewer may hold the answer."""
+        if self._answer_held:
+            self._held_answer = data
+        else:
+            self.events.emit("ragline.answer.completed", data)
 
     async def _chain(self, turn: TurnInput) -> TurnResult:
         question = turn.question
@@ -107,7 +129,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         context = ContextInput(question=question.message, context_ref=retrieved.context_ref)
         summary = None if retrieved.fits else await self.step(ChatActivities.summarize_context, context)
         generate = GenerateInput(question=question.message, context_ref=retrieved.context_ref,
-                                 history=self.context.history, summary=summary.summary if summary else None)
+                                 history=self.context.history, summary=summary.summary if summary else None,
+                                 stream=not self._answer_held)
 
         fell_back = []
 
@@ -119,8 +142,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                  on_exhausted=fall_back if turn.fallback else None)
         fallback_model = (answer.model or "fallback") if fell_back else None
         citations = answer.citations
-        self.events.emit("ragline.answer.completed", {
-            "answer": answer.answer, "citations": [c.model_dump(mode="json") for c in citations]})
+        self._show_answer({"answer": answer.answer, "citations": [c.model_dump(mode="json") for c in citations]})
         if summary is None:
             summary, entities = await asyncio.gather(self.step(ChatActivities.summarize_context, context),
                                                      self.step(ChatActivities.extract_entities, context))
@@ -138,13 +160,14 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             fallback_model=fallback_model)
         if not answer.grounded or fallback_model:
             return result  # only grounded answers of the configured model are worth repeating
+        if self._answer_held and self._needs_review(turn, result):
+            return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)
 
     def _answered(self, result: TurnResult) -> TurnResult:
         """A turn answered without the model chain: the remaining planned steps are skipped."""
-        self.events.emit("ragline.answer.completed", {
-            "answer": result.answer, "citations": [c.model_dump(mode="json") for c in result.citations],
-            "supported": result.supported, "cached": result.cached})
+        self._show_answer({"answer": result.answer, "citations": [c.model_dump(mode="json") for c in result.citations],
+                           "supported": result.supported, "cached": result.cached})
         return result
 
     async def _remember(self, result: TurnResult, key: str | None) -> TurnResult:

@@ -35,6 +35,8 @@ class Reviews:
         self.decision: ReviewDecision | None = None
         self.history: list[ReviewRecord] = []
         self.rejected_inputs: list[RejectedInput] = []
+        # A job whose work a reviewer revises by giving its text (a chat answer), not by instructions.
+        self.revise_needs_answer = False
 
     async def ask(self, *, reason: str, detail: str, proposed_action: dict, goal: str, depth: int,
                   timeout: timedelta) -> ReviewDecision:
@@ -84,6 +86,9 @@ class Reviews:
             raise ApplicationError(f"unknown budget key(s): {', '.join(sorted(unknown))}", type="InvalidReview")
         if not decision.reviewer.strip():
             raise ApplicationError("reviewer is required", type="InvalidReview")
+        if decision.decision == "revise" and self.revise_needs_answer and not (decision.answer or "").strip():
+            raise ApplicationError("revise needs the revised text in `answer` (approve releases the answer as it is)",
+                                   type="InvalidReview")
 
     def accept(self, decision: ReviewDecision) -> ReviewAck:
         self.decision = decision
