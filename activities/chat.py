@@ -16,7 +16,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.heartbeats import heartbeating
-from activities.search import find_passages
+from activities.search import find_passages_for_turn
 from models.chat import (
     CacheInput, CacheOutput, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
     RetrieveInput, RetrieveOutput, SummaryOutput, TurnResult, Usage,
@@ -75,8 +75,10 @@ class ChatActivities:
             if hit is not None:
                 return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], cache_key=key,
                                       cached=TurnResult.model_validate(hit), attempt=attempt)
-        hits = find_passages(self.embedder, self.index, req.tenant, req.collection, req.question, req.top_k)
-        supported = any(h.relevance >= relevance.threshold(self.settings.relevance_threshold) for h in hits)
+        threshold = relevance.threshold(self.settings.relevance_threshold)
+        hits = find_passages_for_turn(self.embedder, self.index, req.tenant, req.collection, req.question, req.top_k,
+                                      threshold=threshold, follows=req.follows)
+        supported = any(h.relevance >= threshold for h in hits)
         if not supported:  # nothing to answer from: say so, in the question's language, without a model
             refusal = prompts.not_covered_answer(req.question) if hits else prompts.no_context_answer(req.question)
             return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], supported=False,

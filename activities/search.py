@@ -5,7 +5,7 @@ from __future__ import annotations
 from temporalio import activity
 
 from models.ingest import SearchHit, SearchInput, SearchOutput
-from ragline import relevance
+from ragline import lexical, relevance
 from ragline.embeddings import Embedder
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
@@ -27,6 +27,23 @@ def find_passages(embedder: Embedder, index: VectorIndex, tenant: str, collectio
             for h in hits]
     # Rerank the fused candidates by calibrated relevance (ties keep the fused order).
     return sorted(found, key=lambda h: -h.relevance)[:top_k]
+
+
+def find_passages_for_turn(embedder: Embedder, index: VectorIndex, tenant: str, collection: str, question: str,
+                           top_k: int, *, threshold: float, follows: str | None = None) -> list[SearchHit]:
+    """A chat turn's passages. A follow-up ("and what caused it?") often names its topic only in the
+    question before it: when alone it finds nothing relevant and it points back (ragline/lexical.py), it
+    is also searched together with that question, and the best of both is kept. A question that changes
+    the subject ("what is the capital of Australia?") stays alone, and is refused when nothing covers it."""
+    hits = find_passages(embedder, index, tenant, collection, question, top_k)
+    if not follows or any(h.relevance >= threshold for h in hits) or not lexical.refers_back(question):
+        return hits
+    best: dict[tuple[str, int], SearchHit] = {}
+    for hit in hits + find_passages(embedder, index, tenant, collection, f"{follows}\n{question}", top_k):
+        key = (hit.document_id, hit.chunk)
+        if key not in best or hit.relevance > best[key].relevance:
+            best[key] = hit
+    return sorted(best.values(), key=lambda h: -h.relevance)[:top_k]
 
 
 class SearchActivities:

@@ -154,6 +154,8 @@ class RetrieveInput(BaseModel):
     top_k: int
     # Look the question up in the answer cache first (a turn without conversation history).
     use_cache: bool = False
+    # The session's question before this one: a follow-up is also searched together with it.
+    follows: str | None = None
 
 
 class RetrieveOutput(StepResult):

@@ -52,6 +52,16 @@ def terms(text: str) -> list[str]:
     return out
 
 
+_REFERS_BACK = re.compile(r"^\s*(and|also|so|then|what about|how about)\b|\b(it|its|they|them|their|this|that|these|"
+                          r"those|he|him|his|she|her|there)\b|[它其这那该此他她]", re.IGNORECASE)
+
+
+def refers_back(question: str) -> bool:
+    """Whether a question leans on what was said before it ("and what caused it?", "它的原因是什么？"):
+    it starts as a follow-up or points back with a pronoun."""
+    return bool(_REFERS_BACK.search(unicodedata.normalize("NFKC", question)))
+
+
 def term_id(term: str) -> int:
     return zlib.crc32(term.encode("utf-8")) & 0x7FFFFFFF
 

@@ -143,3 +143,22 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
     assert report["citation_correctness"] is not None and report["answer_accuracy"] == 1.0
     bad = await trusted.http.post("/v1/evaluations?collection=trust", content=b'{"expected_document": "x"}')
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set"
+
+
+async def test_a_follow_up_that_names_its_topic_only_in_the_turn_before_is_answered(trusted):
+    """"What caused it?" alone matches nothing; after "What happened in incident 4711?" it means the
+    incident, and retrieval reads it so (with the question before it), instead of refusing."""
+    first = await trusted.chat("What happened in incident 4711?", collection="trust")
+    assert (await trusted.wait_job(first["job_id"]))["result"]["supported"] is True
+    alone = (await ask(trusted, "And what caused it?"))["result"]
+    assert alone["supported"] is False  # a new conversation: nothing to go on
+    follow = await trusted.chat("And what caused it?", session_id=first["session_id"], collection="trust")
+    result = (await trusted.wait_job(follow["job_id"]))["result"]
+    assert result["supported"] is True, result
+    assert [c["filename"] for c in result["citations"]][:1] == ["postmortem.txt"]
+    # A question that changes the subject is not read with the one before it: refused, no model call.
+    before = trusted.llm.count()
+    switch = await trusted.chat("What is the capital of Australia?", session_id=first["session_id"],
+                                collection="trust")
+    assert (await trusted.wait_job(switch["job_id"]))["result"]["supported"] is False
+    assert trusted.llm.count() == before

@@ -494,3 +494,13 @@ def test_chunk_pages_skips_empty_pages_and_never_emits_blank_chunks() -> None:
 def test_chunk_pages_is_deterministic() -> None:
     pages = [Page(n, f"Paragraph {n}. " * 40 + "\n\n" + "第二段。" * 50) for n in range(1, 4)]
     assert chunk_pages(pages, size=300, overlap=50) == chunk_pages(pages, size=300, overlap=50)
+
+
+@pytest.mark.parametrize("question, follows_up", [
+    ("And what caused it?", True), ("Who watches them?", True), ("What about the backups?", True),
+    ("它的原因是什么？", True), ("What is the capital of Australia?", False), ("澳大利亚的首都是哪里？", False),
+    ("How many orders failed?", False)])
+def test_a_question_that_points_back_is_told_from_one_that_stands_alone(question, follows_up):
+    from ragline.lexical import refers_back
+
+    assert refers_back(question) is follows_up

@@ -110,7 +110,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         use_cache = not self.context.history
         retrieved = await self.step(ChatActivities.retrieve_context, RetrieveInput(
             tenant=turn.tenant, question=question.message, collection=question.collection, top_k=question.top_k,
-            use_cache=use_cache))
+            use_cache=use_cache, follows=self.context.history[-1].question if self.context.history else None))
         if retrieved.cached is not None:
             result = retrieved.cached.model_copy(update={
                 "session_id": turn.session_id, "turn": turn.turn, "question": question.message, "cached": True,
