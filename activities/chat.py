@@ -36,6 +36,8 @@ log = structlog.get_logger("ragline.chat")
 
 ENTITY_TYPES = {"PERSON", "ORG", "PLACE", "DATE", "PRODUCT", "OTHER"}
 _CITATION = re.compile(r"\[(\d{1,2})\]")
+_CITATION_MARK = re.compile(r"\[\d*\]?")  # a citation mark, or one cut off ("[1")
+_NOT_WORDS = re.compile(r"[\W_]+")
 # Content words: numbers, runs of 4+ letters outside CJK, and every overlapping pair of CJK
 # characters (Chinese has no spaces, so bigrams stand in for words).
 _WORD = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_\u4e00-\u9fff]{4,}|(?=([\u4e00-\u9fff]{2}))", re.UNICODE)
@@ -131,6 +133,12 @@ class ChatActivities:
             async for piece in model.stream(messages, result, step="generate"):
                 await deltas.publish(piece)
         answer = result.text.strip()
+        if not _NOT_WORDS.sub("", _CITATION_MARK.sub("", answer)):  # "", "[1] [2]", "[1": no answer at all
+            log.warning("the model's answer has no words of its own", reply=answer[:200])
+            return GenerateOutput(answer=prompts.no_answer(req.question), cited=[], grounded=False, model=result.model,
+                                  usage=Usage(prompt_tokens=result.prompt_tokens,
+                                              completion_tokens=result.completion_tokens),
+                                  unsent_events=deltas.unsent, attempt=attempt)
         cited = cited_passages(answer, passages)
         return GenerateOutput(answer=answer, cited=cited, grounded=bool(cited),
                               citations=[citation(passages[i - 1], quote_for(answer, passages[i - 1].text))

@@ -40,6 +40,11 @@ def not_covered_answer(question: str) -> str:
     return templates()["not_covered"][language_of(question)]
 
 
+def no_answer(question: str) -> str:
+    """What a turn says when the model's answer had no words of its own (it is not passed on as one)."""
+    return templates()["no_answer"][language_of(question)]
+
+
 def format_passages(passages: list) -> str:
     """Numbered passages (objects with filename, page and text) as the prompts cite them: [1], [2]…"""
     return "\n\n".join(f"[{i}] ({p.filename}, page {p.page}) {p.text}" for i, p in enumerate(passages, 1))

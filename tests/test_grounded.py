@@ -76,6 +76,22 @@ async def test_an_uncited_answer_nothing_supports_is_flagged(trusted):
     assert any("unverified" in w for w in result["warnings"])
 
 
+@pytest.mark.parametrize("reply", ["[1] [2]", "[1", ""])
+async def test_an_answer_with_no_words_of_its_own_is_not_passed_on_as_one(trusted, reply):
+    """What a small local model sometimes returns: citation marks, a cut-off mark, nothing."""
+    trusted.llm.script("answer", [reply])
+    question = f"What was the root cause of incident 4711? ({len(reply)})"
+    result = (await ask(trusted, question))["result"]
+    assert result["supported"] is False and result["citations"] == []
+    assert result["answer"].startswith("The model gave no usable answer")
+    assert any("unverified" in w for w in result["warnings"])
+    # Not kept for the next asker: the same question goes to the model again.
+    calls = trusted.llm.count("answer")
+    trusted.llm.script("answer", ["An expired TLS certificate [1]."])
+    assert (await ask(trusted, question))["result"]["answer"] == "An expired TLS certificate [1]."
+    assert trusted.llm.count("answer") == calls + 1
+
+
 async def test_cross_lingual_question_finds_the_chinese_handbook(trusted):
     hits = await trusted.search("How long are database backups kept?", collection="trust", top_k=1)
     assert hits[0]["filename"] == "handbook-zh.txt"
