@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Ragline", version="0.1.0", lifespan=lifespan,
                   description="Durable GenAI pipelines on Temporal: every request answers 202 with a job. "
-                              "Every route but /healthz needs an API key (`Authorization: Bearer <key>` or "
+                              "Every /v1 route needs an API key (`Authorization: Bearer <key>` or "
                               "`X-API-Key`) and sees only its tenant's documents and jobs.")
     app.state.guard = guard
     app.state.accepted = RecentlyAccepted()

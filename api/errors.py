@@ -49,7 +49,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [{"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
+        problems = [{"field": "body", "message": f"not valid JSON (at character {e['loc'][-1]}): "
+                                                 f"{(e.get('ctx') or {}).get('error', e['msg'])}"}
+                    if e["type"] == "json_invalid" else
+                    {"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
                     for e in exc.errors()]
         message = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
         # A bad collection name keeps its own code, whichever check caught it.
@@ -62,6 +65,11 @@ def install(app: FastAPI) -> None:
         # Keeps the exception's headers; a 405's `Allow` lists every method of the path, across routes
         # (Starlette names only those of the first route whose path matched).
         headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's answer to a body it cannot decode (not UTF-8, nested too deep): a bad request body
+            # like any other, and the OpenAPI documents that as 422.
+            return JSONResponse(_body("invalid_request", "the body could not be read as JSON (UTF-8) or a form",
+                                      problems=[{"field": "body", "message": "unreadable"}]), status_code=422)
         if exc.status_code == 405:
             methods = {m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
                        if any(route.matches({**request.scope, "method": m})[0] == Match.FULL

@@ -327,6 +327,12 @@ async def test_unknown_session_and_bad_requests(stack):
     assert (await stack.http.post("/v1/chats", json={"message": ""})).status_code == 422
     assert (await stack.http.post("/v1/chats", json={"message": "hi", "session_id": "../x"})).status_code == 422
     assert (await stack.http.post("/v1/chats", json={"message": "hi", "collection": "a b"})).status_code == 422
+    # A body that is not JSON in UTF-8, or JSON cut off: 422 saying so, like every other bad body.
+    for body, says in ((b'{"message": "caf\xe9"}', "could not be read"), (b'{"message": "hi', "not valid JSON")):
+        r = await stack.http.post("/v1/chats", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+        assert [p["field"] for p in r.json()["error"]["problems"]] == ["body"]
+        assert says in r.json()["error"]["message"]
 
 
 async def test_a_retried_answer_streams_again_under_its_new_attempt(stack, chat_docs):

@@ -50,6 +50,7 @@ async def test_every_route_but_healthz_needs_a_known_key(stack):
                   ("POST", "/v1/search"), ("GET", "/v1/jobs/acme.agent-x"), ("GET", "/v1/chats/s1"),
                   ("POST", "/v1/chats"), ("POST", "/v1/agents"), ("GET", "/v1/jobs/acme.agent-x/events"),
                   ("POST", "/v1/jobs/x/retry"), ("POST", "/v1/jobs/x/discard"), ("POST", "/v1/jobs/x/review"),
+                  ("POST", "/v1/jobs/x/cancel"),
                   ("POST", "/v1/documents")]
         for http in (anonymous, wrong):
             for method, path in routes:
