@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.freeze()
         yield
 
-    app = FastAPI(title="Ragline", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Ragline", version="0.1.0", lifespan=lifespan, telemetry=tracing.FASTAPI_NATIVE_TELEMETRY_OFF,
                   description="Durable GenAI pipelines on Temporal: every request answers 202 with a job. "
                               "Every /v1 route needs an API key (`Authorization: Bearer <key>` or "
                               "`X-API-Key`) and sees only its tenant's documents and jobs.")

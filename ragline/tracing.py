@@ -59,11 +59,17 @@ def configure(service_name: str = "ragline", exporter=None) -> None:
     HTTPXClientInstrumentor().instrument()
 
 
+# FastAPI traces every request natively too (and every dependency, with no path excluded): the
+# instrumentor below does it once, without /codec's key-bearing paths.
+FASTAPI_NATIVE_TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+
+
 def instrument_app(app) -> None:
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
     # Scrapes and health checks are not requests anyone traces.
-    FastAPIInstrumentor.instrument_app(app, excluded_urls="metrics,healthz")
+    # /codec carries a reviewer key in its path (the Web UI's codec endpoint): never in a span.
+    FastAPIInstrumentor.instrument_app(app, excluded_urls="metrics,healthz,/codec/")
 
 
 def client_interceptors() -> list:

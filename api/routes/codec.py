@@ -32,6 +32,7 @@ from temporalio.converter import PayloadCodec
 from api import errors
 from api.auth import Guard, admit
 from api.errors import ApiError
+from ragline import tracing
 from ragline.settings import Settings
 from temporal.codec import ENCODING
 
@@ -39,7 +40,8 @@ KEY_IN_PATH = re.compile(r"/codec/k/[^/\s]+")
 
 
 def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], PayloadCodec | None]) -> FastAPI:
-    app = FastAPI(title="Ragline codec server", openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="Ragline codec server", openapi_url=None, docs_url=None, redoc_url=None,
+                  telemetry=tracing.FASTAPI_NATIVE_TELEMETRY_OFF)
     app.state.guard = guard
     errors.install(app)
     app.add_middleware(CORSMiddleware, allow_origins=settings.effective_codec_cors_origins,
