@@ -227,7 +227,8 @@ class AnswerDeltas:
         traceparent = tracing.current_traceparent()  # the attempt's span: same trace as the job's events
         self.unsent.append({
             **({"traceparent": traceparent} if traceparent else {}),
-            "specversion": "1.0", "id": f"{info.workflow_id}/answer/{self.attempt}/{self.index}",
+            # Unique per scheduled step too: an operator's retry or the fallback numbers attempts from 1 again.
+            "specversion": "1.0", "id": f"{info.workflow_id}/answer/{info.activity_id}/{self.attempt}/{self.index}",
             "source": "ragline/generate_answer", "type": "ragline.answer.delta", "time": now.isoformat(),
             "subject": info.workflow_id, "datacontenttype": "application/json",
             "data": {"text": piece, "index": self.index, "attempt": self.attempt},

@@ -18,6 +18,9 @@ from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
 
+# Outcomes without a model answer are cheap to redo: kept (for a retried attempt) this many at a time.
+CHECKPOINT_EVERY = 50
+
 
 class EvaluationActivities:
     def __init__(self, settings: Settings, blobs: BlobStore, embedder: Embedder, index: VectorIndex,
@@ -33,8 +36,15 @@ class EvaluationActivities:
     async def evaluate_collection(self, req: EvaluationInput) -> EvaluationOutput:
         questions = evaluation.parse_jsonl(self.blobs.get(req.questions_ref).decode("utf-8"))
         threshold = relevance.threshold(self.settings.relevance_threshold)
-        outcomes = []
+        # A retried attempt goes on after the questions an earlier one checkpointed: their answers are
+        # not asked (and paid for) again.
+        checkpoints: list[str] = list((activity.info().heartbeat_details or [{}])[0].get("checkpoints", []))
+        outcomes = [evaluation.QuestionOutcome.model_validate(o) for ref in checkpoints for o in self.blobs.get_json(ref)]
+        resumed = len(outcomes)
+        unsaved: list[evaluation.QuestionOutcome] = []
         for n, q in enumerate(questions, 1):
+            if n <= resumed:
+                continue
             hits = await asyncio.to_thread(find_passages, self.embedder, self.index, req.tenant, req.collection,
                                              q.question, req.k)
             rank = evaluation.rank_of(q.expected_document, [(h.document_id, h.filename) for h in hits]) \
@@ -55,8 +65,13 @@ class EvaluationActivities:
                     outcome.answer, outcome.citation_correct = prompts.not_covered_answer(q.question), False
                 if q.expected_answer:
                     outcome.answer_correct = evaluation.answer_matches(q.expected_answer, outcome.answer)
-            outcomes.append(outcome)
-            activity.heartbeat(n)
+            unsaved.append(outcome)
+            if outcome.answer is not None or len(unsaved) >= CHECKPOINT_EVERY:  # a model answer is worth keeping
+                checkpoints.append(self.blobs.put_json([o.model_dump(mode="json") for o in unsaved]))
+                outcomes += unsaved
+                unsaved = []
+            activity.heartbeat({"checkpoints": checkpoints, "done": n})
+        outcomes += unsaved
         report = evaluation.summarise(req.collection, req.k, threshold, outcomes)
         ref = self.blobs.put(report.model_dump_json().encode("utf-8"))
         return EvaluationOutput(report=report.model_copy(update={"outcomes": []}), report_ref=ref,

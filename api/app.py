@@ -12,6 +12,7 @@ from api import errors, observability
 from api.auth import Guard, authenticate
 from api.job_views import RecentlyAccepted
 from api.limits import SMALL_BODY_BYTES, BodyLimit
+from api.streams import JobStreams
 from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from api.routes.codec import HideCodecKey, create_codec_app
 from ragline import logs, tracing
@@ -46,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "`X-API-Key`) and sees only its tenant's documents and jobs.")
     app.state.guard = guard
     app.state.accepted = RecentlyAccepted()
+    app.state.streams = JobStreams()
     errors.install(app)
     for module in (documents, chats, agents, evaluations, jobs, events, search):
         app.include_router(module.router, dependencies=[Depends(authenticate)])

@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from temporalio.client import Client
 
 from api.job_views import RecentlyAccepted
+from api.streams import JobStreams
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 
@@ -35,6 +36,13 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 ClientDep = Annotated[Client, Depends(get_client)]
 BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
 AcceptedDep = Annotated[RecentlyAccepted, Depends(get_accepted)]
+
+
+async def get_streams(request: Request) -> JobStreams:
+    return request.app.state.streams
+
+
+StreamsDep = Annotated[JobStreams, Depends(get_streams)]
 
 
 async def get_rpc_timeout(settings: SettingsDep) -> timedelta:

@@ -79,7 +79,8 @@ def install(app: FastAPI) -> None:
         return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code,
                             headers=headers or None)
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # anything else: still the JSON error body (Starlette logs it)
+    @app.exception_handler(RuntimeError)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         # A lazy Temporal client that cannot connect raises a plain RuntimeError.
         if isinstance(exc, RuntimeError) and "Failed client connect" in str(exc):

@@ -12,7 +12,7 @@ from models.review import ReviewRecord
 
 JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled"]
 JobKind = Literal["ingest", "ingest_document", "chat", "agent", "evaluation"]
-StepStatus = Literal["pending", "running", "completed", "failed", "skipped"]
+StepStatus = Literal["pending", "running", "completed", "failed", "skipped", "dead_lettered"]
 
 JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import structlog
 from pydantic import BaseModel, Field, ValidationError
 
 from models.tenancy import TENANT_PATTERN
@@ -56,6 +57,9 @@ class TenantLimits(BaseModel):
 class KeysFile(BaseModel):
     keys: list[KeyEntry] = []
     tenants: dict[str, TenantLimits] = {}
+
+
+log = structlog.get_logger("ragline.keys")
 
 
 class KeysFileError(ValueError):
@@ -98,7 +102,17 @@ class KeyRing:
         with self._lock:
             if self._loaded and stamp == self._stamp:
                 return
-            self._file = load(self.path)
+            try:
+                keys_file = load(self.path)
+            except KeysFileError as exc:
+                if not self._loaded:
+                    raise
+                # A slip while editing the file must not lock every key out: the keys read last stay
+                # in force until the file reads again.
+                self._stamp = stamp
+                log.error("keys file not re-read: the keys read before stay in force", error=str(exc))
+                return
+            self._file = keys_file
             self._by_digest = {k.sha256: k for k in self._file.keys}
             self._stamp, self._loaded = stamp, True
 

@@ -38,6 +38,7 @@ async def test_exhausted_step_parks_and_retry_resumes_at_that_step(stack, dlq_do
         assert "503" in letter["error"]
         steps = {s["name"]: s for s in job["steps"]}
         assert steps["generate_answer"]["attempts"] == ATTEMPTS and "503" in steps["generate_answer"]["error"]
+        assert steps["generate_answer"]["status"] == "dead_lettered"  # not "running": nothing runs
         assert steps["retrieve_context"]["status"] == "completed"
         # Parked, the job spends nothing more: the side steps wait behind the answer.
         assert llm.count("summarize") == 0 and llm.count("extract_entities") == 0
@@ -58,6 +59,7 @@ async def test_exhausted_step_parks_and_retry_resumes_at_that_step(stack, dlq_do
     assert done["result"]["answer"] == answers[-1].reply.strip()
     steps = {s["name"]: s for s in done["steps"]}
     assert steps["retrieve_context"]["attempts"] == 1, "a completed step ran again"
+    assert steps["generate_answer"]["attempts"] == ATTEMPTS + 1  # counted on across the operator's retry
     assert all(s["status"] == "completed" for s in done["steps"])
     assert done["operator_decisions"][0]["operator"] == "ana"
 

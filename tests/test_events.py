@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from temporalio.api.enums.v1 import EventType
 
 from tests.conftest import shared_pdf
-from tests.helpers import read_events
+from tests.helpers import read_events, waiting_reviews
 
 
 async def test_ingestion_events_stream_and_resume(stack):
@@ -75,3 +77,26 @@ async def test_a_job_nobody_watches_ends_without_waiting_for_a_stream(stack):
     history = await _history(stack, body["job_id"])
     assert not [e for e in history if e.event_type == EventType.EVENT_TYPE_TIMER_STARTED]
     assert not [e for e in history if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED]
+
+
+async def test_many_watchers_of_one_job_share_one_poll_and_leave_room_for_a_decision(stack):
+    """Temporal admits about 10 Updates in flight per workflow, and each stream poll is one: a dozen
+    open tabs on a job would be refused, and so would the reviewer's decision. An API process polls
+    each job once, whoever watches it."""
+    seed = await stack.upload(("tides.txt", b"High tide at Vell harbour is at noon."), collection="watched")
+    await stack.wait_job(seed["job_id"])
+    r = await stack.http.post("/v1/chats", json={"message": "When is high tide at Vell?", "collection": "watched",
+                                                 "require_review": True})
+    job_id = r.json()["job_id"]
+    watchers = [asyncio.create_task(read_events(stack, job_id)) for _ in range(12)]
+    await waiting_reviews(stack, job_id)
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "ana"})
+    assert r.status_code == 200, r.text
+    seen = await asyncio.gather(*watchers)
+    assert all(events == seen[0] for events in seen)
+    assert seen[0][-1][1]["type"] == "ragline.job.completed"
+    assert [int(i) for i, _ in seen[0]] == list(range(len(seen[0])))
+    history = await stack.client.get_workflow_handle(job_id).fetch_history()
+    polls = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+             and e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name != "review"]
+    assert len(polls) < 12  # one subscriber's polls, not one per watcher

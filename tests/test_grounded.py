@@ -3,6 +3,8 @@ real hybrid retrieval; only the language models are scripted: the configured one
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from devtools.scripted_llm import ScriptedLLM
@@ -159,6 +161,21 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
     assert report["citation_correctness"] is not None and report["answer_accuracy"] == 1.0
     bad = await trusted.http.post("/v1/evaluations?collection=trust", content=b'{"expected_document": "x"}')
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set"
+
+
+async def test_a_retried_evaluation_goes_on_after_the_answers_it_already_has(trusted):
+    """The model fails on the third golden question: the retried attempt asks only that one again,
+    not the two it had answered (and paid for) already."""
+    questions = ["Which certificate expired in incident 4711?", "How many orders failed during the outage?",
+                 "Why did the renewal job fail?"]
+    golden = "\n".join(json.dumps({"question": q, "expected_document": "postmortem.txt"}) for q in questions)
+    trusted.llm.script("answer", ["The TLS certificate of the gateway proxy [1].", "About 12,400 [1].", "503"])
+    before = len(trusted.llm.calls_for("answer", step="evaluate"))
+    r = await trusted.http.post("/v1/evaluations?collection=trust&answers=true", content=golden.encode())
+    job = await trusted.wait_job(r.json()["job_id"])
+    assert job["status"] == "completed", job
+    asked = [c.question for c in trusted.llm.calls_for("answer", step="evaluate")[before:]]
+    assert asked == [*questions, questions[2]]
 
 
 async def test_a_follow_up_that_names_its_topic_only_in_the_turn_before_is_answered(trusted):

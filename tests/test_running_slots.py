@@ -21,6 +21,7 @@ from temporalio.common import Priority
 from temporalio.worker import Worker
 
 from activities.gate import gate_id
+from devtools.scripted_llm import last_user_message
 from ragline import keys as api_keys
 from models.tenancy import GateState, JobIds, SlotRequest
 from tests.helpers import WaitsForSlot, eventually, read_events
@@ -169,6 +170,41 @@ async def test_a_job_waiting_for_a_person_lends_its_slot(stack):
         r = await http.post(f"/v1/jobs/{held}/review", json={"decision": "approve", "reviewer": "editor"})
         assert r.status_code < 300, r.text
         assert await _wait_status(http, held, "completed", "failed") == "completed"
+
+
+async def test_a_decision_lands_at_once_and_the_slot_is_asked_for_again_only_for_more_work(stack):
+    """While another job holds the lent slot: a chat turn whose answer a reviewer releases completes at once
+    (it has no more work that needs a slot); an agent that is told to go on waits, queued, for the slot, and
+    its decision stands (a second one is refused instead of being taken and dropped)."""
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http)
+        with stack.llm.scope() as agent:
+            agent.script_fn("agent", lambda body: (
+                {"tool_calls": [{"name": "finish", "arguments": {"answer": "done as told"}}]}
+                if "a reviewer said" in last_user_message(body["messages"]) else
+                {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"a smaller part {agent.token}"}}]}))
+            turn = await _ask(http, "When is the lamp lit?", require_review=True)
+            r = await http.post("/v1/agents", json={"goal": f"Map the lamps {agent.token}", "collection": "slots",
+                                                    "max_depth": 0})
+            tree = r.json()["job_id"]
+            for job_id in (turn, tree):
+                assert await _wait_status(http, job_id, "waiting_review") == "waiting_review"
+            async with _a_turn_holding_the_slot(stack, http) as busy:
+                r = await http.post(f"/v1/jobs/{turn}/review", json={"decision": "approve", "reviewer": "editor"})
+                assert r.status_code == 200, r.text
+                assert await _wait_status(http, turn, "completed", "failed") == "completed"
+                r = await http.post(f"/v1/jobs/{tree}/review", json={
+                    "decision": "revise", "reviewer": "editor", "instructions": "answer without delegating"})
+                assert r.status_code == 200, r.text
+                assert await _wait_status(http, tree, "queued") == "queued"
+                again = await http.post(f"/v1/jobs/{tree}/review", json={"decision": "reject", "reviewer": "late"})
+                assert (again.status_code, again.json()["error"]["code"]) == (409, "not_waiting_for_review")
+                assert await _status(http, busy.holder) == "running"
+            assert await _wait_status(http, tree, "completed", "failed") == "completed"
+            job = (await http.get(f"/v1/jobs/{tree}")).json()
+    assert job["status"] == "completed" and job["result"]["answer"] == "done as told"
+    assert [d["reviewer"] for d in job["result"]["decisions"]] == ["editor"]
 
 
 async def test_a_slot_held_by_a_terminated_job_is_freed_and_other_tenants_are_not_held_up(stack):

@@ -126,6 +126,23 @@ async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tm
     assert bad.returncode != 0
 
 
+def test_a_broken_edit_of_the_keys_file_keeps_the_keys_read_before(tmp_path):
+    """A typo while an operator edits the keys file must not lock every key out (a 500 on every request)."""
+    path = tmp_path / "keys.toml"
+    first = api_keys.create(path, "acme", "member", "first")
+    ring = api_keys.KeyRing(path)
+    assert ring.find(first).name == "first"
+    path.write_text(path.read_text() + "\n[[keys]\ntenant = \n")  # half-typed
+    assert ring.find(first).name == "first"
+    path.write_text(path.read_text().rsplit("\n[[keys]\n", 1)[0] + "\n")  # fixed again
+    second = api_keys.create(path, "acme", "member", "second")
+    assert (ring.find(first).name, ring.find(second).name) == ("first", "second")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[[keys]")
+    with pytest.raises(api_keys.KeysFileError):  # a file that never read well is an error at once
+        api_keys.KeyRing(broken).find(first)
+
+
 async def test_a_key_over_its_rate_gets_429_with_retry_after(stack):
     key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "slow", requests_per_minute=3)
     async with _client(stack, key) as http:

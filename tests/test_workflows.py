@@ -461,7 +461,8 @@ async def test_chat_turn_waits_for_its_go_then_answers_before_the_side_steps(bar
     assert generate.finished < summarize.started and generate.finished < entities.started
     assert summarize.started < entities.finished and entities.started < summarize.finished
     # What each step was given.
-    assert retrieve.arg == RetrieveInput(question="When do zebras cross?", collection="chat", top_k=3)
+    # The question before it goes along, for a follow-up that names its topic only there.
+    assert retrieve.arg == RetrieveInput(question="When do zebras cross?", collection="chat", top_k=3, follows="Where?")
     assert generate.arg.context_ref == "ctx:When do zebras cross?" and generate.arg.summary is None
     assert generate.arg.history == history
     assert summarize.arg == entities.arg == ContextInput(question="When do zebras cross?",

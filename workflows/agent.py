@@ -144,6 +144,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             max_tokens=max(0, (self.budget.max_tokens - self.spent.tokens) // share),
             max_seconds=self.budget.max_seconds)
         base = len(self.children)
+        await self.slot.take_back()  # lent while a reviewer decided on this delegation: the children run within it
         results = await asyncio.gather(*(self._child(base + i + 1, goal, child_budget)
                                          for i, goal in enumerate(subgoals)))
         self.observations.extend(f"sub-agent on {goal!r}: {answer}" for goal, (answer, _) in zip(subgoals, results))

@@ -155,6 +155,7 @@ class JobWorkflow:
         When the activity exhausts its retries the job parks until an operator retries or discards it."""
         name = policies.activity_name(activity)
         while True:
+            await self.slot.take_back()  # lent while a person decided
             try:
                 return await workflow.execute_activity_method(activity, arg, **policies.options(name))
             except ActivityError as exc:
@@ -167,12 +168,14 @@ class JobWorkflow:
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
                     raise _FellBack(await on_exhausted())
+                self.steps.park(step)
                 try:
                     await self.dead_letters.park(step, attempts=attempts, reason=reason,
                                                  error_type=failure_type(exc))
                 except ApplicationError:
                     self.steps.fail(step, reason)
                     raise
+                self.steps.resume(step)
 
     # -- status ----------------------------------------------------------------------------------
     def status(self) -> JobStatus:

@@ -6,7 +6,7 @@ Who takes a slot: a job nobody started but the API (ingest requests, agents, eva
 chat turn (its parent, the session, holds none). A job another job started (an ingest's documents, a
 sub-agent) runs within its parent's slot: were it to wait for one of its own, a full tenant whose
 running jobs all wait on their children would never move. A job lends its slot while it waits for a
-person (review, dead letter) and queues again for one when the decision comes.
+person (review, dead letter) and queues again for one only when it has more work to run (`take_back`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.events import JobEvents
 
 PATCH = "tenant-running-slots"  # histories from before slots replay without them
+# Histories from before a lent slot was taken back only for more work replay taking it back at the decision.
+LENT_PATCH = "slot-taken-back-for-work"
 
 
 class RunningSlot:
@@ -36,6 +38,8 @@ class RunningSlot:
         self._sending = False  # the request is on its way to the gate
         self.held = False
         self.waiting = False   # told to wait in line
+        self.owed = False      # lent to a person's wait: taken back before the job's next piece of work
+        self._withdrawals = 0  # an ask withdrawn while it was on its way or in line stops waiting
 
     def heard(self, standing: SlotGrant) -> None:
         """The gate's `slot_update` signal: granted, or the place in line (of the latest request only)."""
@@ -51,6 +55,7 @@ class RunningSlot:
         self._ticket += 1
         self._standing = None
         self._asked = self._sending = True
+        withdrawals = self._withdrawals
         try:
             # An activity, not a local one: the job's workflow task does not wait for it, so a turn's
             # retrieval is scheduled at once, and asks in parallel.
@@ -59,16 +64,23 @@ class RunningSlot:
                                                    **policies.options(policies.activity_name(acquire)))
         finally:
             self._sending = False
-        await workflow.wait_condition(lambda: self._standing is not None)
+        def withdrawn() -> bool:
+            return self._withdrawals != withdrawals
+
+        await workflow.wait_condition(lambda: self._standing is not None or withdrawn())
+        if withdrawn():
+            return
         if not self._standing.granted:
             self.waiting = True
             self._on_change()
             self._events.emit("ragline.job.queued", {
                 "reason": "tenant_running_jobs", "running": self._standing.running, "limit": self._standing.limit,
                 "position": self._standing.position})
-            await workflow.wait_condition(lambda: self._standing.granted)
+            await workflow.wait_condition(lambda: self._standing.granted or withdrawn())
             self.waiting = False
             self._on_change()
+            if withdrawn():
+                return
         self.held = True
 
     async def release(self) -> None:
@@ -86,7 +98,30 @@ class RunningSlot:
 
     @asynccontextmanager
     async def lent(self) -> AsyncIterator[None]:
-        """While the job waits for a person, another job may run in its slot."""
+        """While the job waits for a person, another job may run in its slot: the slot is given back, or
+        the ask for one withdrawn (a step can fail while the slot is still being asked for). The job
+        asks again only when it has work for it (`take_back`): a decision that ends the job needs no
+        slot, and the person's decision is recorded the moment it comes, not once a slot is free."""
+        if not workflow.patched(LENT_PATCH):
+            async with self._lent_until_decided():
+                yield
+            return
+        if self._asked:
+            self._withdrawals += 1
+            await self.release()
+            self.owed = True
+        yield
+
+    async def take_back(self) -> None:
+        """Before the job's next piece of work: the slot it lent, if it lent one."""
+        if self.owed:
+            self.owed = False
+            await self.acquire(takes_slot=True)
+
+    @asynccontextmanager
+    async def _lent_until_decided(self) -> AsyncIterator[None]:
+        """How histories recorded before LENT_PATCH lent a slot: given back while a person decides, and
+        asked for again as soon as the decision came."""
         if not self.held:
             yield
             return

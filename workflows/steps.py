@@ -17,6 +17,7 @@ class StepLog:
         self._events = events
         self._on_change = on_change
         self._steps = {name: StepState(name=name) for name in planned}
+        self._attempts_before: dict[str, int] = {}  # attempts made before an operator's retry
 
     @property
     def started(self) -> bool:
@@ -41,7 +42,7 @@ class StepLog:
         step = self._steps[name]
         step.status, step.finished_at = "completed", workflow.now()
         step.started_at = step.started_at or step.finished_at
-        step.attempts = max(step.attempts, attempts)
+        step.attempts = max(step.attempts, self._attempts_before.get(name, 0) + attempts)
         step.error = None
         if detail is not None:
             step.detail = detail
@@ -53,6 +54,17 @@ class StepLog:
         if step is not None:
             step.error = error
             step.attempts = max(step.attempts, attempts)
+
+    def park(self, name: str) -> None:
+        """The step waits for an operator (its error and attempts stay shown)."""
+        if (step := self._steps.get(name)) is not None:
+            step.status = "dead_lettered"
+
+    def resume(self, name: str) -> None:
+        """An operator retries the parked step: it runs again, its attempts counted on from where they were."""
+        if (step := self._steps.get(name)) is not None:
+            step.status, step.error = "running", None
+            self._attempts_before[name] = step.attempts
 
     def fail(self, name: str, error: str) -> None:
         step = self._steps.setdefault(name, StepState(name=name))

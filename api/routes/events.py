@@ -18,16 +18,15 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from temporalio.client import Client
-from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.auth import CallerDep
-from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep, StreamsDep
 from api.job_views import accepted_turn, not_found, owned, wait_until_created
+from api.streams import JobStreams
 from api.validators import JOB_ID
 from models.tenancy import scoped
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobEvent, error_responses
-from models.jobs import EVENTS_TOPIC
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -61,7 +60,7 @@ STREAM_RESPONSES = {
 @router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)",
             response_class=EventSourceResponse, responses=STREAM_RESPONSES)
 async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep, settings: SettingsDep,
-                     accepted: AcceptedDep,
+                     accepted: AcceptedDep, streams: StreamsDep,
                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                      from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
                      ) -> EventSourceResponse:
@@ -82,20 +81,19 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
             raise not_found(asked) from None
     start = _start_offset(last_event_id, from_offset)
     cooldown = timedelta(seconds=settings.events_poll_cooldown)
-    return EventSourceResponse(_relay(client, caller.tenant, job_id, start, timeout, cooldown, pending),
+    return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending),
                                ping=KEEPALIVE_SECONDS)
 
 
-async def _relay(client: Client, tenant: str, job_id: str, start: int, timeout: timedelta, cooldown: timedelta,
-                 pending: bool):
+async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, start: int, timeout: timedelta,
+                 cooldown: timedelta, pending: bool):
     if not await wait_until_created(client, tenant, job_id, timeout, pending=pending):
         return
     # Each poll is an Update that waits in the workflow until there is something new (no busy loop at
     # any cooldown). With no pause the next poll is already waiting when the job publishes its terminal
     # event, so that event leaves with the run's last workflow task; otherwise the poll would come after
     # the run closed and be answered by a query, which a worker serves by replaying the whole history.
-    items = WorkflowStreamClient.create(client, job_id).subscribe(
-        EVENTS_TOPIC, from_offset=start, poll_cooldown=cooldown).__aiter__()
+    items = streams.follow(client, job_id, start, cooldown).__aiter__()
     next_item = asyncio.ensure_future(items.__anext__())
     try:
         while True:
@@ -114,7 +112,11 @@ async def _relay(client: Client, tenant: str, job_id: str, start: int, timeout: 
                 return
             next_item = asyncio.ensure_future(items.__anext__())
     finally:
+        # Leave the job's shared subscription now (the last reader to leave ends it), not when the
+        # reader is garbage-collected.
         next_item.cancel()
+        await asyncio.gather(next_item, return_exceptions=True)
+        await items.aclose()
 
 
 async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> dict | None:
@@ -133,6 +135,8 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
             "running_for_s": round((now - started).total_seconds(), 1) if started else None,
             "last_error": pending.last_failure.message or None,
         })
+    if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
+        return None
     return {"specversion": "1.0", "id": f"{job_id}/progress/{int(now.timestamp())}", "source": "ragline/api",
             "type": "ragline.step.progress", "time": now.isoformat(), "subject": job_id,
             "datacontenttype": "application/json", "data": {"running": running}}
