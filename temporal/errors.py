@@ -27,7 +27,7 @@ def translate_errors(fn):
             try:
                 return await fn(*args, **kwargs)
             except RaglineError as exc:
-                raise to_application_error(exc) from exc
+                raise _failure(exc) from exc
         return async_wrapper
 
     @functools.wraps(fn)
@@ -35,5 +35,15 @@ def translate_errors(fn):
         try:
             return fn(*args, **kwargs)
         except RaglineError as exc:
-            raise to_application_error(exc) from exc
+            raise _failure(exc) from exc
     return wrapper
+
+
+def _failure(exc: RaglineError) -> ApplicationError:
+    """The failure Temporal keeps: our error, where it was raised, and what it says of its cause. The
+    cause's own chain (the HTTP client's internals, four levels for "cannot reach provider") is left
+    out: a retrying activity's last failure over 4 KB shows as "Failure exceeds size limit." in the
+    Web UI and in `ragline.step.progress`."""
+    exc.__cause__ = None
+    exc.__suppress_context__ = True
+    return to_application_error(exc)

@@ -8,6 +8,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from temporalio.service import RPCError
+
+from tests.helpers import eventually
 
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
 
@@ -94,3 +97,28 @@ async def test_poison_input_fails_at_once_without_retries(stack):
         other = await stack.chat(f"What do poison pills do? {llm.token}", collection="poison")
         assert (await stack.wait_job(other["job_id"]))["status"] == "completed"
         assert llm.count("answer") == 2
+
+
+async def test_a_retrying_step_shows_what_failed_it(stack, dlq_docs):
+    """While a step retries, Temporal keeps its last failure for the Web UI and `ragline.step.progress`,
+    and replaces one over 4 KB with "Failure exceeds size limit.": a dropped connection's failure, with
+    the HTTP client's whole exception chain, used to be that large."""
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["drop"] * ATTEMPTS)
+        accepted = await stack.chat(f"What do lighthouses guide? {llm.token}", collection="dlq")
+        handle = stack.client.get_workflow_handle(accepted["job_id"])
+
+        async def retrying() -> str | None:
+            try:
+                desc = await handle.describe()
+            except RPCError:  # its session has not started the job yet
+                return None
+            pending = [p for p in desc.raw_description.pending_activities
+                       if p.activity_type.name == "generate_answer" and p.attempt >= 2]
+            return pending[0].last_failure.message if pending else None
+
+        message = await eventually(retrying, every=0.02, what="generate_answer's second attempt")
+        assert "cannot reach provider" in message, message
+        assert (await stack.wait_job(accepted["job_id"]))["status"] == "dead_lettered"
+    r = await stack.http.post(f"/v1/jobs/{accepted['job_id']}/discard", json={"reason": "test over"})
+    assert r.status_code == 200, r.text
