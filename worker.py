@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import os
 import signal
 import socket
@@ -267,7 +268,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
         *AgentActivities(embedder, store, model).all(),
         *EvaluationActivities(settings, blobs, embedder, store, model).all(),
     ]
-    common: dict[str, Any] = {"activity_executor": executor, **_pollers(settings),
+    common: dict[str, Any] = {**_pollers(settings),
                               "graceful_shutdown_timeout": timedelta(seconds=settings.worker_graceful_shutdown),
                               # A cancel reaches a running activity with a heartbeat's answer: soon.
                               "max_heartbeat_throttle_interval": policies.heartbeat_every(),
@@ -284,8 +285,11 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
         if not mine and not flows:
             log.info("nothing routed to this queue: not polling it", queue_kind=kind)
             continue
+        # Threads only where an activity is sync (extraction, embedding, the vector store): a queue of
+        # async activities runs them on the loop, and needs no thread per slot.
+        threads = {"activity_executor": executor} if any(not inspect.iscoroutinefunction(a) for a in mine) else {}
         workers.append(Worker(client, task_queue=queues.queue_name(settings.task_queue, kind), workflows=flows,
-                              activities=mine, **_slots(settings, kind), **common))
+                              activities=mine, **_slots(settings, kind), **threads, **common))
     return RaglineWorker(workers, role)
 
 
