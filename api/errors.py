@@ -55,9 +55,9 @@ def install(app: FastAPI) -> None:
                     {"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
                     for e in exc.errors()]
         message = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
-        # A bad collection name keeps its own code, whichever check caught it.
-        code = ("invalid_collection" if problems and all(p["field"].endswith("collection") for p in problems)
-                else "invalid_request")
+        # A bad collection name or session id keeps its own code, whichever check caught it.
+        code = next((f"invalid_{name}" for name in ("collection", "session_id")
+                     if problems and all(p["field"].endswith(name) for p in problems)), "invalid_request")
         return JSONResponse(_body(code, message, problems=problems), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)

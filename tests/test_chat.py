@@ -325,7 +325,8 @@ async def test_no_context_is_said_in_the_language_of_the_question(stack):
 async def test_unknown_session_and_bad_requests(stack):
     assert (await stack.http.get("/v1/chats/no-such-session")).status_code == 404
     assert (await stack.http.post("/v1/chats", json={"message": ""})).status_code == 422
-    assert (await stack.http.post("/v1/chats", json={"message": "hi", "session_id": "../x"})).status_code == 422
+    r = await stack.http.post("/v1/chats", json={"message": "hi", "session_id": "../x"})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_session_id")
     assert (await stack.http.post("/v1/chats", json={"message": "hi", "collection": "a b"})).status_code == 422
     # A body that is not JSON in UTF-8, or JSON cut off: 422 saying so, like every other bad body.
     for body, says in ((b'{"message": "caf\xe9"}', "could not be read"), (b'{"message": "hi', "not valid JSON")):
