@@ -246,7 +246,7 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
     if desc.status == WorkflowExecutionStatus.COMPLETED:
         result = await handle.result(rpc_timeout=rpc_timeout)
     elif view.status == "failed":
-        error = await _failure(handle, desc, rpc_timeout)
+        error = await failure_of(handle, desc, rpc_timeout)
     elif progress and progress.dead_letters:
         letter = progress.dead_letters[0]
         error = JobError(message=f"step {letter.step} failed {letter.attempts} times: {letter.error}",
@@ -311,7 +311,8 @@ def _steps(progress: JobProgress | None, desc) -> list[StepState]:
     return steps
 
 
-async def _failure(handle, desc, rpc_timeout: timedelta) -> JobError:
+async def failure_of(handle: WorkflowHandle, execution: WorkflowExecution, rpc_timeout: timedelta) -> JobError:
+    """Why a failed job failed: its workflow's failure (the step's error, a reviewer's rejection...)."""
     try:
         await handle.result(rpc_timeout=rpc_timeout)
     except WorkflowFailureError as exc:
@@ -322,7 +323,7 @@ async def _failure(handle, desc, rpc_timeout: timedelta) -> JobError:
                         details=details[0] if details else None)
     except Exception as exc:  # terminated / timed out surface as other errors
         return JobError(message=str(exc), type=type(exc).__name__)
-    return JobError(message=f"workflow ended {desc.status.name.lower()}", type="Workflow")
+    return JobError(message=f"workflow ended {execution.status.name.lower()}", type="Workflow")
 
 
 async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> str:

@@ -211,6 +211,7 @@ class DocumentView(BaseModel):
     job_id: str
     created_at: Timestamp
     updated_at: Timestamp
+    error: str | None = Field(None, description="Why the document failed (status failed)")
 
 
 class DocumentList(BaseModel):

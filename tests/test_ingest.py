@@ -255,6 +255,8 @@ async def test_jobs_and_documents_are_listed_from_temporal_visibility(stack):
     by_name = {d["filename"]: d for d in documents}
     assert by_name["hello.pdf"]["status"] == "indexed" and by_name["hello.pdf"]["chunks"] >= 1
     assert by_name["scan.pdf"]["status"] == "failed"
+    assert by_name["scan.pdf"]["error"].startswith("no extractable text")  # why, without opening the job
+    assert by_name["hello.pdf"]["error"] is None
     assert all(d["collection"] == "listing" for d in documents)
 
 

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
 from pydantic import Field
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from api import job_views, observability
@@ -98,11 +98,6 @@ async def _turn_view(client: Client, execution, timeout: timedelta) -> TurnView:
         result = await handle.result(rpc_timeout=timeout)
         outcome.update(answer=result["answer"], citations=result["citations"], model=result.get("model"))
     elif status == "failed":
-        try:
-            await handle.result(rpc_timeout=timeout)
-        except WorkflowFailureError as exc:
-            outcome["error"] = getattr(exc.cause, "message", None) or str(exc.cause)
-        except Exception as exc:
-            outcome["error"] = str(exc)
+        outcome["error"] = (await job_views.failure_of(handle, execution, timeout)).message
     return TurnView(turn=memo.get("turn"), job_id=execution.id, message=memo.get("message"), status=status,
                     created_at=execution.start_time, **outcome)

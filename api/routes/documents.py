@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from datetime import timedelta
 from typing import Annotated
@@ -148,7 +149,13 @@ async def list_documents(client: ClientDep, caller: CallerDep, timeout: RpcTimeo
     extra = {sa.COLLECTION.name: validate_collection(collection)} if collection else None
     query = job_views.list_query(caller.tenant, kind="ingest_document", extra=extra)
     executions = await job_views.list_jobs(client, query, limit, timeout)
-    return DocumentList(documents=[_document_view(e) for e in executions])
+    views = [_document_view(e) for e in executions]
+    failed = [(view, e) for view, e in zip(views, executions) if view.status == "failed"]
+    reasons = await asyncio.gather(*(job_views.failure_of(client.get_workflow_handle(e.id, run_id=e.run_id), e, timeout)
+                                     for _, e in failed))
+    for (view, _), reason in zip(failed, reasons):
+        view.error = reason.message
+    return DocumentList(documents=views)
 
 
 def _document_view(execution) -> DocumentView:
