@@ -76,6 +76,16 @@ def _refine_schema(app: FastAPI, settings: Settings) -> None:
             budget["max_tokens"]["maximum"] = settings.agent_max_tokens
             budget["max_seconds"]["maximum"] = settings.agent_max_seconds
             schemas["Body_upload_documents_v1_documents_post"]["properties"]["files"]["items"]["minLength"] = 1
+            # api/limits.py refuses an oversized body before any route sees it.
+            for path, operations in app.openapi_schema["paths"].items():
+                responses = operations.get("post", {}).get("responses") if path.startswith("/v1/") else None
+                if responses is None:
+                    continue
+                if "413" not in responses:
+                    responses["413"] = {"description": "error code: body_too_large", "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+                elif "body_too_large" not in responses["413"]["description"]:
+                    responses["413"]["description"] += ", body_too_large"
         return app.openapi_schema
 
     app.openapi = openapi

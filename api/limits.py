@@ -45,8 +45,7 @@ class BodyLimit:
             await self.app(scope, receive, send)  # the server reads no more than the length says
             return
         if length is not None and (not length.isdigit() or int(length) > limit):
-            await _refuse(ApiError(413, "body_too_large", f"the request body is over {limit} bytes"), scope, receive,
-                          send)
+            await _refuse(_too_large(limit), scope, receive, send)
             return
         key = presented_key(headers)
         if key is None or self.guard().keys.find(key) is None:
@@ -83,8 +82,11 @@ class BodyLimit:
         except _TooLarge:
             pass
         if over and not started:
-            await _refuse(ApiError(413, "body_too_large", f"the request body is over {limit} bytes"), scope, receive,
-                          send)
+            await _refuse(_too_large(limit), scope, receive, send)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, "body_too_large", f"the request body is over {limit} bytes")
 
 
 async def _refuse(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
