@@ -39,20 +39,24 @@ Ack = TypeVar("Ack", bound=BaseModel)
 
 
 class RecentlyAccepted:
-    """Chat turns this API process accepted lately, by job id (already scoped to the tenant). A stream
-    or a status read that follows its POST before the session has started the job then needs no look
-    into the session's history, which the server reads and we decode whole: under a burst of chats
-    with a stream each, those reads kept the server too busy to hand the sessions their first
-    workflow tasks. Not authoritative: a turn another API process accepted is looked up as before."""
+    """Chat turns this API process accepted lately, by job id (already scoped to the tenant), with the
+    digest of a keyed request. A stream or a status read that follows its POST before the session has
+    started the job then needs no look into the session's history, which the server reads and we decode
+    whole: under a burst of chats with a stream each, those reads kept the server too busy to hand the
+    sessions their first workflow tasks. Not authoritative: a turn another API process accepted is
+    looked up as before."""
 
     def __init__(self, size: int = 10_000) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._ids: OrderedDict[str, str | None] = OrderedDict()
         self._size = size
 
-    def add(self, job_id: str) -> None:
-        self._ids[job_id] = None
+    def add(self, job_id: str, request: str | None = None) -> None:
+        self._ids[job_id] = request
         if len(self._ids) > self._size:
             self._ids.popitem(last=False)
+
+    def request(self, job_id: str) -> str | None:
+        return self._ids.get(job_id)
 
     def __contains__(self, job_id: str) -> bool:
         return job_id in self._ids

@@ -116,6 +116,10 @@ class DocumentsAccepted(Accepted):
     documents: list[AcceptedDocument]
 
 
+class AgentAccepted(Accepted):
+    duplicate: bool = Field(description="The same Idempotency-Key was sent before: its job answers, nothing new runs")
+
+
 class ChatAccepted(Accepted):
     session_id: str
     turn: int | None = Field(description="null until the session numbers the turn (see the job)")
@@ -286,6 +290,7 @@ class EvaluationAccepted(BaseModel):
     job_id: str
     collection: str
     questions: int
+    duplicate: bool = Field(description="The same Idempotency-Key was sent before: its job answers, nothing new runs")
     status_url: str
     events_url: str
 

@@ -50,6 +50,9 @@ class TurnInput(BaseModel):
     # The W3C traceparent of the request that made the turn: the session starts the turn's job in that
     # trace (the session itself lives in its first request's trace).
     traceparent: str | None = None
+    # A keyed request's digest: the session puts it in the job's memo (REQUEST_MEMO), so that the same
+    # Idempotency-Key sent with another question is refused, not answered with this turn's job.
+    request: str | None = None
 
 
 class TurnOutcome(BaseModel):

@@ -21,6 +21,9 @@ OPEN_STATUSES: tuple[str, ...] = ("queued", "running", "waiting_review", "dead_l
 COLLECTION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 # The topic of a job's event stream (workflow_streams) that the API relays as Server-Sent Events.
 EVENTS_TOPIC = "events"
+# The memo field of a job started by a keyed request: a digest of that request, against which the same
+# Idempotency-Key sent again is checked (api/idempotency.py).
+REQUEST_MEMO = "request"
 
 
 class StepResult(BaseModel):

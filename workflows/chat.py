@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
         AwaitTurnInput, CacheInput, ContextInput, GenerateInput, HistoryItem, RetrieveInput, SessionState,
         TurnContext, TurnInput, TurnResult, Usage,
     )
+    from models.jobs import REQUEST_MEMO
     from ragline import tracing
     from temporal import policies
     from temporal import search_attributes as sa
@@ -231,7 +232,8 @@ class ChatSessionWorkflow:
                     id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                     priority=policies.workflow_priority("chat_turn"),
                     parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                    memo={"turn": turn.turn, "message": turn.question.message[:500]},
+                    memo={"turn": turn.turn, "message": turn.question.message[:500],
+                          **({REQUEST_MEMO: turn.request} if turn.request else {})},
                     search_attributes=TypedSearchAttributes([
                         SearchAttributePair(sa.JOB_KIND, "chat"),
                         SearchAttributePair(sa.JOB_STATUS, "queued"),

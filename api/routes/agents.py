@@ -13,8 +13,9 @@ from api import job_views, observability
 from api.auth import CallerDep, ReviewerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
+from api.idempotency import IdempotencyKeyDep, key_digest, request_digest, start_once
 from api.schemas import (
-    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, Accepted, ReviewItem, ReviewList, ReviewResult, error_responses,
+    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AgentAccepted, ReviewItem, ReviewList, ReviewResult, error_responses,
 )
 from api.validators import JOB_ID, review_timeout_seconds, validate_collection
 from models.agent import AgentInput, Budget
@@ -46,10 +47,11 @@ class AgentRequest(BaseModel):
 
 @router.post("/v1/agents", status_code=202, summary="Start an agent; answers at once with a job",
              response_description=ACCEPTED,
-             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, over_ceiling",
-                                        503: TEMPORAL_DOWN}))
+             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, over_ceiling, "
+                                             "idempotency_key_reused", 503: TEMPORAL_DOWN}))
 async def start_agent(req: AgentRequest, request: Request, client: ClientDep, caller: CallerDep,
-                      settings: SettingsDep, timeout: RpcTimeoutDep) -> Accepted:
+                      settings: SettingsDep, timeout: RpcTimeoutDep,
+                      idempotency_key: IdempotencyKeyDep = None) -> AgentAccepted:
     validate_collection(req.collection)
     ceilings = {"max_depth": (req.max_depth, settings.agent_max_depth),
                 "budget.max_llm_calls": (req.budget.max_llm_calls, settings.agent_max_llm_calls),
@@ -59,17 +61,20 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
     if over:
         raise ApiError(422, "over_ceiling", "above the server's ceiling: " + "; ".join(over), limits={
             name: limit for name, (_, limit) in ceilings.items()})
-    job_id = workflow_id(caller.tenant, f"agent-{uuid.uuid4().hex[:16]}")
-    await client.start_workflow(
-        AgentWorkflow.run,
+    name = key_digest(idempotency_key) if idempotency_key is not None else uuid.uuid4().hex[:16]
+    job_id = workflow_id(caller.tenant, f"agent-{name}")
+    duplicate = await start_once(
+        client, AgentWorkflow.run,
         AgentInput(tenant=caller.tenant, goal=req.goal, collection=req.collection, max_depth=req.max_depth,
                    budget=Budget(**req.budget.model_dump()), review_timeout_seconds=review_timeout_seconds(settings)),
-        id=job_id, task_queue=settings.task_queue, rpc_timeout=timeout,
+        id=job_id, key=idempotency_key, digest=request_digest("agent", req.model_dump()), rpc_timeout=timeout,
+        task_queue=settings.task_queue,
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
             SearchAttributePair(sa.COLLECTION, req.collection), SearchAttributePair(sa.TENANT, caller.tenant)]))
-    observability.job_accepted("agent")
-    return Accepted.for_job(request, job_id)
+    if not duplicate:
+        observability.job_accepted("agent")
+    return AgentAccepted.for_job(request, job_id, duplicate=duplicate)
 
 
 @router.get("/v1/reviews", summary="Everything waiting for a human review",

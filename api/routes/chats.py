@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from datetime import timedelta
-from typing import Annotated
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Request
 from pydantic import Field
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -21,6 +20,7 @@ from api import job_views, observability
 from api.auth import CallerDep
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
+from api.idempotency import IdempotencyKeyDep, ensure_same_request, recorded_request, request_digest
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
 )
@@ -43,12 +43,12 @@ class ChatRequest(ChatQuestion):
 
 @router.post("", status_code=202, summary="Ask a question in a session; answers at once with a job",
              response_description=ACCEPTED,
-             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_session_id",
+             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_session_id, "
+                                             "idempotency_key_reused",
                                         503: TEMPORAL_DOWN}))
 async def post_chat(req: ChatRequest, request: Request, client: ClientDep, caller: CallerDep,
                     settings: SettingsDep, timeout: RpcTimeoutDep, accepted: AcceptedDep,
-                    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)] = None,
-                    ) -> ChatAccepted:
+                    idempotency_key: IdempotencyKeyDep = None) -> ChatAccepted:
     validate_collection(req.collection)
     if req.session_id is not None:
         session_id = validate_session_id(req.session_id)
@@ -57,14 +57,22 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
     # Scoped per tenant: two tenants may use the same session id and the same Idempotency-Key.
     job_id = workflow_id(caller.tenant, turn_job_id(session_id, idempotency_key or uuid.uuid4().hex))
     # Only a keyed request can repeat one already made: accepted by this process a moment ago, or its
-    # job exists. Either way nothing is written (a resend its session has not started yet is let
-    # through: the session skips a job id it has seen).
-    duplicate = idempotency_key is not None and (job_id in accepted or await job_views.exists(client, job_id, timeout))
+    # job exists. Either way nothing is written, and another question under the same key is refused (a
+    # resend its session has not started yet is let through: the session skips a job id it has seen).
+    digest = request_digest("chat", req.model_dump(exclude={"session_id"})) if idempotency_key is not None else None
+    duplicate = False
+    if idempotency_key is not None:
+        if job_id in accepted:
+            duplicate, recorded = True, accepted.request(job_id)
+        else:
+            duplicate, recorded = await recorded_request(client, job_id, timeout)
+        if duplicate:
+            ensure_same_request(idempotency_key, recorded, digest)
     if not duplicate:
         turn = TurnInput(tenant=caller.tenant, job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
             exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
             review_timeout_seconds=review_timeout_seconds(settings), traceparent=tracing.current_traceparent(),
-            fallback=bool(settings.fallback_llm_base_url))
+            fallback=bool(settings.fallback_llm_base_url), request=digest)
         await client.start_workflow(
             ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
             id=session_workflow_id(caller.tenant, session_id),
@@ -73,7 +81,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                                                      SearchAttributePair(sa.SESSION, session_id),
                                                      SearchAttributePair(sa.TENANT, caller.tenant)]),
             rpc_timeout=timeout)
-        accepted.add(job_id)
+        accepted.add(job_id, digest)
         observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
 

@@ -12,6 +12,7 @@ from api import job_views, observability
 from api.auth import CallerDep
 from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
+from api.idempotency import IdempotencyKeyDep, key_digest, request_digest, start_once
 from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses,
 )
@@ -30,7 +31,8 @@ MAX_BODY_BYTES = 5 * 1024 * 1024
 
 @router.post("", status_code=202, summary="Evaluate a collection against golden questions (JSONL body)",
              responses=error_responses({413: "body_too_large",
-                                        422: f"{INVALID_REQUEST}, invalid_golden_set, invalid_collection",
+                                        422: f"{INVALID_REQUEST}, invalid_golden_set, invalid_collection, "
+                                             "idempotency_key_reused",
                                         503: TEMPORAL_DOWN}),
              openapi_extra={"requestBody": {"required": True, "content": {"text/plain": {"schema": {
                  "type": "string", "minLength": 1,
@@ -38,7 +40,8 @@ MAX_BODY_BYTES = 5 * 1024 * 1024
 async def create_evaluation(request: Request, client: ClientDep, caller: CallerDep, blobs: BlobsDep,
                             settings: SettingsDep, timeout: RpcTimeoutDep,
                             collection: str = Query("default", pattern=COLLECTION_PATTERN),
-                            k: int = Query(5, ge=1, le=20), answers: bool = Query(False)) -> EvaluationAccepted:
+                            k: int = Query(5, ge=1, le=20), answers: bool = Query(False),
+                            idempotency_key: IdempotencyKeyDep = None) -> EvaluationAccepted:
     """The body is JSONL, one `{"question", "expected_document", "expected_answer"?}` per line
     (`expected_document` null for a question the documents do not answer)."""
     collection = validate_collection(collection)
@@ -49,19 +52,23 @@ async def create_evaluation(request: Request, client: ClientDep, caller: CallerD
         questions = evaluation.parse_jsonl(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(422, "invalid_golden_set", f"golden questions: {exc}") from None
-    ref = await run_in_threadpool(blobs.put, body)
-    job_id = workflow_id(caller.tenant, f"evaluation-{collection}-{uuid.uuid4().hex[:12]}")
-    await client.start_workflow(
-        EvaluationWorkflow.run, EvaluationInput(tenant=caller.tenant, collection=collection, questions_ref=ref,
-                                                questions=len(questions), k=k, answers=answers),
-        id=job_id, task_queue=settings.task_queue, rpc_timeout=timeout,
+    ref = await run_in_threadpool(blobs.put, body)  # by content: a resend writes nothing new
+    # A keyed job is named by its key alone: the key sent again for another collection is another request.
+    name = f"k{key_digest(idempotency_key)}" if idempotency_key is not None else f"{collection}-{uuid.uuid4().hex[:12]}"
+    job_id = workflow_id(caller.tenant, f"evaluation-{name}")
+    duplicate = await start_once(
+        client, EvaluationWorkflow.run, EvaluationInput(tenant=caller.tenant, collection=collection, questions_ref=ref,
+                                                        questions=len(questions), k=k, answers=answers),
+        id=job_id, key=idempotency_key, digest=request_digest("evaluation", collection, k, answers, ref),
+        rpc_timeout=timeout, task_queue=settings.task_queue,
         search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "evaluation"),
                                                  SearchAttributePair(sa.JOB_STATUS, "queued"),
                                                  SearchAttributePair(sa.COLLECTION, collection),
                                                  SearchAttributePair(sa.TENANT, caller.tenant)]))
-    observability.job_accepted("evaluation")
+    if not duplicate:
+        observability.job_accepted("evaluation")
     base = str(request.base_url).rstrip("/")
-    return EvaluationAccepted(job_id=job_id, collection=collection, questions=len(questions),
+    return EvaluationAccepted(job_id=job_id, collection=collection, questions=len(questions), duplicate=duplicate,
                               status_url=f"{base}/v1/jobs/{job_id}", events_url=f"{base}/v1/jobs/{job_id}/events")
 
 
