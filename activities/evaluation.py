@@ -8,6 +8,7 @@ import asyncio
 from temporalio import activity
 
 from activities.chat import cited_passages
+from activities.heartbeats import heartbeating
 from activities.search import find_passages
 from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline import evaluation, prompts, relevance
@@ -34,12 +35,13 @@ class EvaluationActivities:
     @activity.defn
     @translate_errors
     async def evaluate_collection(self, req: EvaluationInput) -> EvaluationOutput:
-        questions = evaluation.parse_jsonl(self.blobs.get(req.questions_ref).decode("utf-8"))
+        questions = evaluation.parse_jsonl((await asyncio.to_thread(self.blobs.get, req.questions_ref)).decode("utf-8"))
         threshold = relevance.threshold(self.settings.relevance_threshold)
         # A retried attempt goes on after the questions an earlier one checkpointed: their answers are
         # not asked (and paid for) again.
         checkpoints: list[str] = list((activity.info().heartbeat_details or [{}])[0].get("checkpoints", []))
-        outcomes = [evaluation.QuestionOutcome.model_validate(o) for ref in checkpoints for o in self.blobs.get_json(ref)]
+        outcomes = [evaluation.QuestionOutcome.model_validate(o) for ref in checkpoints
+                    for o in await asyncio.to_thread(self.blobs.get_json, ref)]
         resumed = len(outcomes)
         unsaved: list[evaluation.QuestionOutcome] = []
         for n, q in enumerate(questions, 1):
@@ -55,9 +57,11 @@ class EvaluationActivities:
                 relevance=best, top=[h.filename for h in hits])
             if req.answers and q.in_corpus:
                 if outcome.supported:
-                    reply = await self.model.complete(prompts.messages(
-                        "answer", passages=prompts.format_passages(hits), history="(none)", question=q.question),
-                        step="evaluate")
+                    # Beats carry the checkpoints so far (they replace the details), and hear of a cancel.
+                    async with heartbeating(lambda done=n - 1: {"checkpoints": checkpoints, "done": done}):
+                        reply = await self.model.complete(prompts.messages(
+                            "answer", passages=prompts.format_passages(hits), history="(none)", question=q.question),
+                            step="evaluate")
                     outcome.answer = reply.text.strip()
                     cited = [hits[i - 1] for i in cited_passages(outcome.answer, hits)]
                     outcome.citation_correct = any(q.expected_document in (h.document_id, h.filename) for h in cited)
@@ -67,13 +71,14 @@ class EvaluationActivities:
                     outcome.answer_correct = evaluation.answer_matches(q.expected_answer, outcome.answer)
             unsaved.append(outcome)
             if outcome.answer is not None or len(unsaved) >= CHECKPOINT_EVERY:  # a model answer is worth keeping
-                checkpoints.append(self.blobs.put_json([o.model_dump(mode="json") for o in unsaved]))
+                checkpoints.append(await asyncio.to_thread(
+                    self.blobs.put_json, [o.model_dump(mode="json") for o in unsaved]))
                 outcomes += unsaved
                 unsaved = []
             activity.heartbeat({"checkpoints": checkpoints, "done": n})
         outcomes += unsaved
         report = evaluation.summarise(req.collection, req.k, threshold, outcomes)
-        ref = self.blobs.put(report.model_dump_json().encode("utf-8"))
+        ref = await asyncio.to_thread(self.blobs.put, report.model_dump_json().encode("utf-8"))
         return EvaluationOutput(report=report.model_copy(update={"outcomes": []}), report_ref=ref,
                                 attempt=activity.info().attempt)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from temporalio import activity
 
@@ -17,15 +18,16 @@ from temporal import policies
 
 
 @contextlib.asynccontextmanager
-async def heartbeating() -> AsyncIterator[None]:
+async def heartbeating(details: Callable[[], Any] | None = None) -> AsyncIterator[None]:
     """Heartbeat while the block runs. The first beat comes after one interval, so a short call sends
-    none; the worker throttles beats to the same interval."""
+    none; the worker throttles beats to the same interval. An activity that keeps its progress in its
+    heartbeat details passes `details`: every beat replaces them."""
     every = policies.heartbeat_every().total_seconds()
 
     async def beat() -> None:
         while True:
             await asyncio.sleep(every)
-            activity.heartbeat()
+            activity.heartbeat(*([details()] if details is not None else []))
 
     beats = asyncio.create_task(beat())
     try:

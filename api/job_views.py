@@ -9,7 +9,9 @@ query carries `RaglineTenant = '<tenant>'`. Another tenant's job is "not found" 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 from urllib.parse import quote
@@ -49,6 +51,23 @@ class RecentlyAccepted:
     def __init__(self, size: int = 10_000) -> None:
         self._ids: OrderedDict[str, str | None] = OrderedDict()
         self._size = size
+        self._claims: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def claimed(self, job_id: str) -> AsyncIterator[None]:
+        """One keyed request per job id at a time in this process: a resend sent while the first is
+        still being recorded waits for it, then finds it (a duplicate, or a conflicting body)."""
+        lock, users = self._claims.get(job_id, (asyncio.Lock(), 0))
+        self._claims[job_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._claims[job_id]
+            if users == 1:
+                del self._claims[job_id]
+            else:
+                self._claims[job_id] = (lock, users - 1)
 
     def add(self, job_id: str, request: str | None = None) -> None:
         self._ids[job_id] = request
@@ -332,8 +351,9 @@ async def failure_of(handle: WorkflowHandle, execution: WorkflowExecution, rpc_t
 
 async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> str:
     """Ask a running job to stop: its steps are cancelled (a model call stops within the heartbeat
-    interval) and it ends as `cancelled`. Unknown job (or another tenant's): 404; ended: 409; a chat turn
-    its session has accepted but not started yet (no worker has run the session): 409."""
+    interval) and it ends as `cancelled`. Cancelled already: the same answer again (a client that lost
+    the first answer may send it again). Unknown job (or another tenant's): 404; ended otherwise: 409;
+    a chat turn its session has accepted but not started yet (no worker has run the session): 409."""
     asked, job_id = job_id, scoped(tenant, job_id)
     try:
         desc = await client.get_workflow_handle(job_id).describe(rpc_timeout=rpc_timeout)
@@ -347,6 +367,8 @@ async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelt
     if not owned(desc, tenant):
         raise not_found(asked)
     closed = ApiError(409, "job_closed", f"job {job_id} has already ended ({job_status(desc)})")
+    if desc.status == WorkflowExecutionStatus.CANCELED:
+        return job_id
     if desc.status != WorkflowExecutionStatus.RUNNING:
         raise closed
     try:

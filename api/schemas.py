@@ -197,6 +197,9 @@ class ReviewItem(PendingReview):
 
 class ReviewList(BaseModel):
     reviews: list[ReviewItem]
+    unreadable: list[str] = Field(default_factory=list, description=(
+        "Jobs waiting for a review whose request could not be read just now (no worker answered the "
+        "query in time): they still wait; ask again"))
 
 
 # -- documents, chats, health --------------------------------------------------------------------
@@ -274,7 +277,7 @@ class JobEvent(BaseModel):
     specversion: Literal["1.0"]
     id: str
     source: str
-    type: str = Field(examples=["ragline.step.completed", "ragline.job.completed", "ragline.step.progress"])
+    type: str = Field(examples=["ragline.step.completed", "ragline.job.completed", "ragline.answer.delta"])
     time: str
     subject: str
     datacontenttype: Literal["application/json"]

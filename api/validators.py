@@ -23,14 +23,14 @@ SESSION_ID = Annotated[str, Path(pattern=SESSION_PATTERN, description="A chat se
 
 
 def validate_collection(collection: str) -> str:
-    if not COLLECTION_RE.match(collection):
+    if not COLLECTION_RE.fullmatch(collection):
         raise ApiError(422, "invalid_collection",
                        "collection must be 1-64 characters of letters, digits, '_' or '-'", collection=collection)
     return collection
 
 
 def is_session_id(session_id: str) -> bool:
-    return SESSION_RE.match(session_id) is not None
+    return SESSION_RE.fullmatch(session_id) is not None
 
 
 def validate_session_id(session_id: str) -> str:

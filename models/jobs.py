@@ -14,7 +14,6 @@ JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed"
 JobKind = Literal["ingest", "ingest_document", "chat", "agent", "evaluation"]
 StepStatus = Literal["pending", "running", "completed", "failed", "skipped", "dead_lettered"]
 
-JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)
 OPEN_STATUSES: tuple[str, ...] = ("queued", "running", "waiting_review", "dead_lettered")
 # A collection name, wherever one is given.

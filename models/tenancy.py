@@ -7,18 +7,11 @@ read inside the caller's own tenant (`scoped`), so another tenant's job can only
 
 from __future__ import annotations
 
-import re
-
 from pydantic import BaseModel
 
 TENANT_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
-TENANT_RE = re.compile(TENANT_PATTERN)
 # Inputs built by hand (tests, the CLI) that do not say otherwise belong to this tenant.
 DEFAULT_TENANT = "default"
-
-
-def is_tenant(name: str) -> bool:
-    return TENANT_RE.match(name) is not None
 
 
 def workflow_id(tenant: str, local_id: str) -> str:

@@ -1,8 +1,8 @@
 """Answers to repeat questions, served without a model call.
 
 Key: (collection, collection version, normalised question). The version lives in the index and changes
-on every write to the collection (upload, prune, delete: `VectorIndex.version`), so an upload or a
-delete makes every cached answer of that collection unreachable at once; nothing has to be purged.
+on every write to the collection (upload, prune: `VectorIndex.version`), so an upload makes every
+cached answer of that collection unreachable at once; nothing has to be purged.
 
 Where it lives: in the process that owns the vector index, next to retrieval (retrieve_context looks it
 up in the same activity, so a hit costs no extra round trip, and cache_answer stores into it; both run
@@ -10,8 +10,7 @@ where the index is). With the embedded store that is the one process that may op
 of a data folder sees the same cache. With a Qdrant server several workers each keep their own LRU;
 the version still comes from the shared index, so none of them can serve a stale answer.
 
-Hits and misses are counted here: `record_lookup` is the one hook a metrics exporter wires
-(`set_lookup_hook`), `stats()` reads the counters.
+Hits and misses are logged and counted (`ragline_answer_cache_lookups_total{result}`, ragline/metrics.py).
 """
 
 from __future__ import annotations
@@ -21,31 +20,16 @@ import re
 import threading
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable
 
 import structlog
 
+from ragline import metrics
+
 log = structlog.get_logger("ragline.cache")
 
-_counts = {"hits": 0, "misses": 0}
-_hook: Callable[[bool, str], None] | None = None
-
-
-def set_lookup_hook(hook: Callable[[bool, str], None] | None) -> None:
-    """Called with (hit, collection) on every lookup (e.g. to increment Prometheus counters)."""
-    global _hook
-    _hook = hook
-
-
 def record_lookup(hit: bool, collection: str) -> None:
-    _counts["hits" if hit else "misses"] += 1
-    log.info("answer cache " + ("hit" if hit else "miss"), collection=collection, **_counts)
-    if _hook is not None:
-        _hook(hit, collection)
-
-
-def stats() -> dict[str, int]:
-    return dict(_counts)
+    log.info("answer cache " + ("hit" if hit else "miss"), collection=collection)
+    metrics.answer_cache_lookup(hit)
 
 
 def normalise_question(question: str) -> str:

@@ -46,5 +46,3 @@ class StoreUnavailableError(RaglineError):
 
     retryable = False
 
-
-NON_RETRYABLE_TYPES: tuple[str, ...] = ("InputError", "ProviderRejectedError", "StoreUnavailableError")

@@ -35,6 +35,7 @@ REVIEWS_WAITING = "ragline_reviews_waiting"             # gauge {task_queue}
 DEAD_LETTERED_WAITING = "ragline_dead_lettered_jobs"    # gauge {task_queue}
 BACKLOG = "ragline_task_queue_backlog"                  # gauge {task_queue,type=workflow|activity}
 POLL_ERRORS = "ragline_telemetry_poll_errors"           # counter -> _total
+ANSWER_CACHE_LOOKUPS = "ragline_answer_cache_lookups"   # counter -> _total {result=hit|miss}
 
 # Bucket bounds (seconds) for the histograms above: the SDK's defaults are in milliseconds.
 DURATION_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
@@ -47,10 +48,6 @@ DEFAULT_STEP_SLA_SECONDS: dict[str, float] = {
     "search_chunks": 2, "retrieve_context": 2, "summarize_context": 30, "extract_entities": 30,
     "generate_answer": 60, "agent_plan": 30, "search_documents": 5,
 }
-
-# The final statuses a job is counted under (dead_lettered is counted when it parks).
-JOB_STATUSES = ("completed", "failed", "dead_lettered", "cancelled")
-
 
 def _meter() -> MetricMeter:
     """The activity's meter inside an activity (labels: activity_type, task_queue), else a no-op."""
@@ -97,3 +94,8 @@ def document_ingested(meter: MetricMeter, pages: int, chunks: int, collection: s
     labels = {"collection": collection} if collection else {}
     meter.create_counter(PAGES, "Pages of documents indexed").add(pages, labels)
     meter.create_counter(CHUNKS, "Chunks of documents indexed").add(chunks, labels)
+
+
+def answer_cache_lookup(hit: bool) -> None:
+    _meter().create_counter(ANSWER_CACHE_LOOKUPS, "Answer cache lookups by result").add(
+        1, {"result": "hit" if hit else "miss"})

@@ -5,8 +5,10 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from temporal.policies import parse_duration
 
 
 class Settings(BaseSettings):
@@ -107,6 +109,15 @@ class Settings(BaseSettings):
     agent_max_seconds: float = 6 * 3600
     # How long anything waits for a human review before it is rejected ("review timed out"), e.g. "24h".
     review_timeout: str = "24h"
+
+    @field_validator("review_timeout")
+    @classmethod
+    def _a_duration(cls, value: str) -> str:
+        """Checked at start: a bad value would otherwise fail every chat and agent request."""
+        if parse_duration(value).total_seconds() <= 0:
+            raise ValueError(f"must be more than 0: {value!r}")
+        return value
+
     # Hold chat answers without a supporting citation for review.
     review_unsupported_answers: bool = False
 

@@ -17,6 +17,7 @@ ids come from document ids, which are derived per tenant, so two tenants never s
 
 from __future__ import annotations
 
+import secrets
 import threading
 import uuid
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ def qdrant_collection(collection: str) -> str:
 
 DENSE = "dense"
 LEXICAL = "lexical"
-# One point per collection holds its version, bumped by every write (upload, prune, delete): answers
+# One point per collection holds its version, changed by every write (upload, prune): answers
 # cached for a collection are valid for one version only. (`ragline__meta` can't clash: collection
 # names have no double underscore at the start.)
 META_COLLECTION = "ragline__meta"
@@ -146,7 +147,10 @@ class VectorIndex:
         return int(found[0].payload.get("version", 0)) if found else 0
 
     def _bump(self, tenant: str, collection: str) -> None:
-        version = self.version(tenant, collection) + 1
+        # A fresh random version, not the last one plus one: two workers writing to one Qdrant server
+        # at once could both read v and write v+1, and an answer cached between them would outlive
+        # the second write.
+        version = secrets.randbits(62) + 1
         self.client.upsert(self._meta(), wait=True, points=[models.PointStruct(
             id=_meta_id(tenant, collection), vector=[1.0],
             payload={"tenant": tenant, "collection": collection, "version": version})])
@@ -159,14 +163,6 @@ class VectorIndex:
                 must=[_tenant(tenant),
                       models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)),
                       models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))])))
-            self._bump(tenant, collection)
-
-    def delete_document(self, tenant: str, collection: str, document_id: str) -> None:
-        with self._lock:
-            name = self._ensure_collection(collection)
-            self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
-                must=[_tenant(tenant),
-                      models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))])))
             self._bump(tenant, collection)
 
     def count(self, tenant: str, collection: str, document_id: str | None = None) -> int:

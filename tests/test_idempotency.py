@@ -4,6 +4,7 @@ different body is refused (422 `idempotency_key_reused`) instead of answering fo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -99,3 +100,28 @@ async def test_an_evaluation_resent_with_its_key_is_one_job(stack):
                                          headers={"Idempotency-Key": key}))
     assert _reused(await stack.http.post(url + "&k=3", content=golden, headers={"Idempotency-Key": key}))
     assert (await stack.wait_done(first.json()["job_id"]))["status"] == "completed"
+
+
+async def test_one_key_sent_many_times_at_once_is_one_turn_and_refuses_other_questions(stack):
+    """A retry storm: eight requests under one key reach the API together. One is recorded; the
+    same question again is its duplicate, another question is refused: none is silently dropped."""
+    key = _key()
+
+    async def send(message: str):
+        return await stack.http.post("/v1/chats", json={"message": message, "collection": "idem"},
+                                     headers={"Idempotency-Key": key})
+
+    messages = ["Who wrote the ledger?" if i % 2 else f"Question {i}?" for i in range(8)]
+    answers = await asyncio.gather(*(send(m) for m in messages))
+    accepted = [r.json() for r in answers if r.status_code == 202]
+    refused = [r for r in answers if r.status_code != 202]
+    assert all(_reused(r) for r in refused), [r.text for r in refused]
+    [first] = [a for a in accepted if not a["duplicate"]]
+    assert {a["job_id"] for a in accepted} == {first["job_id"]}
+    job = await stack.wait_done(first["job_id"])
+    assert job["status"] == "completed", job
+    # Whichever request came first is the turn: the same question again is its duplicate, any other refused.
+    same = messages.count(job["result"]["question"])
+    assert (len(accepted), len(refused)) == (same, 8 - same)
+    view = (await stack.http.get(f"/v1/chats/{first['session_id']}")).json()
+    assert [t["job_id"] for t in view["turns"]] == [first["job_id"]]

@@ -186,3 +186,47 @@ def test_the_workflow_timeouts_of_the_policy_file_have_defaults_and_must_be_posi
                        ('grace = "1s"', "unknown key: grace")):
         with pytest.raises(policies.PolicyError, match=named):
             policies.parse_subscriber_grace(MINIMAL + f"[events]\n{bad}\n")
+
+
+def _duration(d: timedelta | None) -> str:
+    if d is None:
+        return "–"
+    seconds = d.total_seconds()
+    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds * 1000)}ms"
+
+
+def _policy_rows() -> list[str]:
+    """README's table of the shipped policies, row by row, as the policy file gives them."""
+    text = policies.DEFAULT_FILE.read_text()
+    parsed = policies.parse(text, NAMES)
+    order = list(tomllib.loads(text)["activities"])
+    rows = []
+    for name in order:
+        p = parsed[name]
+        r = p.retry
+        attempts = "unlimited" if not r.maximum_attempts else str(r.maximum_attempts)
+        backoff = f"{_duration(r.initial_interval)} × {r.backoff_coefficient:g}, max {_duration(r.maximum_interval)}"
+        rows.append(f"| `{name}` | {p.queue} | {p.priority or '–'} | {_duration(p.start_to_close)} | "
+                    f"{_duration(p.heartbeat)} | {attempts} | {backoff} |")
+    return rows
+
+
+def test_the_readme_table_of_policies_is_the_policy_file():
+    readme = (PROJECT / "README.md").read_text()
+    documented = [line for line in readme.splitlines() if line.startswith("| `") and " × " in line]
+    expected = _policy_rows()
+    assert documented == expected, "README's policy table is stale; the file says:\n" + "\n".join(expected)
+
+
+def test_a_review_timeout_that_is_no_duration_stops_the_process_at_start():
+    from pydantic import ValidationError
+
+    from ragline.settings import Settings
+
+    assert Settings(review_timeout="90m").review_timeout == "90m"
+    for bad in ("1 day", "0s", "-5m"):
+        with pytest.raises(ValidationError, match="review_timeout"):
+            Settings(review_timeout=bad)

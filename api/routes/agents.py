@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import structlog
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
+from temporalio.client import WorkflowQueryFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError
 
 from api import job_views, observability
 from api.auth import CallerDep, ReviewerDep
@@ -28,6 +31,7 @@ from temporal import search_attributes as sa
 from workflows.agent import AgentWorkflow
 
 router = APIRouter(tags=["agents"])
+log = structlog.get_logger("ragline.api")
 
 
 class BudgetRequest(BaseModel):
@@ -83,17 +87,24 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
     query = job_views.list_query(caller.tenant, status="waiting_review")
     executions = await job_views.list_jobs(client, query, 500, timeout)
 
+    unreadable: list[str] = []
+
     async def item(execution) -> ReviewItem | None:
         try:
             request = await client.get_workflow_handle(execution.id).query("review_request", rpc_timeout=timeout)
-        except Exception:
+        except WorkflowQueryFailedError:
+            return None  # it ended a moment ago
+        except RPCError as exc:  # no worker answered in time: the review still waits, say so
+            log.warning("review request unreadable", job_id=execution.id, error=str(exc))
+            unreadable.append(execution.id)
             return None
         if not request:
             return None  # decided a moment ago; visibility has not caught up
         return ReviewItem(job_id=execution.id, workflow_id=execution.id,
                           kind=execution.typed_search_attributes.get(sa.JOB_KIND), **request)
 
-    return ReviewList(reviews=[i for i in await asyncio.gather(*(item(e) for e in executions)) if i])
+    reviews = [i for i in await asyncio.gather(*(item(e) for e in executions)) if i]
+    return ReviewList(reviews=reviews, unreadable=sorted(unreadable))
 
 
 @router.post("/v1/jobs/{job_id}/review", summary="Approve, reject or revise what a job waits on",

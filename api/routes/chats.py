@@ -8,6 +8,7 @@ whose history keeps the turns in the order they were accepted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from datetime import timedelta
 
@@ -21,6 +22,7 @@ from api.auth import CallerDep
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, ensure_same_request, recorded_request, request_digest
+from api.job_views import RecentlyAccepted
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
 )
@@ -56,34 +58,44 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
         session_id = keyed_session_id(idempotency_key) if idempotency_key is not None else uuid.uuid4().hex
     # Scoped per tenant: two tenants may use the same session id and the same Idempotency-Key.
     job_id = workflow_id(caller.tenant, turn_job_id(session_id, idempotency_key or uuid.uuid4().hex))
-    # Only a keyed request can repeat one already made: accepted by this process a moment ago, or its
-    # job exists. Either way nothing is written, and another question under the same key is refused (a
-    # resend its session has not started yet is let through: the session skips a job id it has seen).
     digest = request_digest("chat", req.model_dump(exclude={"session_id"})) if idempotency_key is not None else None
-    duplicate = False
-    if idempotency_key is not None:
-        if job_id in accepted:
-            duplicate, recorded = True, accepted.request(job_id)
-        else:
-            duplicate, recorded = await recorded_request(client, job_id, timeout)
-        if duplicate:
-            ensure_same_request(idempotency_key, recorded, digest)
-    if not duplicate:
-        turn = TurnInput(tenant=caller.tenant, job_id=job_id, session_id=session_id, question=ChatQuestion(**req.model_dump(
-            exclude={"session_id"})), review_unsupported=settings.review_unsupported_answers,
-            review_timeout_seconds=review_timeout_seconds(settings), traceparent=tracing.current_traceparent(),
-            fallback=bool(settings.fallback_llm_base_url), request=digest)
-        await client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
-            id=session_workflow_id(caller.tenant, session_id),
-            task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
-            search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
-                                                     SearchAttributePair(sa.SESSION, session_id),
-                                                     SearchAttributePair(sa.TENANT, caller.tenant)]),
-            rpc_timeout=timeout)
-        accepted.add(job_id, digest)
-        observability.job_accepted("chat")
+    # A keyed request is recorded once: the same key sent again while the first is on its way waits here.
+    async with accepted.claimed(job_id) if idempotency_key is not None else contextlib.nullcontext():
+        duplicate = idempotency_key is not None and await _sent_before(
+            client, accepted, job_id, idempotency_key, digest, timeout)
+        if not duplicate:
+            turn = TurnInput(tenant=caller.tenant, job_id=job_id, session_id=session_id,
+                             question=ChatQuestion(**req.model_dump(exclude={"session_id"})),
+                             review_unsupported=settings.review_unsupported_answers,
+                             review_timeout_seconds=review_timeout_seconds(settings),
+                             traceparent=tracing.current_traceparent(),
+                             fallback=bool(settings.fallback_llm_base_url), request=digest)
+            await client.start_workflow(
+                ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
+                id=session_workflow_id(caller.tenant, session_id),
+                task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
+                search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                         SearchAttributePair(sa.SESSION, session_id),
+                                                         SearchAttributePair(sa.TENANT, caller.tenant)]),
+                rpc_timeout=timeout)
+            accepted.add(job_id, digest)
+            observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
+
+
+async def _sent_before(client: Client, accepted: RecentlyAccepted, job_id: str, key: str, digest: str,
+                       timeout: timedelta) -> bool:
+    """Whether this keyed turn was accepted before: by this process a moment ago, or its job exists
+    (then nothing is written). Another question under the same key is refused. A resend that another
+    API process took and its session has not started yet is let through: the session skips a job id
+    it has seen."""
+    if job_id in accepted:
+        found, recorded = True, accepted.request(job_id)
+    else:
+        found, recorded = await recorded_request(client, job_id, timeout)
+    if found:
+        ensure_same_request(key, recorded, digest)
+    return found
 
 
 @router.get("/{session_id}", summary="A session's turns with their answers, citations and status",

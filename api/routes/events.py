@@ -3,8 +3,8 @@
 Every job workflow publishes CloudEvents on a `temporalio.contrib.workflow_streams` stream; this
 relays them. The SSE `id` is the event's offset in that stream, so a client that reconnects with
 `Last-Event-ID` resumes right after the last event it saw. While no event arrives for
-`PROGRESS_AFTER` seconds, a `ragline.step.progress` event (no id: it is not part of the durable
-log) tells a person which step is still running.
+`PROGRESS_AFTER` seconds, a `ragline.job.running` event (no id: it is not part of the durable
+log) tells a person which steps are still running, from the server's view of the job.
 """
 
 from __future__ import annotations
@@ -138,5 +138,5 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
     if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
         return None
     return {"specversion": "1.0", "id": f"{job_id}/progress/{int(now.timestamp())}", "source": "ragline/api",
-            "type": "ragline.step.progress", "time": now.isoformat(), "subject": job_id,
+            "type": "ragline.job.running", "time": now.isoformat(), "subject": job_id,
             "datacontenttype": "application/json", "data": {"running": running}}

@@ -46,7 +46,7 @@ async def get_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings
 @router.post("/{job_id}/cancel", status_code=202, summary="Cancel a running job (any key of its tenant)",
              response_description="Cancel requested: the job's running steps stop (a model call within seconds) "
                                   "and it ends as cancelled; `ragline.job.cancelled` ends its event stream",
-             responses=error_responses({404: "job_not_found", 409: "job_closed, job_not_started",
+             responses=error_responses({404: "job_not_found", 409: "job_closed (completed or failed), job_not_started",
                                         422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def cancel_job(job_id: JOB_ID, request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                      timeout: RpcTimeoutDep) -> Accepted:
