@@ -52,13 +52,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (documents, chats, agents, evaluations, jobs, events, search):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
     app.include_router(health.router)
-    observability.install(app)
     _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))
     # Multipart framing adds a little to the files themselves.
     app.add_middleware(BodyLimit, guard=lambda: app.state.guard, limits={
         "/v1/documents": documents.MAX_FILES_PER_REQUEST * settings.max_upload_bytes + SMALL_BODY_BYTES,
         "/v1/evaluations": evaluations.MAX_BODY_BYTES})
+    # Outside the body limit: its refusals are counted, traced and carry X-Trace-Id like any answer.
+    observability.install(app)
     return app
 
 

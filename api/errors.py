@@ -76,8 +76,8 @@ def install(app: FastAPI) -> None:
                               for route in request.app.router.routes)}
             if methods:
                 headers["Allow"] = ", ".join(sorted(methods))
-        return JSONResponse(_body("http_error", str(exc.detail)), status_code=exc.status_code,
-                            headers=headers or None)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(_body(code, str(exc.detail)), status_code=exc.status_code, headers=headers or None)
 
     @app.exception_handler(Exception)  # anything else: still the JSON error body (Starlette logs it)
     @app.exception_handler(RuntimeError)

@@ -13,10 +13,13 @@ from models.review import ReviewRecord
 from models.tenancy import DEFAULT_TENANT, workflow_id
 
 
+MESSAGE_MAX_CHARS = 8000
+
+
 class ChatQuestion(BaseModel):
     """What a person asks. `POST /v1/chats` takes this (plus a session id); the turn carries it as is."""
     model_config = STRICT_INPUT
-    message: str = Field(min_length=1, max_length=8000)
+    message: str = Field(min_length=1, max_length=MESSAGE_MAX_CHARS)
     collection: str = Field("default", pattern=COLLECTION_PATTERN)
     top_k: Int = Field(5, ge=1, le=20)
     require_review: bool = Field(False, description="Hold the answer until a reviewer approves it")

@@ -2,13 +2,15 @@
 no unknown fields, no coercion ("1" is not a number, 0 is not false), so the API refuses exactly what
 its OpenAPI schema refuses."""
 
-from pydantic import ConfigDict
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, ConfigDict
 
 STRICT_INPUT = ConfigDict(strict=True, extra="forbid")
 
-from typing import Annotated, Any  # noqa: E402
-
-from pydantic import BeforeValidator  # noqa: E402
+# A text a person types must say something: at least one character that is not white space (a JSON
+# Schema pattern matches anywhere in the string, as pydantic's does, so the OpenAPI says the same).
+NOT_BLANK = r"\S"
 
 
 def _integral(value: Any) -> Any:

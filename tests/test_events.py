@@ -28,6 +28,11 @@ async def test_ingestion_events_stream_and_resume(stack):
     # Reconnecting after the second event gives exactly the rest, nothing missed, nothing repeated.
     resumed = await read_events(stack, body["job_id"], last_event_id=str(ids[1]))
     assert [e for _, e in resumed] == [e for _, e in events[2:]]
+    # After the terminal event of the ended job there is nothing more: 204, which tells a browser's
+    # EventSource to stop reconnecting (an empty 200 would have it reconnect for ever).
+    r = await stack.http.get(f"/v1/jobs/{body['job_id']}/events", headers={"Last-Event-ID": str(ids[-1])})
+    assert r.status_code == 204 and r.content == b""
+    assert [e for _, e in await read_events(stack, body["job_id"], last_event_id=str(ids[-2]))] == [events[-1][1]]
 
     # The document's own job streams its DAG steps.
     doc_job = body["documents"][0]["document_id"]

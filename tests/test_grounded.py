@@ -7,8 +7,11 @@ import json
 
 import pytest
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from devtools.scripted_llm import ScriptedLLM
-from tests.conftest import running_stack
+from tests.conftest import running_stack, worker_metrics_url
 
 POSTMORTEM = (
     "Postmortem of incident 4711. The root cause of incident 4711 was an expired TLS certificate on the "
@@ -101,8 +104,22 @@ async def test_cross_lingual_question_finds_the_chinese_handbook(trusted):
     assert hits[0]["filename"] == "postmortem.txt"
 
 
+async def _cache_lookups(stack) -> dict[str, float]:
+    """This stack's answer cache lookups by result, from the worker's metrics (its task queues only)."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(worker_metrics_url())).text
+    counts = {"hit": 0.0, "miss": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ragline_answer_cache_lookups_total" and \
+                    sample.labels.get("task_queue", "").startswith(stack.settings.task_queue):
+                counts[sample.labels["result"]] += sample.value
+    return counts
+
+
 async def test_repeat_question_is_served_from_the_cache_until_the_collection_changes(trusted):
     question = "What was the root cause of incident 4711?"
+    lookups = await _cache_lookups(trusted)
     body = await trusted.upload(("postmortem.txt", POSTMORTEM.encode()), collection="cache")
     assert (await trusted.wait_job(body["job_id"]))["status"] == "completed"
     answers = trusted.llm.count("answer")
@@ -119,6 +136,9 @@ async def test_repeat_question_is_served_from_the_cache_until_the_collection_cha
     assert (await trusted.wait_job(body["job_id"]))["status"] == "completed"
     again = await ask(trusted, question, collection="cache")
     assert again["result"]["cached"] is False and trusted.llm.count("answer") == answers + 2
+    # Operators see the same on the worker's metrics: two misses and a hit.
+    after = await _cache_lookups(trusted)
+    assert (after["hit"] - lookups["hit"], after["miss"] - lookups["miss"]) == (1, 2)
 
 
 async def test_the_fallback_model_answers_when_the_configured_one_keeps_failing(trusted, light_llm):

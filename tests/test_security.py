@@ -64,7 +64,7 @@ async def test_every_route_but_healthz_needs_a_known_key(stack):
     assert (await stack.member_http.get("/v1/jobs")).status_code == 200
 
 
-async def _raw(stack, head: str, body: bytes = b"") -> tuple[int, dict]:
+async def _raw(stack, head: str, body: bytes = b"", *, headers: dict | None = None) -> tuple[int, dict]:
     """Send a request as raw bytes (a length it does not keep, a chunked body) and read the answer the
     API gives, which must come without the rest of the body: reading it would wait forever."""
     host, port = stack.base_url.removeprefix("http://").split(":")
@@ -76,6 +76,8 @@ async def _raw(stack, head: str, body: bytes = b"") -> tuple[int, dict]:
         head_lines = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)).decode().split("\r\n")
         length = next(int(h.split(":")[1]) for h in head_lines if h.lower().startswith("content-length:"))
         payload = await asyncio.wait_for(reader.readexactly(length), timeout=30)
+        if headers is not None:
+            headers.update(h.lower().split(": ", 1) for h in head_lines if ": " in h)
     finally:
         writer.close()
     return int(status_line.split()[1]), json.loads(payload)
@@ -90,10 +92,14 @@ async def test_a_large_body_is_refused_before_it_is_read(stack):
     assert (status, body["error"]["code"]) == (401, "unauthenticated")
     status, body = await _raw(stack, gigabyte + "X-API-Key: rgl_not_a_key\n")
     assert (status, body["error"]["code"]) == (401, "unauthenticated")
-    # A body over its route's limit (a chat's: 1 MiB) is refused from its length, whoever sends it.
+    # A body over its route's limit (a chat's: 1 MiB) is refused from its length, whoever sends it; like
+    # every answer, the refusal carries its trace id.
+    headers: dict[str, str] = {}
     status, body = await _raw(stack, f"POST /v1/chats HTTP/1.1\nHost: x\nContent-Type: application/json\n"
-                                     f"Content-Length: {2 * 1024 * 1024}\nX-API-Key: {stack.keys['member']}\n")
+                                     f"Content-Length: {2 * 1024 * 1024}\nX-API-Key: {stack.keys['member']}\n",
+                              headers=headers)
     assert (status, body["error"]["code"]) == (413, "body_too_large")
+    assert len(headers["x-trace-id"]) == 32
     # A chunked body that grows past the limit is cut off there.
     chunk = b"x" * 65536
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(20))
@@ -289,6 +295,8 @@ async def test_tenants_see_only_their_own_documents_search_hits_jobs_and_chats(s
                                    ("POST", f"/v1/jobs/{job_id}/review", {"decision": "approve", "reviewer": "x"})):
             r = await stack.other_http.request(method, path, json=body)
             assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", (method, path, r.text)
+            # The error names the id as sent, not as read inside the caller's tenant.
+            assert r.json()["error"]["message"] == f"no job with id {job_id!r}", (method, path, r.text)
 
     # Chats: the same session id (and Idempotency-Key) in both tenants are two sessions.
     session = f"sess-{tag}"
@@ -540,3 +548,11 @@ async def _wait(http: httpx.AsyncClient, job_id: str, timeout: float = 120) -> d
             return job
         assert loop.time() < deadline, job
         await asyncio.sleep(0.2)
+
+
+async def test_an_unknown_route_or_method_has_a_stable_error_code(stack):
+    r = await stack.http.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = await stack.http.delete("/v1/chats")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"

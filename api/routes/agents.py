@@ -22,7 +22,7 @@ from api.schemas import (
 )
 from api.validators import JOB_ID, review_timeout_seconds, validate_collection
 from models.agent import AgentInput, Budget
-from models.inputs import STRICT_INPUT, Int
+from models.inputs import NOT_BLANK, STRICT_INPUT, Int
 from models.jobs import COLLECTION_PATTERN
 from models.review import ReviewAck, ReviewDecision
 from models.tenancy import scoped, workflow_id
@@ -43,7 +43,7 @@ class BudgetRequest(BaseModel):
 
 class AgentRequest(BaseModel):
     model_config = STRICT_INPUT
-    goal: str = Field(min_length=1, max_length=4000)
+    goal: str = Field(min_length=1, max_length=4000, pattern=NOT_BLANK)
     collection: str = Field("default", pattern=COLLECTION_PATTERN)
     max_depth: Int = Field(3, ge=0)
     budget: BudgetRequest = BudgetRequest()
@@ -114,9 +114,10 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
 async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: ReviewerDep,
                      settings: SettingsDep, timeout: RpcTimeoutDep) -> ReviewResult:
     """Needs a reviewer key. Recorded in the audit log with the key that decided."""
-    job_id = scoped(caller.tenant, job_id)
-    with audit.recorded(settings.data_dir, action="review", job_id=job_id, decision=decision.decision,
+    scoped_id = scoped(caller.tenant, job_id)
+    with audit.recorded(settings.data_dir, action="review", job_id=scoped_id, decision=decision.decision,
                         reviewer=decision.reviewer, comment=decision.comment or None, **caller.on_record):
+        # The id as asked: an error names the job the caller sent, not its scoped form.
         ack = await job_views.send_update(client, caller.tenant, job_id, "review", decision, ReviewAck, timeout,
                                           refused_code="not_waiting_for_review")
-    return ReviewResult(job_id=job_id, **ack.model_dump())
+    return ReviewResult(job_id=scoped_id, **ack.model_dump())

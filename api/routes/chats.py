@@ -28,8 +28,9 @@ from api.schemas import (
 )
 from api.validators import SESSION_ID, review_timeout_seconds, validate_collection, validate_session_id
 from models.chat import (
-    SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, keyed_session_id, session_workflow_id, turn_job_id,
+    MESSAGE_MAX_CHARS, SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, keyed_session_id, session_workflow_id, turn_job_id,
 )
+from models.inputs import NOT_BLANK
 from models.tenancy import workflow_id
 from ragline import tracing
 from temporal import search_attributes as sa
@@ -39,6 +40,8 @@ router = APIRouter(prefix="/v1/chats", tags=["chat"])
 
 
 class ChatRequest(ChatQuestion):
+    # Blank is refused here, at the door; the turn's own model stays as lenient as the histories it reads.
+    message: str = Field(min_length=1, max_length=MESSAGE_MAX_CHARS, pattern=NOT_BLANK)
     session_id: str | None = Field(None, pattern=SESSION_PATTERN,
                                    description="Continue a session; a new one is made when omitted")
 

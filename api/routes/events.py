@@ -10,14 +10,15 @@ log) tells a person which steps are still running, from the server's view of the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.auth import CallerDep
@@ -53,6 +54,8 @@ STREAM_RESPONSES = {
                                       "contentSchema": JobEvent.model_json_schema()},
                              "event": {"type": "string"}, "id": {"type": "string"},
                              "retry": {"type": "integer", "minimum": 0}}}}}},
+    204: {"description": "Resumed (Last-Event-ID) after the last event of a job that has ended: nothing more "
+                         "will come, and a browser's EventSource stops reconnecting"},
     **error_responses({404: "job_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}),
 }
 
@@ -63,14 +66,15 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
                      accepted: AcceptedDep, streams: StreamsDep,
                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                      from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
-                     ) -> EventSourceResponse:
+                     ) -> Response:
     asked, job_id = job_id, scoped(caller.tenant, job_id)
     handle = client.get_workflow_handle(job_id)
-    pending = False
+    pending = ended = False
     try:
         desc = await handle.describe(rpc_timeout=timeout)
         if not owned(desc, caller.tenant):
             raise not_found(asked)
+        ended = desc.status != WorkflowExecutionStatus.RUNNING
     except RPCError as exc:
         if exc.status != RPCStatusCode.NOT_FOUND:
             raise
@@ -81,8 +85,19 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
             raise not_found(asked) from None
     start = _start_offset(last_event_id, from_offset)
     cooldown = timedelta(seconds=settings.events_poll_cooldown)
+    if ended and start > 0 and not await _any_from(client, streams, job_id, start, cooldown):
+        # An empty 200 would end the stream, and an EventSource reconnects after every end, for ever.
+        return Response(status_code=204)
     return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending),
                                ping=KEEPALIVE_SECONDS)
+
+
+async def _any_from(client: Client, streams: JobStreams, job_id: str, start: int, cooldown: timedelta) -> bool:
+    """Whether an ended job's stream has an event at or after `start`."""
+    async with contextlib.aclosing(streams.follow(client, job_id, start, cooldown)) as items:
+        async for _ in items:
+            return True
+    return False
 
 
 async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, start: int, timeout: timedelta,

@@ -19,7 +19,7 @@ from api.errors import ApiError
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, error_responses
 from api.validators import validate_collection
 from models.ingest import SearchInput, SearchOutput
-from models.inputs import STRICT_INPUT, Int
+from models.inputs import NOT_BLANK, STRICT_INPUT, Int
 from models.jobs import COLLECTION_PATTERN
 from models.tenancy import workflow_id
 from temporal import search_attributes as sa
@@ -31,7 +31,7 @@ router = APIRouter(prefix="/v1", tags=["search"])
 
 class SearchRequest(BaseModel):
     model_config = STRICT_INPUT
-    query: str = Field(min_length=1, max_length=2000)
+    query: str = Field(min_length=1, max_length=2000, pattern=NOT_BLANK)
     collection: str = Field("default", pattern=COLLECTION_PATTERN)
     top_k: Int = Field(5, ge=1, le=50)
 
