@@ -143,8 +143,13 @@ class JobSummary(BaseModel):
     collection: str | None
 
 
+NEXT_CURSOR = ("Send as `cursor` (with the same filters) for the next page; null on the last page. Running jobs "
+               "come first, newest started first, then ended ones, newest ended first")
+
+
 class JobList(BaseModel):
     jobs: list[JobSummary]
+    next_cursor: str | None = Field(description=NEXT_CURSOR)
     query: str = Field(description="The Temporal visibility query that listed them")
 
 
@@ -223,6 +228,7 @@ class DocumentView(BaseModel):
 
 class DocumentList(BaseModel):
     documents: list[DocumentView]
+    next_cursor: str | None = Field(description=NEXT_CURSOR.replace("jobs", "ingestions"))
 
 
 class TurnView(BaseModel):

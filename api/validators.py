@@ -6,7 +6,7 @@ import re
 import unicodedata
 from typing import Annotated
 
-from fastapi import Path
+from fastapi import Path, Query
 
 from api.errors import ApiError
 from models.chat import SESSION_PATTERN
@@ -20,6 +20,8 @@ SESSION_RE = re.compile(SESSION_PATTERN)
 JOB_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,255}$"
 JOB_ID = Annotated[str, Path(pattern=JOB_ID_PATTERN, description="A job id, as answered when the job was accepted")]
 SESSION_ID = Annotated[str, Path(pattern=SESSION_PATTERN, description="A chat session id")]
+CursorDep = Annotated[str | None, Query(max_length=2048, pattern=r"^[A-Za-z0-9_-]+$",
+                                        description="`next_cursor` of the page before")]
 
 
 def validate_collection(collection: str) -> str:

@@ -23,7 +23,7 @@ from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentsAccepted, DocumentStatus,
     DocumentView, error_responses,
 )
-from api.validators import COLLECTION_PATTERN, display_name, validate_collection
+from api.validators import COLLECTION_PATTERN, CursorDep, display_name, validate_collection
 from models.ingest import DocumentInput, IngestInput, IngestResult
 from models.jobs import JobStatus
 from models.tenancy import workflow_id
@@ -142,20 +142,21 @@ async def _already_done_or_running(client: Client, job_id: str, timeout: timedel
 
 
 @router.get("", summary="Documents of a collection with their status and chunk counts",
-            responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection", 503: TEMPORAL_DOWN}))
+            responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_cursor",
+                                       503: TEMPORAL_DOWN}))
 async def list_documents(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep,
                          collection: Annotated[str | None, Query(pattern=COLLECTION_PATTERN)] = None,
-                         limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> DocumentList:
+                         limit: Annotated[int, Query(ge=1, le=1000)] = 200, cursor: CursorDep = None) -> DocumentList:
     extra = {sa.COLLECTION.name: validate_collection(collection)} if collection else None
     query = job_views.list_query(caller.tenant, kind="ingest_document", extra=extra)
-    executions = await job_views.list_jobs(client, query, limit, timeout)
+    executions, next_cursor = await job_views.list_page(client, query, limit, cursor, timeout)
     views = [_document_view(e) for e in executions]
     failed = [(view, e) for view, e in zip(views, executions) if view.status == "failed"]
     reasons = await asyncio.gather(*(job_views.failure_of(client.get_workflow_handle(e.id, run_id=e.run_id), e, timeout)
                                      for _, e in failed))
     for (view, _), reason in zip(failed, reasons):
         view.error = reason.message
-    return DocumentList(documents=views)
+    return DocumentList(documents=views, next_cursor=next_cursor)
 
 
 def _document_view(execution) -> DocumentView:

@@ -14,7 +14,7 @@ from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, Accepted, JobList, JobView, OperatorResult, error_responses,
 )
-from api.validators import JOB_ID
+from api.validators import JOB_ID, CursorDep
 from models.jobs import JobKind, JobStatus, OperatorAck, OperatorRequest
 from models.tenancy import scoped
 from ragline import audit
@@ -27,12 +27,13 @@ OPERATOR_ERRORS = error_responses({403: "forbidden", 404: "job_not_found", 409: 
 
 
 @router.get("", summary="List the tenant's jobs (Temporal visibility)",
-            responses=error_responses({422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+            responses=error_responses({422: f"{INVALID_REQUEST}, invalid_cursor", 503: TEMPORAL_DOWN}))
 async def list_jobs(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep, status: JobStatus | None = None,
-                    kind: JobKind | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> JobList:
+                    kind: JobKind | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+                    cursor: CursorDep = None) -> JobList:
     query = job_views.list_query(caller.tenant, status=status, kind=kind)
-    executions = await job_views.list_jobs(client, query, limit, timeout)
-    return JobList(jobs=[job_views.summary(e) for e in executions], query=query)
+    executions, next_cursor = await job_views.list_page(client, query, limit, cursor, timeout)
+    return JobList(jobs=[job_views.summary(e) for e in executions], next_cursor=next_cursor, query=query)
 
 
 @router.get("/{job_id}", summary="One job: status, steps, result or error",
