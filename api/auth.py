@@ -133,6 +133,10 @@ class Guard:
                         storage=shown_address(self.settings.rate_limit_storage), error=str(exc.storage_error))
 
 
+KEY_REQUIRED = "an API key is required: `Authorization: Bearer <key>` or `X-API-Key: <key>`"
+UNKNOWN_KEY = "unknown API key"
+
+
 def unauthenticated(message: str) -> ApiError:
     return ApiError(401, "unauthenticated", message, headers={"WWW-Authenticate": "Bearer"})
 
@@ -153,7 +157,7 @@ async def authenticate(
 ) -> Caller:
     key = api_key or (bearer.credentials if bearer else None)
     if not key:
-        raise unauthenticated("an API key is required: `Authorization: Bearer <key>` or `X-API-Key: <key>`")
+        raise unauthenticated(KEY_REQUIRED)
     return await admit(request, key)
 
 
@@ -161,7 +165,7 @@ async def admit(request: Request, key: str) -> Caller:
     guard: Guard = request.app.state.guard
     entry = guard.keys.find(key)
     if entry is None:
-        raise unauthenticated("unknown API key")
+        raise unauthenticated(UNKNOWN_KEY)
     await guard.check_rate(entry)
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
                     key_id=entry.sha256[:8])

@@ -6,7 +6,7 @@ from typing import Any
 
 import structlog
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, params
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,13 +42,30 @@ def error_body(exc: ApiError) -> dict:
     return _body(exc.code, exc.message, **exc.extra)
 
 
+def _unsupported_media(request: Request) -> str | None:
+    """The media type the route reads its body as, when the request declared another one (FastAPI reads
+    such a body as missing or as text, and would answer with the shape errors that follow from that)."""
+    body = getattr(request.scope.get("route"), "body_field", None)
+    sent = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+    if body is None or not sent:
+        return None
+    if isinstance(body.field_info, params.Form):  # a form may come either way (only multipart carries files)
+        expected, accepted = "multipart/form-data", sent in ("multipart/form-data", "application/x-www-form-urlencoded")
+    else:
+        expected, accepted = "application/json", sent == "application/json" or sent.endswith("+json")
+    return None if accepted else expected
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if expected := _unsupported_media(request):
+            return JSONResponse(_body("unsupported_media_type", f"send the body as {expected} (Content-Type: "
+                                      f"{request.headers.get('content-type') or 'none'} was sent)"), status_code=415)
         problems = [{"field": "body", "message": f"not valid JSON (at character {e['loc'][-1]}): "
                                                  f"{(e.get('ctx') or {}).get('error', e['msg'])}"}
                     if e["type"] == "json_invalid" else

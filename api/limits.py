@@ -1,9 +1,10 @@
 """Request bodies are bounded before anything reads them.
 
 FastAPI reads a route's whole body (and spools uploaded files to disk) before it runs the route's
-dependencies, the API key check among them. So a body over its route's limit is refused from its
-Content-Length alone (413), and a large body, or one sent without a length, is read only for a
-known API key (401 otherwise) and only up to the limit."""
+dependencies, the API key check among them. So a body is read only for a known API key (401
+otherwise, also before a malformed body could be judged), a body over its route's limit is refused
+from its Content-Length alone (413), and one sent without a length is read only up to the limit.
+The route's own key check (api/auth.py) then applies the key's role and rate limit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import Guard, presented_key, unauthenticated
+from api.auth import KEY_REQUIRED, UNKNOWN_KEY, Guard, presented_key, unauthenticated
 from api.errors import ApiError, error_body
 
 # A JSON body (a chat message, an agent's goal, a review) fits in this many bytes with room to spare.
@@ -39,6 +40,10 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        key = presented_key(headers)
+        if key is None or self.guard().keys.find(key) is None:
+            await _refuse(unauthenticated(KEY_REQUIRED if key is None else UNKNOWN_KEY), scope, receive, send)
+            return
         limit = self.limits.get(scope["path"], SMALL_BODY_BYTES)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES:
@@ -46,11 +51,6 @@ class BodyLimit:
             return
         if length is not None and (not length.isdigit() or int(length) > limit):
             await _refuse(_too_large(limit), scope, receive, send)
-            return
-        key = presented_key(headers)
-        if key is None or self.guard().keys.find(key) is None:
-            await _refuse(unauthenticated("an API key is required before a large body is read: "
-                                          "`Authorization: Bearer <key>` or `X-API-Key: <key>`"), scope, receive, send)
             return
         await self._counted(scope, receive, send, limit)
 

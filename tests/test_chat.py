@@ -13,6 +13,7 @@ import asyncio
 import re
 import uuid
 
+import httpx
 import pytest
 
 from activities.gate import gate_id
@@ -339,6 +340,17 @@ async def test_unknown_session_and_bad_requests(stack):
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
         assert [p["field"] for p in r.json()["error"]["problems"]] == ["body"]
         assert says in r.json()["error"]["message"]
+    # A body sent as another media type (curl -d sends a form) is 415, naming the one the route reads.
+    for path, sent, kind in (("/v1/chats", "application/x-www-form-urlencoded", "application/json"),
+                             ("/v1/documents", "application/json", "multipart/form-data")):
+        r = await stack.http.post(path, content=b'{"message": "hi"}', headers={"content-type": sent})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+        assert kind in r.json()["error"]["message"]
+    # Without a key, nothing about the body is judged: 401 first.
+    async with httpx.AsyncClient(base_url=stack.base_url) as anonymous:
+        r = await anonymous.post("/v1/chats", content=b'{"message": "hi',
+                                 headers={"content-type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated", r.text
 
 
 async def test_a_retried_answer_streams_again_under_its_new_attempt(stack, chat_docs):
