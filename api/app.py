@@ -77,19 +77,28 @@ def _refine_schema(app: FastAPI, settings: Settings) -> None:
             budget["max_tokens"]["maximum"] = settings.agent_max_tokens
             budget["max_seconds"]["maximum"] = settings.agent_max_seconds
             schemas["Body_upload_documents_v1_documents_post"]["properties"]["files"]["items"]["minLength"] = 1
-            # api/limits.py refuses an oversized body before any route sees it.
+            # api/limits.py refuses an oversized body before any route sees it; api/errors.py a body
+            # of another media type than the route reads.
             for path, operations in app.openapi_schema["paths"].items():
-                responses = operations.get("post", {}).get("responses") if path.startswith("/v1/") else None
+                post = operations.get("post", {}) if path.startswith("/v1/") else {}
+                responses = post.get("responses")
                 if responses is None:
                     continue
                 if "413" not in responses:
-                    responses["413"] = {"description": "error code: body_too_large", "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+                    responses["413"] = _error_response("body_too_large")
                 elif "body_too_large" not in responses["413"]["description"]:
                     responses["413"]["description"] += ", body_too_large"
+                media = set(post.get("requestBody", {}).get("content", {}))
+                if media & {"application/json", "multipart/form-data"}:
+                    responses.setdefault("415", _error_response("unsupported_media_type"))
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _error_response(code: str) -> dict:
+    return {"description": f"error code: {code}",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
 
 
 app = create_app()
