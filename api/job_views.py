@@ -52,7 +52,7 @@ class RecentlyAccepted:
     looked up as before."""
 
     def __init__(self, size: int = 10_000) -> None:
-        self._ids: OrderedDict[str, str | None] = OrderedDict()
+        self._ids: OrderedDict[str, tuple[str | None, datetime]] = OrderedDict()
         self._size = size
         self._claims: dict[str, tuple[asyncio.Lock, int]] = {}
 
@@ -72,13 +72,16 @@ class RecentlyAccepted:
             else:
                 self._claims[job_id] = (lock, users - 1)
 
-    def add(self, job_id: str, request: str | None = None) -> None:
-        self._ids[job_id] = request
+    def add(self, job_id: str, request: str | None, accepted_at: datetime) -> None:
+        self._ids[job_id] = (request, accepted_at)
         if len(self._ids) > self._size:
             self._ids.popitem(last=False)
 
     def request(self, job_id: str) -> str | None:
-        return self._ids.get(job_id)
+        return self._ids[job_id][0] if job_id in self._ids else None
+
+    def accepted_at(self, job_id: str) -> datetime | None:
+        return self._ids[job_id][1] if job_id in self._ids else None
 
     def __contains__(self, job_id: str) -> bool:
         return job_id in self._ids
@@ -302,10 +305,11 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
         desc = await handle.describe(rpc_timeout=rpc_timeout)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            if (accepted is not None and job_id in accepted) or \
-                    await accepted_turn(client, tenant, job_id, rpc_timeout) is not None:
-                now = datetime.now(timezone.utc)
-                return JobView(job_id=job_id, kind="chat", status="queued", created_at=now, updated_at=now,
+            at = accepted.accepted_at(job_id) if accepted is not None else None
+            if at is None and (turn := await accepted_turn(client, tenant, job_id, rpc_timeout)) is not None:
+                at = turn.accepted_at or datetime.now(timezone.utc)  # a turn accepted before the time was kept
+            if at is not None:
+                return JobView(job_id=job_id, kind="chat", status="queued", created_at=at, updated_at=at,
                                turn=None, steps=[], result=None, error=None)
             raise not_found(asked) from None
         raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from datetime import datetime
 
 from pydantic import BaseModel, Field
 
@@ -56,6 +57,8 @@ class TurnInput(BaseModel):
     # A keyed request's digest: the session puts it in the job's memo (REQUEST_MEMO), so that the same
     # Idempotency-Key sent with another question is refused, not answered with this turn's job.
     request: str | None = None
+    # When the API accepted it: a turn still waiting for its session to start its job shows this.
+    accepted_at: datetime | None = None
 
 
 class TurnOutcome(BaseModel):

@@ -50,12 +50,16 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
             r = await stack.http.get(f"/v1/jobs/{job_id}")
             assert r.status_code == 200, r.text
             assert r.json()["status"] == "queued", r.json()
+        # A queued turn shows when it was accepted, the same at every read.
+        created = {(await stack.http.get(f"/v1/jobs/{turns[2]['job_id']}")).json()["created_at"] for _ in range(2)}
+        assert len(created) == 1
         assert (await stack.http.get(f"/v1/jobs/chat-{session}.{'0' * 20}")).status_code == 404
         # A stream opened now follows a turn whose job no worker has started yet; so does one opened on
         # an API process that did not accept the turn (here: this one, made to forget), from the history.
         stream = asyncio.ensure_future(read_events(stack, turns[1]["job_id"]))
         stack.app.state.accepted = RecentlyAccepted()
-        assert (await stack.http.get(f"/v1/jobs/{turns[2]['job_id']}")).json()["status"] == "queued"
+        forgotten = (await stack.http.get(f"/v1/jobs/{turns[2]['job_id']}")).json()
+        assert forgotten["status"] == "queued" and {forgotten["created_at"]} == created
         other_stream = asyncio.ensure_future(read_events(stack, turns[2]["job_id"]))
 
         # A worker comes: everything accepted runs, the session's turns in acceptance order.

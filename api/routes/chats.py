@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from fastapi import APIRouter, Request
 from pydantic import Field
@@ -72,7 +72,8 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                              review_unsupported=settings.review_unsupported_answers,
                              review_timeout_seconds=review_timeout_seconds(settings),
                              traceparent=tracing.current_traceparent(),
-                             fallback=bool(settings.fallback_llm_base_url), request=digest)
+                             fallback=bool(settings.fallback_llm_base_url), request=digest,
+                             accepted_at=datetime.now(timezone.utc))
             await client.start_workflow(
                 ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
                 id=session_workflow_id(caller.tenant, session_id),
@@ -81,7 +82,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                                                          SearchAttributePair(sa.SESSION, session_id),
                                                          SearchAttributePair(sa.TENANT, caller.tenant)]),
                 rpc_timeout=timeout)
-            accepted.add(job_id, digest)
+            accepted.add(job_id, digest, turn.accepted_at)
             observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
 
