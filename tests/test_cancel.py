@@ -63,6 +63,8 @@ async def test_a_cancelled_turn_stops_its_model_stream_and_ends_its_events(stack
     assert answer.cut_off
     job = await stack.wait_done(job_id)
     assert job["status"] == "cancelled"
+    # The answer's step stopped with the job: cancelled, not failed.
+    assert {s["name"]: s["status"] for s in job["steps"]}["generate_answer"] == "cancelled"
     # Sent again (its first answer lost on the way), the cancel gets the same answer.
     again = await stack.http.post(f"/v1/jobs/{job_id}/cancel")
     assert again.status_code == 202 and again.json() == cancelled.json()

@@ -159,6 +159,9 @@ class JobWorkflow:
             try:
                 return await workflow.execute_activity_method(activity, arg, **policies.options(name))
             except ActivityError as exc:
+                if is_cancelled_exception(exc):  # the job was cancelled: the step stopped, it did not fail
+                    self.steps.cancel(step)
+                    raise
                 reason = failure_reason(exc)
                 if not exhausted_retries(exc):
                     self.steps.fail(step, reason)

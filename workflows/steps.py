@@ -71,6 +71,11 @@ class StepLog:
         step.status, step.finished_at, step.error = "failed", workflow.now(), error
         self._events.emit("ragline.step.failed", {"step": name, "error": error})
 
+    def cancel(self, name: str) -> None:
+        """The job was cancelled while the step ran (its `ragline.job.cancelled` event says so)."""
+        step = self._steps.setdefault(name, StepState(name=name))
+        step.status, step.finished_at = "cancelled", workflow.now()
+
     def skip_pending(self) -> None:
         for step in self._steps.values():
             if step.status == "pending":
