@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -53,8 +54,6 @@ from workflows.search import SearchWorkflow
 
 log = structlog.get_logger("ragline.worker")
 
-WORKFLOWS = [IngestWorkflow, IngestDocumentWorkflow, SearchWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
-             AgentWorkflow, EvaluationWorkflow, TenantGateWorkflow]
 # Workflows per queue kind: every job on main; SearchWorkflow on vector, next to the store, so that a
 # search stays one local activity in the process that holds the store.
 QUEUE_WORKFLOWS: dict[str, list[type]] = {
@@ -62,6 +61,7 @@ QUEUE_WORKFLOWS: dict[str, list[type]] = {
              EvaluationWorkflow, TenantGateWorkflow],
     "vector": [SearchWorkflow],
 }
+WORKFLOWS = [w for ws in QUEUE_WORKFLOWS.values() for w in ws]
 ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities,
                     EvaluationActivities, GateActivities)
 
@@ -94,10 +94,18 @@ class RoleError(ValueError):
     the store is embedded)."""
 
 
+def _activity_methods(cls: type) -> list[str]:
+    return [name for name, fn in vars(cls).items() if hasattr(fn, "__temporal_activity_definition")]
+
+
+def activities_of(instance: object) -> list[Callable[..., Any]]:
+    """An activity class's activities, bound to the instance that holds what they need."""
+    return [getattr(instance, name) for name in _activity_methods(type(instance))]
+
+
 def activity_names() -> list[str]:
     """Every activity the worker registers, by name: the policy file must cover these and no others."""
-    return [policies.activity_name(fn) for cls in ACTIVITY_CLASSES for fn in vars(cls).values()
-            if hasattr(fn, "__temporal_activity_definition")]
+    return [policies.activity_name(getattr(cls, name)) for cls in ACTIVITY_CLASSES for name in _activity_methods(cls)]
 
 
 def served_activities(role: str) -> set[str]:
@@ -259,14 +267,14 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
     store = index if index is not None else _Unavailable("vector store", role)
     model = ChatModel(settings)
     activities = [
-        *IngestActivities(settings, blobs, embedder, store).all(),
-        *SearchActivities(embedder, store).all(),
-        *JobActivities(client).all(),
-        *GateActivities(client, settings).all(),
-        *ChatActivities(settings, blobs, embedder, store, model, cache=AnswerCache(settings.answer_cache_size),
-                        fallback=fallback_model(settings)).all(),
-        *AgentActivities(embedder, store, model).all(),
-        *EvaluationActivities(settings, blobs, embedder, store, model).all(),
+        *activities_of(IngestActivities(settings, blobs, embedder, store)),
+        *activities_of(SearchActivities(embedder, store)),
+        *activities_of(JobActivities(client)),
+        *activities_of(GateActivities(client, settings)),
+        *activities_of(ChatActivities(settings, blobs, embedder, store, model,
+                                      cache=AnswerCache(settings.answer_cache_size), fallback=fallback_model(settings))),
+        *activities_of(AgentActivities(embedder, store, model)),
+        *activities_of(EvaluationActivities(settings, blobs, embedder, store, model)),
     ]
     common: dict[str, Any] = {**_pollers(settings),
                               "graceful_shutdown_timeout": timedelta(seconds=settings.worker_graceful_shutdown),

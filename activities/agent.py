@@ -48,9 +48,6 @@ class AgentActivities:
             text = " | ".join(f"[{h.filename}, p.{h.page}] {h.text}" for h in hits)
         return SearchDocumentsOutput(observation=text[:OBSERVATION_CHARS], attempt=activity.info().attempt)
 
-    def all(self) -> list:
-        return [self.agent_plan, self.search_documents]
-
 
 def checked_call(name: str, arguments: str, allowed: dict[str, dict]) -> ToolCall:
     """Hold a model's tool call to the allowlist and the tool's schema; errors become tool errors."""

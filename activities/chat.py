@@ -184,10 +184,6 @@ class ChatActivities:
             entities = []
         return EntitiesOutput(entities=entities, warnings=warnings, usage=usage, attempt=activity.info().attempt)
 
-    def all(self) -> list:
-        return [self.retrieve_context, self.generate_answer, self.generate_answer_fallback, self.summarize_context,
-                self.extract_entities, self.cache_answer]
-
 
 class AnswerDeltas:
     """Publishes pieces of the answer to the job's event stream. The first piece goes out at once (a

@@ -81,6 +81,3 @@ class EvaluationActivities:
         ref = await asyncio.to_thread(self.blobs.put, report.model_dump_json().encode("utf-8"))
         return EvaluationOutput(report=report.model_copy(update={"outcomes": []}), report_ref=ref,
                                 attempt=activity.info().attempt)
-
-    def all(self) -> list:
-        return [self.evaluate_collection]

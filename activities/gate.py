@@ -72,6 +72,3 @@ class GateActivities:
 
         flags = await asyncio.gather(*(ended(j) for j in req.job_ids))
         return JobIds(job_ids=[j for j, gone in zip(req.job_ids, flags, strict=True) if gone])
-
-    def all(self) -> list:
-        return [self.acquire_slot, self.release_slot, self.ended_jobs]

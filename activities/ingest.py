@@ -81,6 +81,3 @@ class IngestActivities:
     def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
         self.index.prune(req.tenant, req.collection, req.document_id, req.keep_chunks)
         return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())
-
-    def all(self) -> list:
-        return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks]

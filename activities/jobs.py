@@ -39,7 +39,3 @@ class JobActivities:
         except WorkflowFailureError:
             return TurnOutcome(answer=None)
         return TurnOutcome(answer=result.answer)
-
-    def all(self) -> list:
-        return [self.await_document, self.await_turn]
-

@@ -55,6 +55,3 @@ class SearchActivities:
     @translate_errors
     def search_chunks(self, req: SearchInput) -> SearchOutput:
         return SearchOutput(hits=find_passages(self.embedder, self.index, req.tenant, req.collection, req.query, req.top_k))
-
-    def all(self) -> list:
-        return [self.search_chunks]

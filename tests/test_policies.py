@@ -20,15 +20,6 @@ NAMES = worker.activity_names()
 MINIMAL = '[defaults]\nstart_to_close = "1m"\n'
 
 
-def test_worker_registers_every_activity_its_classes_define():
-    # main() loads the policies for activity_names(); build_worker registers each class's all():
-    # an activity missing from either would run without the policy the file gives it, or not at all.
-    registered = [policies.activity_name(fn) for cls in worker.ACTIVITY_CLASSES
-                  for fn in object.__new__(cls).all()]
-    assert sorted(registered) == sorted(NAMES)
-    assert len(set(NAMES)) == len(NAMES), "two activities share a name"
-
-
 def test_default_file_sets_timeouts_retries_and_queues():
     text = policies.DEFAULT_FILE.read_text()
     parsed = policies.parse(text, NAMES)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -491,9 +493,17 @@ def test_chunk_pages_skips_empty_pages_and_never_emits_blank_chunks() -> None:
     assert chunk_pages([]) == []
 
 
-def test_chunk_pages_is_deterministic() -> None:
-    pages = [Page(n, f"Paragraph {n}. " * 40 + "\n\n" + "第二段。" * 50) for n in range(1, 4)]
-    assert chunk_pages(pages, size=300, overlap=50) == chunk_pages(pages, size=300, overlap=50)
+def test_chunk_pages_is_the_same_in_every_process() -> None:
+    """A document ingested again (a retried activity, another worker) must give the same chunks: their
+    point ids are derived from their positions, so re-indexing overwrites instead of adding. Two
+    processes with different hash seeds chunk the same pages."""
+    script = ("import hashlib, sys; from ragline.text import Page, chunk_pages; "
+              "pages = [Page(n, f'Paragraph {n}. ' * 40 + '\\n\\n' + '第二段。' * 50) for n in range(1, 4)]; "
+              "sys.stdout.write(hashlib.sha256(repr(chunk_pages(pages, size=300, overlap=50)).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent.parent,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(digests) == 1 and len(next(iter(digests))) == 64
 
 
 @pytest.mark.parametrize("question, follows_up", [
