@@ -77,8 +77,9 @@ class Settings(BaseSettings):
     embed_batch_size: int = 16
     embed_parallelism: int = 4
 
-    # Activities in flight per worker: model calls and waits (I/O) / extraction and embedding (CPU) /
-    # vector store activities and searches (the `vector` role).
+    # Activities in flight per worker: waits on other jobs and the gate (I/O, the main queue) / extraction
+    # and embedding (CPU) / vector store activities and searches (the `vector` role). Model calls have
+    # their own bound per endpoint (RAGLINE_LLM_CONCURRENCY).
     worker_io_concurrency: int = 64
     worker_cpu_concurrency: int = 4
     worker_vector_concurrency: int = 8

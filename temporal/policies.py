@@ -90,7 +90,8 @@ class ActivityPolicy(BaseModel):
     heartbeat: timedelta | None
     retry: RetryPolicy
     # Which task queue runs it (temporal/queues.py): "main" (with the workflows, many I/O waits at
-    # once), "cpu" (a few at a time) or "llm" (model calls, bounded per model endpoint).
+    # once), "cpu" (a few at a time), "llm" (model calls, bounded per model endpoint) or "vector"
+    # (everything that opens the vector store).
     queue: queues.QueueKind = "main"
     # Temporal task-queue priority: among tasks waiting on one queue, lower numbers are handed out first
     # (the answer a person waits for before side steps that can come later).
@@ -315,3 +316,17 @@ def options(name: str) -> dict[str, Any]:
 def local_options(name: str) -> dict[str, Any]:
     """Keyword arguments for `workflow.execute_local_activity*` (runs in the workflow's worker)."""
     return policy(name).as_options()
+
+
+def execute(activity: Callable[..., Any], arg: Any) -> Any:
+    """From workflow code: run an activity, called by reference, under its policy (an awaitable)."""
+    from temporalio import workflow
+
+    return workflow.execute_activity_method(activity, arg, **options(activity_name(activity)))
+
+
+def execute_local(activity: Callable[..., Any], arg: Any) -> Any:
+    """From workflow code: run an activity as a local activity, in the workflow's worker, under its policy."""
+    from temporalio import workflow
+
+    return workflow.execute_local_activity_method(activity, arg, **local_options(activity_name(activity)))

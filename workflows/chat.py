@@ -283,9 +283,7 @@ class ChatSessionWorkflow:
             await workflow.get_external_workflow_handle(head.job_id).signal(ChatTurnWorkflow.proceed, context)
         except FailureError:
             pass  # it has ended already; its outcome is all that is left to read
-        await_turn = JobActivities.await_turn
-        outcome = await workflow.execute_activity_method(
-            await_turn, AwaitTurnInput(workflow_id=head.job_id), **policies.options(policies.activity_name(await_turn)))
+        outcome = await policies.execute(JobActivities.await_turn, AwaitTurnInput(workflow_id=head.job_id))
         return outcome.answer
 
     def _should_continue_as_new(self) -> bool:

@@ -121,10 +121,8 @@ class TenantGateWorkflow:
         return bool(self.state.waiting) and len(self.state.holders) >= self.state.limit
 
     async def _sweep(self) -> None:
-        check = GateActivities.ended_jobs
         try:
-            ended = await workflow.execute_activity_method(check, JobIds(job_ids=list(self.state.holders)),
-                                                           **policies.options(policies.activity_name(check)))
+            ended = await policies.execute(GateActivities.ended_jobs, JobIds(job_ids=list(self.state.holders)))
         except ActivityError as exc:
             # The gate must outlive a server too busy to answer: its holders and line are all it has.
             workflow.logger.warning("could not check the holders (next try in one sweep interval): %s", exc)

@@ -157,7 +157,7 @@ class JobWorkflow:
         while True:
             await self.slot.take_back()  # lent while a person decided
             try:
-                return await workflow.execute_activity_method(activity, arg, **policies.options(name))
+                return await policies.execute(activity, arg)
             except ActivityError as exc:
                 if is_cancelled_exception(exc):  # the job was cancelled: the step stopped, it did not fail
                     self.steps.cancel(step)

@@ -17,6 +17,4 @@ with workflow.unsafe.imports_passed_through():
 class SearchWorkflow:
     @workflow.run
     async def run(self, req: SearchInput) -> SearchOutput:
-        search = SearchActivities.search_chunks
-        return await workflow.execute_local_activity_method(
-            search, req, **policies.local_options(policies.activity_name(search)))
+        return await policies.execute_local(SearchActivities.search_chunks, req)

@@ -59,9 +59,7 @@ class RunningSlot:
         try:
             # An activity, not a local one: the job's workflow task does not wait for it, so a turn's
             # retrieval is scheduled at once, and asks in parallel.
-            acquire = GateActivities.acquire_slot
-            await workflow.execute_activity_method(acquire, self._request(tenant),
-                                                   **policies.options(policies.activity_name(acquire)))
+            await policies.execute(GateActivities.acquire_slot, self._request(tenant))
         finally:
             self._sending = False
         def withdrawn() -> bool:
@@ -92,7 +90,7 @@ class RunningSlot:
         self._asked = self.held = self.waiting = False
         try:
             tenant = workflow.info().typed_search_attributes.get(sa.TENANT)
-            await _local(GateActivities.release_slot, self._request(tenant))
+            await policies.execute_local(GateActivities.release_slot, self._request(tenant))
         except Exception as exc:  # noqa: BLE001
             workflow.logger.warning("could not give the running slot back (the gate will find out): %s", exc)
 
@@ -131,8 +129,3 @@ class RunningSlot:
 
     def _request(self, tenant: str) -> SlotRequest:
         return SlotRequest(tenant=tenant, job_id=workflow.info().workflow_id, ticket=self._ticket)
-
-
-async def _local(activity, arg):
-    return await workflow.execute_local_activity_method(activity, arg,
-                                                        **policies.local_options(policies.activity_name(activity)))
