@@ -155,6 +155,10 @@ async def authenticate(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(bearer_scheme)],
     api_key: Annotated[str | None, Security(header_scheme)],
 ) -> Caller:
+    if api_key and bearer and bearer.credentials != api_key:
+        # Which one was meant? Acting as either could act as the wrong tenant.
+        raise ApiError(400, "conflicting_keys", "the request carries two different API keys (X-API-Key and "
+                                                "Authorization): send one")
     key = api_key or (bearer.credentials if bearer else None)
     if not key:
         raise unauthenticated(KEY_REQUIRED)

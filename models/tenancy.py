@@ -59,3 +59,11 @@ class GateState(BaseModel):
 
 class JobIds(BaseModel):
     job_ids: list[str]
+
+
+class ChildWaiting(BaseModel):
+    """A child job tells its parent, by signal, that it started or stopped waiting for a person (or
+    that all of its own children did): the job holding the running slot lends it meanwhile."""
+    job_id: str
+    waiting: bool
+    seq: int  # signals may arrive out of order: the higher one wins

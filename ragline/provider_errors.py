@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import email.utils
 import json
 from contextlib import contextmanager
+from datetime import datetime, timezone
 
 import openai
 
@@ -13,11 +15,21 @@ _REJECTED_STATUSES = {400, 401, 403, 404, 422}
 
 
 def _retry_after(exc: openai.APIStatusError) -> float | None:
+    """Seconds the provider asks to wait: `Retry-After` as seconds, or as an HTTP date."""
     value = exc.response.headers.get("retry-after") if exc.response is not None else None
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
+    if value is None:
         return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
 @contextmanager

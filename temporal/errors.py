@@ -6,6 +6,7 @@ import functools
 import inspect
 from datetime import timedelta
 
+from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from ragline.errors import RaglineError, TransientError
@@ -13,10 +14,25 @@ from ragline.errors import RaglineError, TransientError
 
 def to_application_error(exc: RaglineError) -> ApplicationError:
     delay = None
+    message = exc.message
     if isinstance(exc, TransientError) and exc.retry_after is not None:
         delay = timedelta(seconds=exc.retry_after)
-    return ApplicationError(exc.message, exc.details or None, type=type(exc).__name__,
+        # The provider's wish, but no longer than the step's own longest backoff: a Retry-After of a
+        # day (a spent daily quota) would otherwise keep the job "running" for days before anyone hears.
+        longest = _max_interval()
+        if longest is not None and delay > longest:
+            message = f"{message} (the provider asked to wait {exc.retry_after:g} s; retried after {longest})"
+            delay = longest
+    return ApplicationError(message, exc.details or None, type=type(exc).__name__,
                             non_retryable=not exc.retryable, next_retry_delay=delay)
+
+
+def _max_interval() -> timedelta | None:
+    """The running activity's longest retry backoff (its policy's max_interval), if in an activity."""
+    if not activity.in_activity():
+        return None
+    policy = activity.info().retry_policy
+    return policy.maximum_interval if policy is not None else None
 
 
 def translate_errors(fn):

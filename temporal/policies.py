@@ -258,11 +258,18 @@ def load(path: Path | None, activities: Iterable[str], *,
         text = path.read_text()
     except OSError as exc:
         raise PolicyError(f"cannot read policy file {path}: {exc}") from None
-    _loaded = LoadedPolicies(activities=parse(text, activities, str(path)),
+    parsed = parse(text, activities, str(path))
+    every = parse_heartbeat_every(text, str(path))
+    # A beat may come a little late on a busy worker: a timeout of under three beats would fail
+    # attempts that are alive.
+    tight = sorted(name for name, p in parsed.items() if p.heartbeat is not None and p.heartbeat < 3 * every)
+    if tight:
+        raise PolicyError(f"{path}: heartbeat under three times [heartbeats] every ({every}): {', '.join(tight)}")
+    _loaded = LoadedPolicies(activities=parsed,
                              dead_letter_ttl=parse_dead_letter_ttl(text, str(path), dead_letter_ttl),
                              slot_sweep=parse_slot_sweep(text, str(path)),
                              subscriber_grace=parse_subscriber_grace(text, str(path)),
-                             heartbeat_every=parse_heartbeat_every(text, str(path)),
+                             heartbeat_every=every,
                              workflows=parse_workflow_priorities(text, str(path)))
     return _loaded.activities
 

@@ -221,3 +221,23 @@ def test_a_review_timeout_that_is_no_duration_stops_the_process_at_start():
     for bad in ("1 day", "0s", "-5m"):
         with pytest.raises(ValidationError, match="review_timeout"):
             Settings(review_timeout=bad)
+
+
+def test_every_activity_that_heartbeats_has_a_heartbeat_timeout_a_few_beats_long(tmp_path, restore_policies):
+    """An activity that heartbeats while it waits (activities/heartbeats.py) is declared with a heartbeat
+    timeout: then a worker that dies under it is noticed within seconds, not after start_to_close
+    (minutes for a model call). And a timeout under three beats, which a busy worker could miss, stops
+    loading."""
+    shipped = policies.parse(policies.DEFAULT_FILE.read_text(), NAMES)
+    beating = ["generate_answer", "generate_answer_fallback", "summarize_context", "extract_entities",
+               "agent_plan", "await_document", "await_turn", "evaluate_collection"]
+    every = policies.parse_heartbeat_every(policies.DEFAULT_FILE.read_text())
+    for name in beating:
+        assert shipped[name].heartbeat is not None, name
+        if name.startswith(("generate", "summarize", "extract", "agent")):  # model calls: a crash costs seconds
+            assert shipped[name].heartbeat <= 10 * every, name
+    tight = policies.DEFAULT_FILE.read_text().replace('[heartbeats]\nevery = "2s"', '[heartbeats]\nevery = "6s"')
+    path = tmp_path / "policies.toml"
+    path.write_text(tight)
+    with pytest.raises(policies.PolicyError, match="generate_answer"):
+        policies.load(path, NAMES)

@@ -24,7 +24,7 @@ from activities.gate import gate_id
 from devtools.scripted_llm import last_user_message
 from ragline import keys as api_keys
 from models.tenancy import GateState, JobIds, SlotRequest
-from tests.helpers import WaitsForSlot, eventually, read_events
+from tests.helpers import WaitsForSlot, delegate_until, eventually, read_events
 from workflows.gate import TenantGateWorkflow
 
 
@@ -170,6 +170,33 @@ async def test_a_job_waiting_for_a_person_lends_its_slot(stack):
         r = await http.post(f"/v1/jobs/{held}/review", json={"decision": "approve", "reviewer": "editor"})
         assert r.status_code < 300, r.text
         assert await _wait_status(http, held, "completed", "failed") == "completed"
+
+
+async def test_a_sub_agent_waiting_for_a_person_lends_its_trees_slot(stack):
+    """A sub-agent runs within its root's slot; when it waits for a reviewer (here: its depth guard), the
+    root, which only waits on it, lends the slot: the tenant's other work runs meanwhile instead of
+    waiting as long as the reviewer does (24 h by default)."""
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http, "subs")
+        with stack.llm.scope() as agent:
+            agent.script_fn("agent", delegate_until(leaf_depth=9, token=agent.token))
+            r = await http.post("/v1/agents", json={"goal": f"Survey every lamp {agent.token}", "collection": "subs",
+                                                    "max_depth": 1})
+            root = r.json()["job_id"]
+
+            async def sub_agent_review() -> dict | None:
+                reviews = (await http.get("/v1/reviews")).json()["reviews"]
+                return next((x for x in reviews if x["job_id"].startswith(f"{root}.")), None)
+
+            review = await eventually(sub_agent_review, timeout=60, what="the sub-agent's review")
+            assert await _status(http, root) == "running"  # the root waits on its child, not on a person
+            other = await _ask(http, "When is the lamp lit?", collection="subs")
+            assert await _wait_status(http, other, "completed", "failed") == "completed"
+
+            r = await http.post(f"/v1/jobs/{review['job_id']}/review", json={"decision": "reject", "reviewer": "ed"})
+            assert r.status_code == 200, r.text
+            assert await _wait_status(http, root, "completed", "failed") == "completed"
 
 
 async def test_a_decision_lands_at_once_and_the_slot_is_asked_for_again_only_for_more_work(stack):

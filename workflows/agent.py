@@ -159,15 +159,17 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.children.append(node)
         self.steps.start(f"delegate {index}", detail=goal)
         try:
-            result = await workflow.execute_child_workflow(
-                AgentWorkflow.run,
-                AgentInput(tenant=inp.tenant, goal=goal, collection=inp.collection, depth=inp.depth + 1, max_depth=self.max_depth,
-                           budget=budget, deadline=self.deadline, ancestors=[*inp.ancestors, inp.goal],
-                           rejected=self.rejected, review_timeout_seconds=inp.review_timeout_seconds),
-                id=child_id,
-                search_attributes=TypedSearchAttributes([
-                    SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
-                    SearchAttributePair(sa.COLLECTION, inp.collection), SearchAttributePair(sa.TENANT, inp.tenant)]))
+            async with self.waits.child(child_id):  # waiting for a reviewer, it lends the tree's slot
+                result = await workflow.execute_child_workflow(
+                    AgentWorkflow.run,
+                    AgentInput(tenant=inp.tenant, goal=goal, collection=inp.collection, depth=inp.depth + 1,
+                               max_depth=self.max_depth, budget=budget, deadline=self.deadline,
+                               ancestors=[*inp.ancestors, inp.goal], rejected=self.rejected,
+                               review_timeout_seconds=inp.review_timeout_seconds),
+                    id=child_id,
+                    search_attributes=TypedSearchAttributes([
+                        SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
+                        SearchAttributePair(sa.COLLECTION, inp.collection), SearchAttributePair(sa.TENANT, inp.tenant)]))
         except ChildWorkflowError as exc:
             node.status, node.answer = "failed", failure_reason(exc)
             self.steps.fail(f"delegate {index}", node.answer)

@@ -112,19 +112,20 @@ class IngestWorkflow(JobWorkflow):
         child_id = document_workflow_id(doc.tenant, doc.document_id)
         self.steps.start(step, detail=child_id)
         try:
-            outcome = await workflow.execute_child_workflow(
-                IngestDocumentWorkflow.run, doc, id=child_id,
-                # A document that failed (e.g. wrong password) may be tried again; an indexed one is reused.
-                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
-                parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                search_attributes=TypedSearchAttributes([
-                    SearchAttributePair(sa.JOB_KIND, "ingest_document"),
-                    SearchAttributePair(sa.JOB_STATUS, "queued"),
-                    SearchAttributePair(sa.COLLECTION, doc.collection),
-                    SearchAttributePair(sa.FILENAME, doc.filename[:256]),
-                    SearchAttributePair(sa.DOCUMENT_ID, doc.document_id),
-                    SearchAttributePair(sa.TENANT, doc.tenant),
-                ]))
+            async with self.waits.child(child_id):  # parked for an operator, it lends this job's slot
+                outcome = await workflow.execute_child_workflow(
+                    IngestDocumentWorkflow.run, doc, id=child_id,
+                    # A document that failed (e.g. wrong password) may be tried again; an indexed one is reused.
+                    id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+                    parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+                    search_attributes=TypedSearchAttributes([
+                        SearchAttributePair(sa.JOB_KIND, "ingest_document"),
+                        SearchAttributePair(sa.JOB_STATUS, "queued"),
+                        SearchAttributePair(sa.COLLECTION, doc.collection),
+                        SearchAttributePair(sa.FILENAME, doc.filename[:256]),
+                        SearchAttributePair(sa.DOCUMENT_ID, doc.document_id),
+                        SearchAttributePair(sa.TENANT, doc.tenant),
+                    ]))
         except WorkflowAlreadyStartedError:
             # Same bytes in the same collection: indexed already, or being indexed by another job.
             self.steps.start(step, detail=f"{child_id}, started by another upload")

@@ -26,7 +26,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest, StreamedStepResult
-    from models.tenancy import SlotGrant
+    from models.tenancy import ChildWaiting, SlotGrant
     from ragline import metrics
     from temporal import policies
     from temporal import search_attributes as sa
@@ -36,6 +36,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.review import Reviews
     from workflows.slot import RunningSlot
     from workflows.steps import StepLog
+    from workflows.waits import SIGNAL as WAITS_SIGNAL
+    from workflows.waits import PersonWaits
 
 R = TypeVar("R")
 
@@ -62,9 +64,10 @@ class JobWorkflow:
         self.events = JobEvents()
         self.steps = StepLog(self.events, self._sync_status, [policies.activity_name(a) for a in self.PLANNED])
         self.slot = RunningSlot(self.events, self._sync_status)
+        self.waits = PersonWaits(self.slot, within_parent=lambda: not self.takes_slot())
         self.dead_letters = DeadLetters(self.events, self._sync_status, on_park=lambda: self._count("dead_lettered"),
-                                        while_waiting=self.slot.lent)
-        self.reviews = Reviews(self.events, self._sync_status, while_waiting=self.slot.lent)
+                                        while_waiting=self.waits.own)
+        self.reviews = Reviews(self.events, self._sync_status, while_waiting=self.waits.own)
         self._running = False
         self._status: JobStatus = "queued"
         self._slot_asked: asyncio.Future[None] | None = None
@@ -207,6 +210,10 @@ class JobWorkflow:
     @workflow.signal
     def slot_update(self, standing: SlotGrant) -> None:
         self.slot.heard(standing)
+
+    @workflow.signal(name=WAITS_SIGNAL)
+    def child_waiting(self, news: ChildWaiting) -> None:
+        self.waits.heard(news)
 
     @workflow.query
     def progress(self) -> JobProgress:

@@ -6,7 +6,8 @@ Who takes a slot: a job nobody started but the API (ingest requests, agents, eva
 chat turn (its parent, the session, holds none). A job another job started (an ingest's documents, a
 sub-agent) runs within its parent's slot: were it to wait for one of its own, a full tenant whose
 running jobs all wait on their children would never move. A job lends its slot while it waits for a
-person (review, dead letter) and queues again for one only when it has more work to run (`take_back`).
+person (review, dead letter), or while all the children it waits on do (workflows/waits.py), and
+queues again for one only when it has more work to run (`take_back`).
 """
 
 from __future__ import annotations

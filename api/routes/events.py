@@ -16,6 +16,7 @@ import re
 from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
+import structlog
 from fastapi import APIRouter, Header, Query, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from temporalio.client import Client, WorkflowExecutionStatus
@@ -30,9 +31,11 @@ from models.tenancy import scoped
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobEvent, error_responses
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+log = structlog.get_logger("ragline.api")
 
 TERMINAL_TYPES = {"ragline.job.completed", "ragline.job.failed", "ragline.job.cancelled"}
 KEEPALIVE_SECONDS = 15
+RECONNECT_MS = 5000  # the `retry:` a stream ends with when the job's events cannot be read for now
 PROGRESS_AFTER = 30
 
 
@@ -93,10 +96,14 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
 
 
 async def _any_from(client: Client, streams: JobStreams, job_id: str, start: int, cooldown: timedelta) -> bool:
-    """Whether an ended job's stream has an event at or after `start`."""
-    async with contextlib.aclosing(streams.follow(client, job_id, start, cooldown)) as items:
-        async for _ in items:
-            return True
+    """Whether an ended job's stream has an event at or after `start` (True when that cannot be told now:
+    the relay then says so, with a time to reconnect)."""
+    try:
+        async with contextlib.aclosing(streams.follow(client, job_id, start, cooldown)) as items:
+            async for _ in items:
+                return True
+    except RPCError:
+        return True
     return False
 
 
@@ -121,6 +128,13 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
             try:
                 item = next_item.result()
             except StopAsyncIteration:
+                return
+            except RPCError as exc:
+                # The job's events cannot be read now (an ended job's are read through a worker, which
+                # replays its history; or Temporal is down): say why, and when to come back. A browser's
+                # EventSource reconnects then, with Last-Event-ID, and misses nothing.
+                log.warning("job events unavailable", job_id=job_id, error=str(exc))
+                yield ServerSentEvent(comment=f"events unavailable, reconnect: {exc}"[:300], retry=RECONNECT_MS)
                 return
             yield ServerSentEvent(data=json.dumps(item.data, ensure_ascii=False), id=str(item.offset))
             if item.data.get("type") in TERMINAL_TYPES:

@@ -1,0 +1,53 @@
+"""The error taxonomy at the edge of an activity: what the provider's answer becomes for Temporal."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
+
+import httpx
+import openai
+import pytest
+from temporalio import activity
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from ragline.provider_errors import translate_provider_errors
+from temporal.errors import translate_errors
+
+
+def _rate_limited(retry_after: str) -> openai.RateLimitError:
+    request = httpx.Request("POST", "http://model/v1/chat/completions")
+    response = httpx.Response(429, headers={"retry-after": retry_after}, request=request)
+    return openai.RateLimitError("slow down", response=response, body=None)
+
+
+@activity.defn
+@translate_errors
+async def call_the_model(retry_after: str) -> None:
+    with translate_provider_errors("generate"):
+        raise _rate_limited(retry_after)
+
+
+async def _failure(retry_after: str, max_interval: timedelta) -> ApplicationError:
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, retry_policy=RetryPolicy(maximum_interval=max_interval))
+    with pytest.raises(ApplicationError) as caught:
+        await env.run(call_the_model, retry_after)
+    return caught.value
+
+
+async def test_a_429_retries_when_the_provider_asks_within_the_steps_longest_backoff():
+    soon = await _failure("7", timedelta(minutes=1))
+    assert soon.next_retry_delay == timedelta(seconds=7) and not soon.non_retryable
+    assert soon.type == "TransientError"
+    # A spent daily quota asks for a day: the step retries after its longest backoff instead, and says so.
+    quota = await _failure("86400", timedelta(minutes=1))
+    assert quota.next_retry_delay == timedelta(minutes=1)
+    assert "asked to wait 86400 s" in quota.message
+    # Retry-After may be an HTTP date.
+    when = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=30), usegmt=True)
+    dated = await _failure(when, timedelta(minutes=1))
+    assert timedelta(seconds=25) <= dated.next_retry_delay <= timedelta(seconds=31)

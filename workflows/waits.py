@@ -1,0 +1,110 @@
+"""Who in a tree of jobs waits for a person, and what that frees.
+
+A job waits for a person while it is parked for an operator (dead letter) or waits for a review, and
+also while every child job it waits on does. A child (an upload's document, a sub-agent) runs within
+its parent's running slot, so it tells its parent whenever it starts or stops waiting; the job that
+holds the slot lends it while all its children wait, as it does while it waits itself
+(workflows/slot.py), and takes it back when one of them has work again. Before this, a document
+parked for an operator held its upload's slot for as long as it waited (up to the dead-letter TTL),
+and a tenant with a few of them could run nothing else.
+
+When a child resumes, the parent asks for the slot again while the child already runs: for that
+moment the tenant may run one job over its cap, rather than hold an operator's retry in line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from models.tenancy import ChildWaiting
+    from workflows.slot import RunningSlot
+
+# Histories recorded before children told their parents replay without these signals and lendings.
+PATCH = "children-lend-parent-slot"
+SIGNAL = "child_waiting"
+
+
+class PersonWaits:
+    def __init__(self, slot: RunningSlot, *, within_parent: Callable[[], bool]) -> None:
+        """`within_parent`: whether this job runs within its parent's slot (and so tells it)."""
+        self._slot = slot
+        self._within_parent = within_parent
+        self._own = 0                       # the job's own waits for a person going on now
+        self._children: set[str] = set()    # children it waits on now
+        self._waiting: set[str] = set()     # those of them that wait for a person
+        self._heard: dict[str, int] = {}    # the latest signal's seq per child
+        self._told = False                  # what the parent was told last
+        self._seq = 0
+        self._lending: asyncio.Future[None] | None = None
+
+    @asynccontextmanager
+    async def own(self) -> AsyncIterator[None]:
+        """The job waits for a person: its slot is lent (if it holds one), its parent told."""
+        self._own += 1
+        self._changed()
+        try:
+            async with self._slot.lent():
+                yield
+        finally:
+            self._own -= 1
+            self._changed()
+
+    @asynccontextmanager
+    async def child(self, child_id: str) -> AsyncIterator[None]:
+        """The job waits on the child job `child_id` for the block."""
+        if self._lending is None and not self._within_parent() and workflow.patched(PATCH):
+            self._lending = asyncio.ensure_future(self._lend_while_children_wait())
+        self._children.add(child_id)
+        try:
+            yield
+        finally:
+            self._children.discard(child_id)
+            self._waiting.discard(child_id)
+            self._changed()
+
+    def heard(self, news: ChildWaiting) -> None:
+        """A child's `child_waiting` signal."""
+        if news.seq <= self._heard.get(news.job_id, 0):
+            return
+        self._heard[news.job_id] = news.seq
+        if news.waiting and news.job_id in self._children:
+            self._waiting.add(news.job_id)
+        else:
+            self._waiting.discard(news.job_id)
+        self._changed()
+
+    def children_wait(self) -> bool:
+        return bool(self._children) and self._children <= self._waiting
+
+    def waiting(self) -> bool:
+        return self._own > 0 or self.children_wait()
+
+    def _changed(self) -> None:
+        now = self.waiting()
+        if now == self._told or not self._within_parent() or not workflow.patched(PATCH):
+            return
+        self._told = now
+        self._seq += 1
+        parent = workflow.info().parent
+        news = ChildWaiting(job_id=workflow.info().workflow_id, waiting=now, seq=self._seq)
+        asyncio.ensure_future(self._tell(parent.workflow_id, news))
+
+    @staticmethod
+    async def _tell(parent_id: str, news: ChildWaiting) -> None:
+        try:
+            await workflow.get_external_workflow_handle(parent_id).signal(SIGNAL, news)
+        except Exception as exc:  # noqa: BLE001 - the parent has ended: nobody to tell
+            workflow.logger.info("could not tell the parent job %s: %s", parent_id, exc)
+
+    async def _lend_while_children_wait(self) -> None:
+        while True:
+            await workflow.wait_condition(self.children_wait)
+            async with self._slot.lent():
+                await workflow.wait_condition(lambda: not self.children_wait())
+            if self._children:  # one of them has work again
+                await self._slot.take_back()
