@@ -157,8 +157,8 @@ async def authenticate(
 ) -> Caller:
     if api_key and bearer and bearer.credentials != api_key:
         # Which one was meant? Acting as either could act as the wrong tenant.
-        raise ApiError(400, "conflicting_keys", "the request carries two different API keys (X-API-Key and "
-                                                "Authorization): send one")
+        raise ApiError(401, "conflicting_keys", "the request carries two different API keys (X-API-Key and "
+                                                "Authorization): send one", headers={"WWW-Authenticate": "Bearer"})
     key = api_key or (bearer.credentials if bearer else None)
     if not key:
         raise unauthenticated(KEY_REQUIRED)

@@ -327,9 +327,7 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
     elif view.status == "failed":
         error = await failure_of(handle, desc, rpc_timeout)
     elif progress and progress.dead_letters:
-        letter = progress.dead_letters[0]
-        error = JobError(message=f"step {letter.step} failed {letter.attempts} times: {letter.error}",
-                         type="DeadLettered", details=[d.model_dump(mode="json") for d in progress.dead_letters])
+        error = dead_letter_error(progress)
     step_times = [t for s in steps for t in (s.finished_at, s.started_at) if t]
     run_id = desc.run_id
     links = {"temporal_ui": f"{ui_url}/namespaces/{quote(client.namespace)}/workflows/{quote(job_id, safe='')}/"
@@ -364,6 +362,19 @@ async def trace_id(client: Client, job_id: str, run_id: str, rpc_timeout: timede
 
 def _aware(values: list[datetime]) -> list[datetime]:
     return [v if v.tzinfo else v.replace(tzinfo=timezone.utc) for v in values]
+
+
+def dead_letter_error(progress: JobProgress) -> JobError:
+    """Why a dead-lettered job waits for an operator: its parked step, attempts and last error."""
+    letter = progress.dead_letters[0]
+    return JobError(message=f"step {letter.step} failed {letter.attempts} times: {letter.error}",
+                    type="DeadLettered", details=[d.model_dump(mode="json") for d in progress.dead_letters])
+
+
+async def dead_letter_of(handle: WorkflowHandle, rpc_timeout: timedelta) -> JobError | None:
+    """A dead-lettered job's reason (None when no worker answers the job's `progress` query now)."""
+    progress = await _progress(handle, rpc_timeout)
+    return dead_letter_error(progress) if progress and progress.dead_letters else None
 
 
 async def _progress(handle, rpc_timeout: timedelta) -> JobProgress | None:

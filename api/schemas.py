@@ -45,7 +45,7 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-AUTH_ERRORS = {401: "unauthenticated", 429: "rate_limited"}
+AUTH_ERRORS = {401: "unauthenticated, conflicting_keys", 429: "rate_limited"}
 RETRY_AFTER = {"Retry-After": {"description": "Seconds until the key may send again",
                                "schema": {"type": "integer", "minimum": 1}}}
 UNAUTHENTICATED = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
@@ -223,7 +223,7 @@ class DocumentView(BaseModel):
     job_id: str
     created_at: Timestamp
     updated_at: Timestamp
-    error: str | None = Field(None, description="Why the document failed (status failed)")
+    error: str | None = Field(None, description="Why the document failed (failed), or why it waits for an operator (dead_lettered)")
 
 
 class DocumentList(BaseModel):

@@ -10,6 +10,7 @@ import uuid
 import pytest
 from temporalio.service import RPCError
 
+from tests.conftest import running_stack
 from tests.helpers import eventually
 
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
@@ -122,3 +123,38 @@ async def test_a_retrying_step_shows_what_failed_it(stack, dlq_docs):
         assert (await stack.wait_job(accepted["job_id"]))["status"] == "dead_lettered"
     r = await stack.http.post(f"/v1/jobs/{accepted['job_id']}/discard", json={"reason": "test over"})
     assert r.status_code == 200, r.text
+
+
+async def test_a_parked_document_says_why_and_lends_its_uploads_slot(temporal_env, private_llm, tmp_path):
+    """An upload's document whose embeddings keep failing parks for an operator. The documents list says
+    why; the upload, which only waits on it, lends its tenant's running slot (here the tenant's only
+    one), so a chat of the tenant runs meanwhile; an operator's retry then indexes the document once."""
+    llm = private_llm
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, llm, tmp_path, task_queue="ragline-doc-dlq", tenant_max_running_jobs=1,
+                             embeddings_base_url=llm.base_url, embeddings_model="scripted") as stack:
+        seed = await stack.upload(("ferry.txt", b"The ferry to the island leaves at noon from pier four."),
+                                  collection="doc-dlq")
+        assert (await stack.wait_job(seed["job_id"]))["status"] == "completed"
+        with llm.scope() as failing:
+            failing.script("embeddings", ["503"] * ATTEMPTS)
+            upload = await stack.upload(("stuck.txt", f"The ferry leaves at noon. {failing.token}".encode()),
+                                        collection="doc-dlq")
+
+            async def parked() -> dict | None:
+                docs = (await stack.http.get("/v1/documents", params={"collection": "doc-dlq"})).json()["documents"]
+                return next((d for d in docs if d["status"] == "dead_lettered" and d["error"]), None)
+
+            doc = await eventually(parked, timeout=60, what="the document parked, with its reason")
+            assert "embed_chunks" in doc["error"] and "503" in doc["error"], doc
+            assert (await stack.wait_job(upload["job_id"], until=("running",)))["status"] == "running"
+            # The tenant's one slot is lent: another job of the tenant, a turn that needs the model (which
+            # only a turn holding a slot may call), runs to the end.
+            chat = await stack.chat("When does the ferry to the island leave?", collection="doc-dlq")
+            answered = await stack.wait_job(chat["job_id"], until=("completed", "failed"))
+            assert answered["status"] == "completed" and answered["result"]["citations"], answered
+
+            r = await stack.http.post(f"/v1/jobs/{doc['job_id']}/retry", json={"operator": "ops", "reason": "fixed"})
+            assert r.status_code == 200, r.text
+            assert (await stack.wait_done(upload["job_id"]))["status"] == "completed"
+            assert failing.count("embeddings") == ATTEMPTS + 1  # one batch, embedded once after the retry

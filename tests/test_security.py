@@ -64,7 +64,7 @@ async def test_every_route_but_healthz_needs_a_known_key(stack):
     # Two different keys in one request (one tenant's, another's): neither is guessed at.
     async with _client(stack, stack.keys["reviewer"], **{"X-API-Key": stack.keys["other"]}) as both:
         r = await both.get("/v1/jobs")
-        assert r.status_code == 400 and r.json()["error"]["code"] == "conflicting_keys", r.text
+        assert r.status_code == 401 and r.json()["error"]["code"] == "conflicting_keys", r.text
     async with _client(stack, stack.keys["member"], **{"X-API-Key": stack.keys["member"]}) as same_twice:
         assert (await same_twice.get("/v1/jobs")).status_code == 200
     assert (await stack.member_http.get("/v1/jobs")).status_code == 200

@@ -21,7 +21,7 @@ from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentsAccepted, DocumentStatus,
-    DocumentView, error_responses,
+    DocumentView, JobError, error_responses,
 )
 from api.validators import COLLECTION_PATTERN, CursorDep, display_name, validate_collection
 from models.ingest import DocumentInput, IngestInput, IngestResult
@@ -151,12 +151,19 @@ async def list_documents(client: ClientDep, caller: CallerDep, timeout: RpcTimeo
     query = job_views.list_query(caller.tenant, kind="ingest_document", extra=extra)
     executions, next_cursor = await job_views.list_page(client, query, limit, cursor, timeout)
     views = [_document_view(e) for e in executions]
-    failed = [(view, e) for view, e in zip(views, executions) if view.status == "failed"]
-    reasons = await asyncio.gather(*(job_views.failure_of(client.get_workflow_handle(e.id, run_id=e.run_id), e, timeout)
-                                     for _, e in failed))
-    for (view, _), reason in zip(failed, reasons):
-        view.error = reason.message
+    # Why a document failed, or waits for an operator (dead-lettered), without opening its job.
+    stuck = [(view, e) for view, e in zip(views, executions) if view.status in ("failed", "dead_lettered")]
+    reasons = await asyncio.gather(*(_reason(client, view, e, timeout) for view, e in stuck))
+    for (view, _), reason in zip(stuck, reasons):
+        view.error = reason.message if reason else None
     return DocumentList(documents=views, next_cursor=next_cursor)
+
+
+async def _reason(client: Client, view: DocumentView, execution, timeout: timedelta) -> JobError | None:  # noqa: ANN001
+    handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
+    if view.status == "failed":
+        return await job_views.failure_of(handle, execution, timeout)
+    return await job_views.dead_letter_of(handle, timeout)
 
 
 def _document_view(execution) -> DocumentView:
