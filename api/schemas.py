@@ -223,7 +223,8 @@ class DocumentView(BaseModel):
     job_id: str
     created_at: Timestamp
     updated_at: Timestamp
-    error: str | None = Field(None, description="Why the document failed (failed), or why it waits for an operator (dead_lettered)")
+    error: str | None = Field(None, description="Why the document failed (failed), or why it waits for an "
+                                                "operator (dead_lettered)")
 
 
 class DocumentList(BaseModel):
@@ -310,7 +311,7 @@ class EvaluationView(BaseModel):
     status: JobStatus
     created_at: datetime | None = None
     updated_at: datetime | None = None
-    # The report once the job completed (per-question outcomes are in the job's result blob).
+    # The report once the job completed; its per-question `outcomes` only from GET /v1/evaluations/{id}.
     report: EvaluationReport | None = None
 
 

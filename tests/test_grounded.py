@@ -179,6 +179,14 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
     assert report["recall_at_k"] == 1.0 and report["mrr"] == 1.0 and report["honest_refusals"] == 1.0
     # The scripted model always cites passage [1]; answers are scored only where an expected answer is given.
     assert report["citation_correctness"] is not None and report["answer_accuracy"] == 1.0
+    # The evaluation itself shows each question's outcome: what to look at when a number is low.
+    one = (await trusted.http.get(f"/v1/evaluations/{r.json()['job_id']}")).json()
+    outcomes = {o["question"]: o for o in one["report"]["outcomes"]}
+    assert len(outcomes) == 4 and one["report"]["recall_at_k"] == 1.0
+    incident = outcomes["What was the root cause of incident 4711?"]
+    assert incident["rank"] == 1 and incident["top"][0] == "postmortem.txt" and incident["answer_correct"] is True
+    assert outcomes["What is the capital of Australia?"]["supported"] is False
+    assert (await trusted.other_http.get(f"/v1/evaluations/{r.json()['job_id']}")).status_code == 404
     bad = await trusted.http.post("/v1/evaluations?collection=trust", content=b'{"expected_document": "x"}')
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set"
 

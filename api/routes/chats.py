@@ -28,7 +28,8 @@ from api.schemas import (
 )
 from api.validators import SESSION_ID, review_timeout_seconds, validate_collection, validate_session_id
 from models.chat import (
-    MESSAGE_MAX_CHARS, SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, keyed_session_id, session_workflow_id, turn_job_id,
+    MESSAGE_MAX_CHARS, SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, keyed_session_id,
+    session_workflow_id, turn_job_id,
 )
 from models.inputs import NOT_BLANK
 from models.tenancy import workflow_id

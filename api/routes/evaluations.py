@@ -7,6 +7,7 @@ import uuid
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError, RPCStatusCode
 
 from api import job_views, observability
 from api.auth import CallerDep
@@ -16,11 +17,12 @@ from api.idempotency import IdempotencyKeyDep, key_digest, request_digest, start
 from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses,
 )
-from api.validators import validate_collection
+from api.validators import JOB_ID, validate_collection
 from models.evaluation import EvaluationInput, EvaluationOutput
 from models.jobs import COLLECTION_PATTERN
-from models.tenancy import workflow_id
+from models.tenancy import scoped, workflow_id
 from ragline import evaluation
+from ragline.evaluation import EvaluationReport
 from temporal import search_attributes as sa
 from workflows.evaluation import EvaluationWorkflow
 
@@ -88,3 +90,29 @@ async def list_evaluations(client: ClientDep, caller: CallerDep, timeout: RpcTim
         views.append(EvaluationView(job_id=job.job_id, collection=job.collection, status=job.status,
                                     created_at=job.created_at, updated_at=job.updated_at, report=report))
     return EvaluationList(evaluations=views, query=query)
+
+
+@router.get("/{job_id}", summary="One evaluation, with every golden question's outcome once it completed",
+            responses=error_responses({404: "job_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+async def get_evaluation(job_id: JOB_ID, client: ClientDep, caller: CallerDep, blobs: BlobsDep,
+                         timeout: RpcTimeoutDep) -> EvaluationView:
+    """The report as listed, and per question: the expected document's rank, whether the relevance gate
+    let it through, the top hits, and with `answers=true` the answer and whether it (and its citation)
+    was right: what to look at when a number is lower than it should be."""
+    handle = client.get_workflow_handle_for(EvaluationWorkflow.run, scoped(caller.tenant, job_id))
+    try:
+        desc = await handle.describe(rpc_timeout=timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise job_views.not_found(job_id) from None
+        raise
+    if not job_views.owned(desc, caller.tenant) or desc.typed_search_attributes.get(sa.JOB_KIND) != "evaluation":
+        raise job_views.not_found(job_id)
+    job = job_views.summary(desc)
+    report = None
+    if job.status == "completed":
+        out: EvaluationOutput = await handle.result(rpc_timeout=timeout)
+        # The full report (outcomes too) was claim-checked into the blob store: history keeps it small.
+        report = EvaluationReport.model_validate_json(await run_in_threadpool(blobs.get, out.report_ref))
+    return EvaluationView(job_id=job.job_id, collection=job.collection, status=job.status,
+                          created_at=job.created_at, updated_at=job.updated_at, report=report)
