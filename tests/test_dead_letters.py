@@ -11,7 +11,7 @@ import pytest
 from temporalio.service import RPCError
 
 from tests.conftest import running_stack
-from tests.helpers import eventually
+from tests.helpers import eventually, read_events
 
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
 
@@ -158,3 +158,7 @@ async def test_a_parked_document_says_why_and_lends_its_uploads_slot(temporal_en
             assert r.status_code == 200, r.text
             assert (await stack.wait_done(upload["job_id"]))["status"] == "completed"
             assert failing.count("embeddings") == ATTEMPTS + 1  # one batch, embedded once after the retry
+        # The person following the upload saw its document wait for an operator, and go on.
+        told = [e["data"] for _, e in await read_events(stack, upload["job_id"])
+                if e["type"] == "ragline.job.child_waiting"]
+        assert told == [{"job_id": doc["job_id"], "waiting": True}, {"job_id": doc["job_id"], "waiting": False}]

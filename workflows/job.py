@@ -64,7 +64,7 @@ class JobWorkflow:
         self.events = JobEvents()
         self.steps = StepLog(self.events, self._sync_status, [policies.activity_name(a) for a in self.PLANNED])
         self.slot = RunningSlot(self.events, self._sync_status)
-        self.waits = PersonWaits(self.slot, within_parent=lambda: not self.takes_slot())
+        self.waits = PersonWaits(self.slot, within_parent=lambda: not self.takes_slot(), on_child=self._child_waiting)
         self.dead_letters = DeadLetters(self.events, self._sync_status, on_park=lambda: self._count("dead_lettered"),
                                         while_waiting=self.waits.own)
         self.reviews = Reviews(self.events, self._sync_status, while_waiting=self.waits.own)
@@ -128,6 +128,10 @@ class JobWorkflow:
         info = workflow.info()
         kind = info.typed_search_attributes.get(sa.JOB_KIND) or info.workflow_type
         metrics.job_finished(workflow.metric_meter(), kind, status)
+
+    def _child_waiting(self, child_id: str, waiting: bool) -> None:
+        """A person following this job learns that a job it waits on waits for a person (or no longer)."""
+        self.events.emit("ragline.job.child_waiting", {"job_id": child_id, "waiting": waiting})
 
     def begin(self) -> None:
         """The job is under way even before its first step (it waits on children, say)."""

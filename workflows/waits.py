@@ -30,10 +30,13 @@ SIGNAL = "child_waiting"
 
 
 class PersonWaits:
-    def __init__(self, slot: RunningSlot, *, within_parent: Callable[[], bool]) -> None:
-        """`within_parent`: whether this job runs within its parent's slot (and so tells it)."""
+    def __init__(self, slot: RunningSlot, *, within_parent: Callable[[], bool],
+                 on_child: Callable[[str, bool], None] = lambda child_id, waiting: None) -> None:
+        """`within_parent`: whether this job runs within its parent's slot (and so tells it); `on_child`:
+        told when a child starts or stops waiting for a person."""
         self._slot = slot
         self._within_parent = within_parent
+        self._on_child = on_child
         self._own = 0                       # the job's own waits for a person going on now
         self._children: set[str] = set()    # children it waits on now
         self._waiting: set[str] = set()     # those of them that wait for a person
@@ -72,10 +75,15 @@ class PersonWaits:
         if news.seq <= self._heard.get(news.job_id, 0):
             return
         self._heard[news.job_id] = news.seq
-        if news.waiting and news.job_id in self._children:
+        if news.job_id not in self._children:
+            return
+        was = news.job_id in self._waiting
+        if news.waiting:
             self._waiting.add(news.job_id)
         else:
             self._waiting.discard(news.job_id)
+        if was != news.waiting:
+            self._on_child(news.job_id, news.waiting)
         self._changed()
 
     def children_wait(self) -> bool:
