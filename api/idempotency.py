@@ -48,6 +48,15 @@ def ensure_same_request(key: str, recorded: str | None, digest: str) -> None:
                        "that request only: use a new key for a new request")
 
 
+def decision_id(action: str, key: str | None, decision: Any) -> str | None:
+    """The Update id of a person's keyed decision (review, retry, discard): the same decision sent again
+    is the same Update, answered with the first outcome; another decision under the key is a new one,
+    which the job judges as it stands."""
+    if key is None:
+        return None
+    return f"{action}-{key_digest(key)}-{request_digest(decision)[:16]}"
+
+
 async def recorded_request(client: Client, job_id: str, rpc_timeout: timedelta) -> tuple[bool, str | None]:
     """Whether the job exists, and the digest of the request that made it (None when it has none)."""
     try:

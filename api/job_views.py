@@ -448,14 +448,17 @@ async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelt
 
 
 async def send_update(client: Client, tenant: str, job_id: str, name: str, payload: BaseModel,
-                      result_type: type[Ack], rpc_timeout: timedelta, *, refused_code: str) -> Ack:
+                      result_type: type[Ack], rpc_timeout: timedelta, *, refused_code: str,
+                      update_id: str | None = None) -> Ack:
     """A person's decision on a job (operator retry/discard, review), as a validated Update; answers
     the workflow's acknowledgement. Unknown job (or another tenant's): 404; refused by the workflow's
-    validator: 409 with its reason (422 when the decision itself is invalid); job ended: 409."""
+    validator: 409 with its reason (422 when the decision itself is invalid); job ended: 409.
+    `update_id`: the same decision sent again under it gets the first one's acknowledgement (Temporal
+    keeps an Update's outcome by id while the job runs)."""
     job_id = (await describe_job(client, tenant, job_id, rpc_timeout)).job_id
     try:
         ack = await client.get_workflow_handle(job_id).execute_update(
-            name, payload, result_type=result_type, rpc_timeout=rpc_timeout)
+            name, payload, id=update_id, result_type=result_type, rpc_timeout=rpc_timeout)
     except WorkflowUpdateFailedError as exc:
         message = getattr(exc.cause, "message", None) or str(exc.cause)
         if getattr(exc.cause, "type", None) == "InvalidReview":  # what was sent is wrong, not the job's state

@@ -9,7 +9,8 @@ import json
 import uuid
 
 from api.job_views import RecentlyAccepted
-from tests.helpers import delegate_until
+from devtools.scripted_llm import last_user_message
+from tests.helpers import delegate_until, waiting_reviews
 
 
 def _key() -> str:
@@ -125,3 +126,35 @@ async def test_one_key_sent_many_times_at_once_is_one_turn_and_refuses_other_que
     assert (len(accepted), len(refused)) == (same, 8 - same)
     view = (await stack.http.get(f"/v1/chats/{first['session_id']}")).json()
     assert [t["job_id"] for t in view["turns"]] == [first["job_id"]]
+
+
+async def test_a_review_resent_with_its_key_gets_the_first_acknowledgement(stack):
+    """A reviewer's decision whose answer was lost is sent again with the same key: the same
+    acknowledgement, one decision on record. Without a key the second is refused (nothing waits)."""
+    key = _key()
+    release = asyncio.Event()
+    with stack.llm.scope() as llm:
+        async def plan(body: dict) -> dict:
+            if "a reviewer said" in last_user_message(body["messages"]):
+                await release.wait()  # the job stays under way while the decision is sent again
+                return {"tool_calls": [{"name": "finish", "arguments": {"answer": "done as told"}}]}
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"a part {llm.token}"}}]}
+
+        llm.script_fn("agent", plan)
+        r = await stack.http.post("/v1/agents", json={"goal": f"Map the lamps {llm.token}", "collection": "idem",
+                                                      "max_depth": 0})
+        job_id = r.json()["job_id"]
+        [review] = await waiting_reviews(stack, job_id)
+        decision = {"decision": "revise", "reviewer": "ed", "instructions": "answer without delegating"}
+        try:
+            first = await stack.http.post(f"/v1/jobs/{job_id}/review", json=decision, headers={"Idempotency-Key": key})
+            again = await stack.http.post(f"/v1/jobs/{job_id}/review", json=decision, headers={"Idempotency-Key": key})
+            unkeyed = await stack.http.post(f"/v1/jobs/{job_id}/review", json=decision)
+        finally:
+            release.set()
+        assert first.status_code == 200 and again.status_code == 200, (first.text, again.text)
+        assert again.json() == first.json()
+        assert (unkeyed.status_code, unkeyed.json()["error"]["code"]) == (409, "not_waiting_for_review")
+        job = await stack.wait_done(job_id)
+    assert job["status"] == "completed" and [d["reviewer"] for d in job["result"]["decisions"]] == ["ed"]
+    assert review["job_id"] == job_id

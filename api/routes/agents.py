@@ -16,7 +16,7 @@ from api import job_views, observability
 from api.auth import CallerDep, ReviewerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
-from api.idempotency import IdempotencyKeyDep, key_digest, request_digest, start_once
+from api.idempotency import IdempotencyKeyDep, decision_id, key_digest, request_digest, start_once
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AgentAccepted, ReviewItem, ReviewList, ReviewResult, error_responses,
 )
@@ -112,12 +112,14 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
                                         409: "not_waiting_for_review, job_closed",
                                         422: f"{INVALID_REQUEST}, invalid_review", 503: TEMPORAL_DOWN}))
 async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: ReviewerDep,
-                     settings: SettingsDep, timeout: RpcTimeoutDep) -> ReviewResult:
+                     settings: SettingsDep, timeout: RpcTimeoutDep,
+                     idempotency_key: IdempotencyKeyDep = None) -> ReviewResult:
     """Needs a reviewer key. Recorded in the audit log with the key that decided."""
     scoped_id = scoped(caller.tenant, job_id)
     with audit.recorded(settings.data_dir, action="review", job_id=scoped_id, decision=decision.decision,
                         reviewer=decision.reviewer, comment=decision.comment or None, **caller.on_record):
         # The id as asked: an error names the job the caller sent, not its scoped form.
-        ack = await job_views.send_update(client, caller.tenant, job_id, "review", decision, ReviewAck, timeout,
-                                          refused_code="not_waiting_for_review")
+        ack = await job_views.send_update(
+            client, caller.tenant, job_id, "review", decision, ReviewAck, timeout, refused_code="not_waiting_for_review",
+            update_id=decision_id("review", idempotency_key, decision.model_dump(mode="json")))
     return ReviewResult(job_id=scoped_id, **ack.model_dump())

@@ -11,6 +11,7 @@ from temporalio.client import Client
 from api import job_views
 from api.auth import Caller, CallerDep, ReviewerDep
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.idempotency import IdempotencyKeyDep, decision_id
 from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, Accepted, JobList, JobView, OperatorResult, error_responses,
 )
@@ -57,11 +58,12 @@ async def cancel_job(job_id: JOB_ID, request: Request, client: ClientDep, caller
 
 
 async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client, caller: Caller,
-                    settings: Settings, timeout: timedelta) -> OperatorResult:
+                    settings: Settings, timeout: timedelta, key: str | None) -> OperatorResult:
     with audit.recorded(settings.data_dir, action=action, job_id=job_id, operator=req.operator, reason=req.reason,
                         **caller.on_record) as details:
         ack = await job_views.send_update(client, caller.tenant, job_id, action, req, OperatorAck, timeout,
-                                          refused_code="not_dead_lettered")
+                                          refused_code="not_dead_lettered",
+                                          update_id=decision_id(action, key, req.model_dump(mode="json")))
         details["steps"] = ack.steps
     return OperatorResult(job_id=scoped(caller.tenant, job_id), **ack.model_dump())
 
@@ -69,14 +71,14 @@ async def _operator(action: str, job_id: str, req: OperatorRequest, client: Clie
 @router.post("/{job_id}/retry", summary="Resume a dead-lettered job at its failed step (reviewer key)",
              responses=OPERATOR_ERRORS)
 async def retry_job(job_id: JOB_ID, client: ClientDep, caller: ReviewerDep, settings: SettingsDep,
-                    timeout: RpcTimeoutDep,
+                    timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None,
                     req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
-    return await _operator("retry", job_id, req, client, caller, settings, timeout)
+    return await _operator("retry", job_id, req, client, caller, settings, timeout, idempotency_key)
 
 
 @router.post("/{job_id}/discard", summary="End a dead-lettered job as failed (reviewer key)",
              responses=OPERATOR_ERRORS)
 async def discard_job(job_id: JOB_ID, client: ClientDep, caller: ReviewerDep, settings: SettingsDep,
-                      timeout: RpcTimeoutDep,
+                      timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None,
                       req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
-    return await _operator("discard", job_id, req, client, caller, settings, timeout)
+    return await _operator("discard", job_id, req, client, caller, settings, timeout, idempotency_key)
