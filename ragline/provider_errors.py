@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import math
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
@@ -20,9 +21,11 @@ def _retry_after(exc: openai.APIStatusError) -> float | None:
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):

@@ -51,3 +51,10 @@ async def test_a_429_retries_when_the_provider_asks_within_the_steps_longest_bac
     when = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=30), usegmt=True)
     dated = await _failure(when, timedelta(minutes=1))
     assert timedelta(seconds=25) <= dated.next_retry_delay <= timedelta(seconds=31)
+
+
+async def test_a_retry_after_that_is_no_finite_number_is_ignored():
+    assert (await _failure("inf", timedelta(minutes=1))).next_retry_delay is None
+    assert (await _failure("1e400", timedelta(minutes=1))).next_retry_delay is None
+    huge = await _failure("1e20", timedelta(minutes=1))  # finite, far too large for a timedelta
+    assert huge.next_retry_delay == timedelta(minutes=1)

@@ -61,8 +61,10 @@ class JobEvents:
             self._traceparent = (carrier or {}).get("traceparent") or ""
         return self._traceparent or None
 
-    def emit(self, type_: str, data: dict[str, Any] | None = None) -> None:
-        self._watched = self._watched or self._subscriber_waiting()
+    def emit(self, type_: str, data: dict[str, Any] | None = None, *, in_signal: bool = False) -> None:
+        """`in_signal`: emitted by a signal handler, which is itself a handler in flight: it says nothing
+        of a subscriber waiting."""
+        self._watched = self._watched or (not in_signal and self._subscriber_waiting())
         event = self._event(type_, data)
         if self.hold_steps and type_ in RIDE_ALONG:
             self._held.append(event)

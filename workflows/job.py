@@ -64,7 +64,9 @@ class JobWorkflow:
         self.events = JobEvents()
         self.steps = StepLog(self.events, self._sync_status, [policies.activity_name(a) for a in self.PLANNED])
         self.slot = RunningSlot(self.events, self._sync_status)
-        self.waits = PersonWaits(self.slot, within_parent=lambda: not self.takes_slot(), on_child=self._child_waiting)
+        self._calls_running = 0
+        self.waits = PersonWaits(self.slot, within_parent=lambda: not self.takes_slot(),
+                                 busy=lambda: self._calls_running, on_child=self._child_waiting)
         self.dead_letters = DeadLetters(self.events, self._sync_status, on_park=lambda: self._count("dead_lettered"),
                                         while_waiting=self.waits.own)
         self.reviews = Reviews(self.events, self._sync_status, while_waiting=self.waits.own)
@@ -131,7 +133,7 @@ class JobWorkflow:
 
     def _child_waiting(self, child_id: str, waiting: bool) -> None:
         """A person following this job learns that a job it waits on waits for a person (or no longer)."""
-        self.events.emit("ragline.job.child_waiting", {"job_id": child_id, "waiting": waiting})
+        self.events.emit("ragline.job.child_waiting", {"job_id": child_id, "waiting": waiting}, in_signal=True)
 
     def begin(self) -> None:
         """The job is under way even before its first step (it waits on children, say)."""
@@ -163,8 +165,14 @@ class JobWorkflow:
         name = policies.activity_name(activity)
         while True:
             await self.slot.take_back()  # lent while a person decided
+            self._calls_running += 1  # a parked call does not count: it waits for a person
+            self.waits.recheck()
             try:
-                return await policies.execute(activity, arg)
+                try:
+                    return await policies.execute(activity, arg)
+                finally:
+                    self._calls_running -= 1
+                    self.waits.recheck()
             except ActivityError as exc:
                 if is_cancelled_exception(exc):  # the job was cancelled: the step stopped, it did not fail
                     self.steps.cancel(step)

@@ -27,6 +27,8 @@ with workflow.unsafe.imports_passed_through():
 PATCH = "tenant-running-slots"  # histories from before slots replay without them
 # Histories from before a lent slot was taken back only for more work replay taking it back at the decision.
 LENT_PATCH = "slot-taken-back-for-work"
+# Histories from before a second take_back waited for the first one's ask replay it going on at once.
+RETAKE_PATCH = "slot-retake-awaited"
 
 
 class RunningSlot:
@@ -40,6 +42,7 @@ class RunningSlot:
         self.held = False
         self.waiting = False   # told to wait in line
         self.owed = False      # lent to a person's wait: taken back before the job's next piece of work
+        self._retaking = False  # a take_back is asking for the slot now
         self._withdrawals = 0  # an ask withdrawn while it was on its way or in line stops waiting
 
     def heard(self, standing: SlotGrant) -> None:
@@ -112,10 +115,20 @@ class RunningSlot:
         yield
 
     async def take_back(self) -> None:
-        """Before the job's next piece of work: the slot it lent, if it lent one."""
-        if self.owed:
-            self.owed = False
-            await self.acquire(takes_slot=True)
+        """Before the job's next piece of work: the slot it lent, if it lent one. Work that comes while
+        another take_back is still asking (in line at a full gate) waits for that ask too."""
+        while True:
+            if self.owed:
+                self.owed = False
+                self._retaking = True
+                try:
+                    await self.acquire(takes_slot=True)
+                finally:
+                    self._retaking = False
+                return
+            if not (self._retaking and workflow.patched(RETAKE_PATCH)):
+                return
+            await workflow.wait_condition(lambda: not self._retaking)  # then: held, or lent again (owed)
 
     @asynccontextmanager
     async def _lent_until_decided(self) -> AsyncIterator[None]:

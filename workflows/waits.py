@@ -8,8 +8,11 @@ holds the slot lends it while all its children wait, as it does while it waits i
 parked for an operator held its upload's slot for as long as it waited (up to the dead-letter TTL),
 and a tenant with a few of them could run nothing else.
 
-When a child resumes, the parent asks for the slot again while the child already runs: for that
-moment the tenant may run one job over its cap, rather than hold an operator's retry in line.
+When a child resumes, the parent asks for the slot again while the child already runs: until the
+parent has it back (at once, unless the tenant is full), the tenant runs one job over its cap per
+such parent, rather than hold an operator's retry in line. The parent's own next step waits for the
+slot, as after any wait. A document that another upload started is awaited by an activity, not as a
+child: its second upload is not told, and keeps its slot while the document waits.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ SIGNAL = "child_waiting"
 
 
 class PersonWaits:
-    def __init__(self, slot: RunningSlot, *, within_parent: Callable[[], bool],
+    def __init__(self, slot: RunningSlot, *, within_parent: Callable[[], bool], busy: Callable[[], int] = lambda: 0,
                  on_child: Callable[[str, bool], None] = lambda child_id, waiting: None) -> None:
-        """`within_parent`: whether this job runs within its parent's slot (and so tells it); `on_child`:
-        told when a child starts or stops waiting for a person."""
+        """`within_parent`: whether this job runs within its parent's slot (and so tells it); `busy`: how
+        many of its activities run now (a job with work under way does not wait, even if one of its
+        parallel steps does); `on_child`: told when a child starts or stops waiting for a person."""
         self._slot = slot
         self._within_parent = within_parent
+        self._busy = busy
         self._on_child = on_child
         self._own = 0                       # the job's own waits for a person going on now
         self._children: set[str] = set()    # children it waits on now
@@ -90,7 +95,12 @@ class PersonWaits:
         return bool(self._children) and self._children <= self._waiting
 
     def waiting(self) -> bool:
-        return self._own > 0 or self.children_wait()
+        """Nothing of the job runs: it, or every child it waits on, waits for a person."""
+        return (self._own > 0 or self.children_wait()) and self._busy() == 0
+
+    def recheck(self) -> None:
+        """The job's own work started or stopped: tell the parent if that changes whether it waits."""
+        self._changed()
 
     def _changed(self) -> None:
         now = self.waiting()
@@ -110,9 +120,12 @@ class PersonWaits:
             workflow.logger.info("could not tell the parent job %s: %s", parent_id, exc)
 
     async def _lend_while_children_wait(self) -> None:
+        def idle() -> bool:
+            return self.children_wait() and self._busy() == 0
+
         while True:
-            await workflow.wait_condition(self.children_wait)
+            await workflow.wait_condition(idle)
             async with self._slot.lent():
-                await workflow.wait_condition(lambda: not self.children_wait())
+                await workflow.wait_condition(lambda: not idle())
             if self._children:  # one of them has work again
                 await self._slot.take_back()

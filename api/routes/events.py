@@ -10,7 +10,6 @@ log) tells a person which steps are still running, from the server's view of the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 from datetime import datetime, timedelta, timezone
@@ -88,35 +87,36 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
             raise not_found(asked) from None
     start = _start_offset(last_event_id, from_offset)
     cooldown = timedelta(seconds=settings.events_poll_cooldown)
-    if ended and start > 0 and not await _any_from(client, streams, job_id, start, cooldown):
-        # An empty 200 would end the stream, and an EventSource reconnects after every end, for ever.
-        return Response(status_code=204)
-    return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending),
-                               ping=KEEPALIVE_SECONDS)
-
-
-async def _any_from(client: Client, streams: JobStreams, job_id: str, start: int, cooldown: timedelta) -> bool:
-    """Whether an ended job's stream has an event at or after `start` (True when that cannot be told now:
-    the relay then says so, with a time to reconnect)."""
-    try:
-        async with contextlib.aclosing(streams.follow(client, job_id, start, cooldown)) as items:
-            async for _ in items:
-                return True
-    except RPCError:
-        return True
-    return False
+    opened = None
+    if ended and start > 0:
+        # Resumed after the end? Read the first event left (the relay goes on from it: one read).
+        items = streams.follow(client, job_id, start, cooldown).__aiter__()
+        first = asyncio.ensure_future(items.__anext__())
+        await asyncio.wait({first})
+        if isinstance(first.exception(), StopAsyncIteration):
+            await items.aclose()
+            # An empty 200 would end the stream, and an EventSource reconnects after every end, for ever.
+            return Response(status_code=204)
+        opened = items, first
+    return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending,
+                                      opened), ping=KEEPALIVE_SECONDS)
 
 
 async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, start: int, timeout: timedelta,
-                 cooldown: timedelta, pending: bool):
-    if not await wait_until_created(client, tenant, job_id, timeout, pending=pending):
+                 cooldown: timedelta, pending: bool, opened: tuple | None = None):
+    """`opened`: the job's events already followed, and the read of the next one under way."""
+    if opened is not None:
+        items, next_item = opened
+    elif not await wait_until_created(client, tenant, job_id, timeout, pending=pending):
         return
-    # Each poll is an Update that waits in the workflow until there is something new (no busy loop at
-    # any cooldown). With no pause the next poll is already waiting when the job publishes its terminal
-    # event, so that event leaves with the run's last workflow task; otherwise the poll would come after
-    # the run closed and be answered by a query, which a worker serves by replaying the whole history.
-    items = streams.follow(client, job_id, start, cooldown).__aiter__()
-    next_item = asyncio.ensure_future(items.__anext__())
+    else:
+        # Each poll is an Update that waits in the workflow until there is something new (no busy loop
+        # at any cooldown). With no pause the next poll is already waiting when the job publishes its
+        # terminal event, so that event leaves with the run's last workflow task; otherwise the poll
+        # would come after the run closed and be answered by a query, which a worker serves by
+        # replaying the whole history.
+        items = streams.follow(client, job_id, start, cooldown).__aiter__()
+        next_item = asyncio.ensure_future(items.__anext__())
     try:
         while True:
             done, _ = await asyncio.wait({next_item}, timeout=PROGRESS_AFTER)
@@ -129,7 +129,7 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
                 item = next_item.result()
             except StopAsyncIteration:
                 return
-            except RPCError as exc:
+            except Exception as exc:  # noqa: BLE001 - any reason the stream cannot be read: the client comes back
                 # The job's events cannot be read now (an ended job's are read through a worker, which
                 # replays its history; or Temporal is down): say why, and when to come back. A browser's
                 # EventSource reconnects then, with Last-Event-ID, and misses nothing.
