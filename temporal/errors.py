@@ -12,20 +12,18 @@ from temporalio.exceptions import ApplicationError
 from ragline.errors import RaglineError, TransientError
 
 
-MAX_RETRY_AFTER = timedelta(hours=1)  # outside an activity (no retry policy to read), the longest wait honoured
-
-
 def to_application_error(exc: RaglineError) -> ApplicationError:
     delay = None
     message = exc.message
     if isinstance(exc, TransientError) and exc.retry_after is not None:
         # The provider's wish, but no longer than the step's own longest backoff: a Retry-After of a
         # day (a spent daily quota) would otherwise keep the job "running" for days before anyone hears.
-        longest = _max_interval() or MAX_RETRY_AFTER
-        if exc.retry_after > longest.total_seconds():
+        # Outside an activity there is no retry for a delay to shape: none is set.
+        longest = _max_interval()
+        if longest is not None and exc.retry_after > longest.total_seconds():
             message = f"{message} (the provider asked to wait {exc.retry_after:g} s; retried after {longest})"
             delay = longest
-        else:
+        elif longest is not None:
             delay = timedelta(seconds=exc.retry_after)
     return ApplicationError(message, exc.details or None, type=type(exc).__name__,
                             non_retryable=not exc.retryable, next_retry_delay=delay)
