@@ -49,8 +49,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.accepted = RecentlyAccepted()
     app.state.streams = JobStreams()
     errors.install(app)
-    for module in (documents, chats, agents, evaluations, jobs, events, search):
-        app.include_router(module.router, dependencies=[Depends(authenticate)])
+    for router in (documents.router, chats.router, agents.router, evaluations.router, jobs.router,
+                   jobs.dead_letters, events.router, search.router):
+        app.include_router(router, dependencies=[Depends(authenticate)])
     app.include_router(health.router)
     _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))

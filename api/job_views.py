@@ -315,6 +315,13 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
         raise
     if not owned(desc, tenant):
         raise not_found(asked)
+    run_id = desc.run_id
+    links = {"temporal_ui": f"{ui_url}/namespaces/{quote(client.namespace)}/workflows/{quote(job_id, safe='')}/"
+                            f"{run_id}/history"} if ui_url else {}
+    ended = desc.status in ENDED
+    if ended and (kept := _ENDED_VIEWS.get((job_id, run_id))) is not None:
+        _ENDED_VIEWS.move_to_end((job_id, run_id))
+        return kept.model_copy(update={"links": links})
     view = summary(desc)
     turn = (await desc.memo()).get("turn") if view.kind == "chat" else None
     # Before a worker has taken its first task there is nothing to ask the workflow.
@@ -329,13 +336,24 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
     elif progress and progress.dead_letters:
         error = dead_letter_error(progress)
     step_times = [t for s in steps for t in (s.finished_at, s.started_at) if t]
-    run_id = desc.run_id
-    links = {"temporal_ui": f"{ui_url}/namespaces/{quote(client.namespace)}/workflows/{quote(job_id, safe='')}/"
-                            f"{run_id}/history"} if ui_url else {}
-    return JobView(job_id=view.job_id, kind=view.kind, status=view.status, created_at=view.created_at,
-                   updated_at=max([view.updated_at, *_aware(step_times)]), turn=turn, steps=steps,
-                   result=result, error=error, operator_decisions=progress.decisions if progress else [],
-                   trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links)
+    job = JobView(job_id=view.job_id, kind=view.kind, status=view.status, created_at=view.created_at,
+                  updated_at=max([view.updated_at, *_aware(step_times)]), turn=turn, steps=steps,
+                  result=result, error=error, operator_decisions=progress.decisions if progress else [],
+                  trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links)
+    if ended and (progress is not None or not started):  # whole: its steps came from the workflow
+        _ENDED_VIEWS[(job_id, run_id)] = job
+        if len(_ENDED_VIEWS) > ENDED_VIEWS_KEPT:
+            _ENDED_VIEWS.popitem(last=False)
+    return job
+
+
+# An ended run never changes, and its steps are read by a query, which a worker answers by replaying the
+# whole history: a client polling a finished job would keep a worker busy for nothing. Its view is kept
+# (per API process, the most recently read first), and a read costs one describe (ownership, run id).
+ENDED = frozenset({WorkflowExecutionStatus.COMPLETED, WorkflowExecutionStatus.FAILED, WorkflowExecutionStatus.CANCELED,
+                   WorkflowExecutionStatus.TERMINATED, WorkflowExecutionStatus.TIMED_OUT})
+ENDED_VIEWS_KEPT = 2000
+_ENDED_VIEWS: OrderedDict[tuple[str, str], JobView] = OrderedDict()
 
 
 _TRACE_IDS: dict[tuple[str, str], str | None] = {}

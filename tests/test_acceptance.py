@@ -17,7 +17,7 @@ from models.chat import SessionState, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
-from tests.helpers import read_events
+from tests.helpers import delegate_until, read_events, waiting_reviews
 from worker import build_worker
 from workflows.chat import ChatSessionWorkflow
 
@@ -181,3 +181,48 @@ async def test_a_turn_accepted_while_its_session_runs_a_workflow_task_reads_as_q
         assert r.status_code == 200 and r.json()["status"] == "queued", r.text
         # An id nobody sent stays unknown.
         assert (await stack.http.get(f"/v1/jobs/chat-{session}.{'0' * 20}")).status_code == 404
+
+
+async def test_reads_that_need_a_worker_say_so_while_none_runs(temporal_env, scripted_llm, tmp_path):
+    """An ended job's steps and events and a waiting review's request are read through a worker (a
+    query replays the history). With no worker up, a finished job this API process has read reads the
+    same, a stream ends with a `retry:` hint, so an EventSource comes back later with Last-Event-ID, and
+    the review list names the review it could not read instead of dropping it."""
+    tag = uuid.uuid4().hex[:8]
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False,
+                             task_queue=f"worker-gone-{tag}", temporal_rpc_timeout=2) as stack:
+        with stack.llm.scope() as llm:
+            llm.script_fn("agent", delegate_until(leaf_depth=9, token=llm.token))
+            index = open_index(stack.settings)
+            executor = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+            try:
+                async with build_worker(stack.client, stack.settings, index, executor):
+                    chat = await stack.chat(f"Anything about {tag}?", collection=tag)
+                    finished = await stack.wait_done(chat["job_id"])
+                    assert finished["status"] == "completed" and finished["steps"], finished
+                    r = await stack.http.post("/v1/agents", json={"goal": f"Audit {llm.token}", "collection": tag,
+                                                                  "max_depth": 1})
+                    assert r.status_code == 202, r.text
+                    agent = r.json()["job_id"]
+                    [review] = await waiting_reviews(stack, agent)
+                    events = await read_events(stack, chat["job_id"])
+                    assert events[-1][1]["type"] == "ragline.job.completed"
+            finally:
+                executor.shutdown(wait=False, cancel_futures=True)
+                index.close()
+
+        # The worker is gone. A finished job still reads whole: its view was kept by the API when it ended.
+        r = await stack.http.get(f"/v1/jobs/{chat['job_id']}")
+        assert r.status_code == 200 and r.json() == finished, r.text
+        for headers in ({}, {"Last-Event-ID": events[0][0]}):
+            async with stack.http.stream("GET", f"/v1/jobs/{chat['job_id']}/events", headers=headers) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines()]
+            assert "retry: 5000" in lines, lines
+            assert any(line.startswith(": events unavailable, reconnect") for line in lines), lines
+            assert not any(line.startswith("data:") for line in lines), lines
+        r = await stack.http.get("/v1/reviews")
+        assert r.status_code == 200, r.text
+        assert review["job_id"] in r.json()["unreadable"]
+        assert all(not item["job_id"].startswith(agent) for item in r.json()["reviews"])

@@ -84,6 +84,44 @@ async def test_discard_ends_a_parked_job_as_failed(stack, dlq_docs):
     assert (await stack.http.post("/v1/jobs/no-such-job/discard", json={})).status_code == 404
 
 
+async def test_one_request_resumes_every_parked_job_of_a_collection_after_an_outage(stack):
+    collection = f"outage-{uuid.uuid4().hex[:8]}"
+    upload = await stack.upload(("harbours.txt", b"Harbours shelter ships from storms."), collection=collection)
+    assert (await stack.wait_job(upload["job_id"]))["status"] == "completed"
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["503"] * ATTEMPTS * 2)  # the provider is down for both turns' attempts
+        turns = [await stack.chat(f"What do harbours do, {i}? {llm.token}", session_id=f"outage-{i}-{llm.token}",
+                                  collection=collection) for i in range(2)]
+        parked = {t["job_id"] for t in turns}
+        for job_id in parked:
+            assert (await stack.wait_job(job_id))["status"] == "dead_lettered"
+
+        async def listed() -> bool:
+            jobs = (await stack.http.get("/v1/jobs", params={"status": "dead_lettered", "limit": 1000})).json()["jobs"]
+            return parked <= {j["job_id"] for j in jobs}
+        await eventually(listed, what="both turns listed as dead-lettered")
+
+        body = {"collection": collection, "operator": "ana", "reason": "provider back"}
+        assert (await stack.member_http.post("/v1/dead-letters/retry", json=body)).status_code == 403
+        r = await stack.http.post("/v1/dead-letters/retry", json={**body, "limit": 1})
+        assert r.status_code == 200, r.text
+        first = r.json()
+        assert first["more"] is True and first["refused"] == []
+        [one] = first["retried"]
+        assert one["job_id"] in parked and one["action"] == "retry" and one["steps"] == ["generate_answer"]
+        r = await stack.http.post("/v1/dead-letters/retry", json=body)
+        assert r.status_code == 200, r.text
+        second = r.json()
+        assert second["more"] is False
+        # (the first, no longer parked, may still be listed for a moment: then it is refused, not retried twice)
+        assert {j["job_id"] for j in second["refused"]} <= {one["job_id"]}
+        assert {j["job_id"] for j in second["retried"]} == parked - {one["job_id"]}
+        done = [await stack.wait_done(job_id) for job_id in sorted(parked)]
+        assert llm.count("answer") == ATTEMPTS * 2 + 2  # each turn answered once after its retry
+    assert all(job["status"] == "completed" for job in done), done
+    assert all(job["operator_decisions"][0]["operator"] == "ana" for job in done)
+
+
 async def test_poison_input_fails_at_once_without_retries(stack):
     body = await stack.upload(("p.txt", b"Poison pills are inputs that always fail."), collection="poison")
     await stack.wait_job(body["job_id"])

@@ -87,8 +87,15 @@ def test_a_deployment_per_role_running_that_role(objects, config):
         assert command[-3:] == ["worker.py", "--role", role]
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        env = _env(objects, deployment)
+        drain = float(env["RAGLINE_WORKER_GRACEFUL_SHUTDOWN"])
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert grace > float(config["RAGLINE_WORKER_GRACEFUL_SHUTDOWN"])
+        assert grace > drain, f"{role}: the pod is killed before its worker has drained"
+        if role == "llm":
+            # A pod scaled in (or rolled) mid-call lets the call end: cut off, it runs again elsewhere
+            # and the model is paid twice.
+            timeout = float(env.get("RAGLINE_LLM_TIMEOUT", Settings.model_fields["llm_timeout"].default))
+            assert drain >= timeout, f"{role}: drains for {drain:g} s, a model call may take {timeout:g} s"
     workers = {n for k, n in objects if k == "Deployment" and n.startswith("ragline-worker-")}
     assert workers == {f"ragline-worker-{r}" for r in ROLES}
 

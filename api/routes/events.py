@@ -92,19 +92,29 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
         # Resumed after the end? Read the first event left (the relay goes on from it: one read).
         items = streams.follow(client, job_id, start, cooldown).__aiter__()
         first = asyncio.ensure_future(items.__anext__())
-        await asyncio.wait({first})
-        if isinstance(first.exception(), StopAsyncIteration):
+        await asyncio.wait({first}, timeout=timeout.total_seconds())
+        if first.done() and isinstance(first.exception(), StopAsyncIteration):
             await items.aclose()
             # An empty 200 would end the stream, and an EventSource reconnects after every end, for ever.
             return Response(status_code=204)
         opened = items, first
     return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending,
-                                      opened), ping=KEEPALIVE_SECONDS)
+                                      opened, ended=ended), ping=KEEPALIVE_SECONDS)
+
+
+def _come_back(job_id: str, reason: object) -> ServerSentEvent:
+    """The job's events cannot be read now (an ended job's are read through a worker, which replays its
+    history; or Temporal is down): say why, and when to come back. A browser's EventSource reconnects
+    then, with Last-Event-ID, and misses nothing. (An error status would make it give up for good.)"""
+    log.warning("job events unavailable", job_id=job_id, error=str(reason))
+    return ServerSentEvent(comment=f"events unavailable, reconnect: {reason}"[:300], retry=RECONNECT_MS)
 
 
 async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, start: int, timeout: timedelta,
-                 cooldown: timedelta, pending: bool, opened: tuple | None = None):
-    """`opened`: the job's events already followed, and the read of the next one under way."""
+                 cooldown: timedelta, pending: bool, opened: tuple | None = None, *, ended: bool = False):
+    """`opened`: the job's events already followed, and the read of the next one under way. An ended
+    job's events are all there to read: a read that takes longer than an RPC may means no worker
+    answers, and the client is told to come back rather than held on a silent stream."""
     if opened is not None:
         items, next_item = opened
     elif not await wait_until_created(client, tenant, job_id, timeout, pending=pending):
@@ -119,7 +129,10 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
         next_item = asyncio.ensure_future(items.__anext__())
     try:
         while True:
-            done, _ = await asyncio.wait({next_item}, timeout=PROGRESS_AFTER)
+            done, _ = await asyncio.wait({next_item}, timeout=timeout.total_seconds() if ended else PROGRESS_AFTER)
+            if not done and ended:
+                yield _come_back(job_id, f"no worker answered within {timeout.total_seconds():g} s")
+                return
             if not done:
                 event = await _progress_event(client, job_id, timeout)
                 if event:
@@ -130,11 +143,7 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
             except StopAsyncIteration:
                 return
             except Exception as exc:  # noqa: BLE001 - any reason the stream cannot be read: the client comes back
-                # The job's events cannot be read now (an ended job's are read through a worker, which
-                # replays its history; or Temporal is down): say why, and when to come back. A browser's
-                # EventSource reconnects then, with Last-Event-ID, and misses nothing.
-                log.warning("job events unavailable", job_id=job_id, error=str(exc))
-                yield ServerSentEvent(comment=f"events unavailable, reconnect: {exc}"[:300], retry=RECONNECT_MS)
+                yield _come_back(job_id, exc)
                 return
             yield ServerSentEvent(data=json.dumps(item.data, ensure_ascii=False), id=str(item.offset))
             if item.data.get("type") in TERMINAL_TYPES:

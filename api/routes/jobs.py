@@ -1,27 +1,35 @@
-"""GET /v1/jobs, GET /v1/jobs/{job_id}, POST /v1/jobs/{job_id}/cancel, /retry and /discard."""
+"""GET /v1/jobs, GET /v1/jobs/{job_id}, POST /v1/jobs/{job_id}/cancel, /retry and /discard, and
+POST /v1/dead-letters/retry (every parked job at once, after an outage)."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Request
+from pydantic import BaseModel, Field
 from temporalio.client import Client
 
 from api import job_views
 from api.auth import Caller, CallerDep, ReviewerDep
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, decision_id
 from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, Accepted, JobList, JobView, OperatorResult, error_responses,
 )
 from api.validators import JOB_ID, CursorDep
-from models.jobs import JobKind, JobStatus, OperatorAck, OperatorRequest
-from models.tenancy import scoped
+from models.inputs import STRICT_INPUT
+from models.jobs import COLLECTION_PATTERN, JobKind, JobStatus, OperatorAck, OperatorRequest
+from models.tenancy import local_id, scoped
+from temporal import search_attributes as sa
 from ragline import audit
 from ragline.settings import Settings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+dead_letters = APIRouter(prefix="/v1/dead-letters", tags=["jobs"])
+BULK_RETRIES_AT_ONCE = 16  # Updates in flight to Temporal at once for one bulk retry
 
 OPERATOR_ERRORS = error_responses({403: "forbidden", 404: "job_not_found", 409: "not_dead_lettered, job_closed",
                                    422: INVALID_REQUEST, 503: TEMPORAL_DOWN})
@@ -82,3 +90,53 @@ async def discard_job(job_id: JOB_ID, client: ClientDep, caller: ReviewerDep, se
                       timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None,
                       req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
     return await _operator("discard", job_id, req, client, caller, settings, timeout, idempotency_key)
+
+
+class DeadLetterRetry(OperatorRequest):
+    """Which of the tenant's dead-lettered jobs to resume: all, or those of one kind or collection."""
+    model_config = STRICT_INPUT
+    kind: JobKind | None = None
+    collection: str | None = Field(None, pattern=COLLECTION_PATTERN)
+    limit: int = Field(100, ge=1, le=1000, description="At most this many jobs, the most recently started first")
+
+
+class RetryRefused(BaseModel):
+    job_id: str
+    code: str = Field(description="not_dead_lettered or job_closed: it was retried, discarded or ended meanwhile")
+    message: str
+
+
+class DeadLetterRetryResult(BaseModel):
+    retried: list[OperatorResult]
+    refused: list[RetryRefused]
+    more: bool = Field(description="More dead-lettered jobs match than `limit`: send the request again")
+
+
+@dead_letters.post("/retry", summary="Resume every dead-lettered job (of a kind, of a collection) at its failed "
+                                     "step, after an outage (reviewer key)",
+                   responses=error_responses({403: "forbidden", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+async def retry_dead_letters(req: DeadLetterRetry, client: ClientDep, caller: ReviewerDep, settings: SettingsDep,
+                             timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None) -> DeadLetterRetryResult:
+    """Each job is retried as by `POST /v1/jobs/{job_id}/retry`, and audited on its own. With an
+    Idempotency-Key, a job the request already retried is not retried again when it is sent again."""
+    extra = {sa.COLLECTION.name: req.collection} if req.collection else None
+    query = job_views.list_query(caller.tenant, status="dead_lettered", kind=req.kind, extra=extra)
+    parked = await job_views.list_jobs(client, query, req.limit + 1, timeout)
+    operator = OperatorRequest(operator=req.operator, reason=req.reason)
+    retried: list[OperatorResult] = []
+    refused: list[RetryRefused] = []
+    at_once = asyncio.Semaphore(BULK_RETRIES_AT_ONCE)
+
+    async def retry(job_id: str) -> None:
+        async with at_once:
+            try:
+                retried.append(await _operator("retry", job_id, operator, client, caller, settings, timeout,
+                                               idempotency_key))
+            except ApiError as exc:
+                if exc.status != 409:
+                    raise
+                refused.append(RetryRefused(job_id=scoped(caller.tenant, job_id), code=exc.code, message=exc.message))
+
+    await asyncio.gather(*(retry(local_id(e.id)) for e in parked[:req.limit]))
+    return DeadLetterRetryResult(retried=sorted(retried, key=lambda r: r.job_id),
+                                 refused=sorted(refused, key=lambda r: r.job_id), more=len(parked) > req.limit)
