@@ -72,7 +72,8 @@ _NAME = policies.activity_name
 NEEDS: dict[str, frozenset[str]] = {
     # The answer cache lives with the index (it is keyed by the collection's version): cache_answer too.
     "index": frozenset(map(_NAME, (
-        IngestActivities.index_chunks, IngestActivities.prune_stale_chunks, ChatActivities.retrieve_context,
+        IngestActivities.index_chunks, IngestActivities.prune_stale_chunks, IngestActivities.remove_document_chunks,
+        ChatActivities.retrieve_context,
         ChatActivities.cache_answer, AgentActivities.search_documents, SearchActivities.search_chunks,
         EvaluationActivities.evaluate_collection))),
     "embedder": frozenset(map(_NAME, (

@@ -9,7 +9,7 @@ from temporalio import activity
 
 from models.ingest import (
     ChunkInput, ChunkOutput, EmbedInput, EmbedOutput, ExtractInput, ExtractOutput, IndexInput, IndexOutput,
-    PruneInput, PruneOutput,
+    PruneInput, PruneOutput, RemoveInput,
 )
 from ragline import metrics, text
 from ragline.blobstore import BlobStore
@@ -80,4 +80,11 @@ class IngestActivities:
     @translate_errors
     def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
         self.index.prune(req.tenant, req.collection, req.document_id, req.keep_chunks)
+        return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())
+
+    @activity.defn
+    @translate_errors
+    def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
+        """Undo the batches a failed ingestion indexed: nobody should find a document that is not there."""
+        self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0)
         return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())

@@ -125,6 +125,12 @@ class PruneInput(BaseModel):
     keep_chunks: int
 
 
+class RemoveInput(BaseModel):
+    tenant: str = DEFAULT_TENANT
+    document_id: str
+    collection: str
+
+
 class PruneOutput(StepResult):
     points: int
 

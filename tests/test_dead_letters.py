@@ -200,3 +200,42 @@ async def test_a_parked_document_says_why_and_lends_its_uploads_slot(temporal_en
         told = [e["data"] for _, e in await read_events(stack, upload["job_id"])
                 if e["type"] == "ragline.job.child_waiting"]
         assert told == [{"job_id": doc["job_id"], "waiting": True}, {"job_id": doc["job_id"], "waiting": False}]
+
+
+@pytest.mark.parametrize("action, ends", [("discard", "failed"), ("cancel", "cancelled")])
+async def test_a_document_that_does_not_complete_leaves_nothing_to_find(temporal_env, private_llm, tmp_path,
+                                                                        action, ends):
+    """A document whose last batch of embeddings keeps failing parks with its other batches already
+    indexed. Discarded or cancelled, it ends so, and what it had indexed goes with it: no search finds
+    a document that is not there."""
+    llm = private_llm
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, llm, tmp_path, task_queue=f"ragline-doc-{action}", embed_batch_size=4,
+                             embeddings_base_url=llm.base_url, embeddings_model="scripted") as stack:
+        with llm.scope() as failing:
+            failing.script_fn("embeddings", lambda body: {"fault": "503"})  # only batches with the token
+            paragraphs = [f"Paragraph {i}: the tide tables of harbour {i} list high water at {i} o'clock. " * 6
+                          for i in range(10)]
+            text = "\n\n".join(paragraphs) + f" {failing.token}"
+            upload = await stack.upload(("tides.txt", text.encode()), collection="undo")
+            [document] = upload["documents"]
+
+            async def parked_with_batches_indexed() -> dict | None:
+                job = (await stack.http.get(f"/v1/jobs/{upload['job_id']}")).json()
+                docs = (await stack.http.get("/v1/documents", params={"collection": "undo"})).json()["documents"]
+                doc = next((d for d in docs if d["status"] == "dead_lettered"), None)
+                indexed = stack.index.count(stack.tenant, "undo", document["document_id"])
+                return doc if doc and indexed and job["status"] == "running" else None
+
+            doc = await eventually(parked_with_batches_indexed, timeout=60, what="the document parked, part indexed")
+            hits = await stack.search("When is high water at harbour 1?", collection="undo")
+            assert any(h["document_id"] == document["document_id"] for h in hits), hits
+
+            r = await stack.http.post(f"/v1/jobs/{doc['job_id']}/{action}",
+                                      json={"operator": "ops"} if action == "discard" else None)
+            assert r.status_code in (200, 202), r.text
+            assert (await stack.wait_done(doc["job_id"]))["status"] == ends
+            failed = await stack.wait_done(upload["job_id"])
+        assert failed["status"] == "failed", failed
+        assert stack.index.count(stack.tenant, "undo", document["document_id"]) == 0
+        assert await stack.search("When is high water at harbour 1?", collection="undo") == []

@@ -83,7 +83,8 @@ def test_each_role_runs_exactly_what_the_policy_file_routes_to_its_queues():
     assert served["llm"] == {"generate_answer", "generate_answer_fallback", "summarize_context", "extract_entities",
                              "agent_plan"}
     assert served["cpu"] == {"extract_text", "chunk_text", "embed_chunks"}
-    assert served["vector"] == {"index_chunks", "prune_stale_chunks", "retrieve_context", "search_documents",
+    assert served["vector"] == {"index_chunks", "prune_stale_chunks", "remove_document_chunks", "retrieve_context",
+                                "search_documents",
                                 "search_chunks", "cache_answer", "evaluate_collection"}
     assert served["workflows"] == {"await_document", "await_turn", "acquire_slot", "release_slot", "ended_jobs"}
     assert served["all"] == set(worker.activity_names())
