@@ -38,7 +38,7 @@ from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
     AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
     ExtractInput, ExtractOutput, IndexInput, IndexOutput, IngestInput, IngestResult, PruneInput, PruneOutput,
-    SearchInput, SearchOutput, document_workflow_id,
+    RemoveInput, SearchInput, SearchOutput, document_workflow_id,
 )
 from ragline.settings import Settings
 from temporal import policies, queues
@@ -138,6 +138,12 @@ class Fakes:
         self._end(call)
         return PruneOutput(points=req.keep_chunks, attempt=call.attempt)
 
+    @activity.defn(name="remove_document_chunks")
+    async def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
+        call = self._start("remove_document_chunks", req)
+        self._end(call)
+        return PruneOutput(points=0, attempt=call.attempt)
+
     @activity.defn(name="search_chunks")
     async def search_chunks(self, req: SearchInput) -> SearchOutput:
         self._end(self._start("search_chunks", req))
@@ -215,6 +221,7 @@ class Fakes:
 
     def all(self) -> list:
         return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks,
+                self.remove_document_chunks,
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
