@@ -82,7 +82,8 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
            "RAGLINE_CODEC_KEYS_FILE": str(SHARED_CODEC_KEYS),  # the keys of the test's API (running_stack)
            "RAGLINE_LLM_BASE_URL": scripted_llm.base_url, "RAGLINE_LLM_MODEL": "scripted",
            "RAGLINE_LLM_TIMEOUT": "3", "RAGLINE_POLICIES": str(FIXTURES.parent / "fast_policies.toml"),
-           "RAGLINE_EMBED_BATCH_SIZE": "4"}
+           "RAGLINE_EMBED_BATCH_SIZE": "4",
+           "RAGLINE_WORKER_METRICS_PORT": "0"}  # not the default port, which a running `make run` holds
     log = tmp_path / "worker.log"
     rng = random.Random(20)
     kills: list[float] = []
