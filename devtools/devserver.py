@@ -54,6 +54,8 @@ LOG_TAIL_LINES = 40
 # visibility store is its own SQLite file, written at once: seconds are enough. (Each value is read as
 # JSON, hence the quoted durations.)
 DYNAMIC_CONFIG = {
+    # Within one priority, tasks go out in turn among fairness keys (the tenant: policies.fair_share).
+    "matching.enableFairness": "true",
     "matching.numTaskqueueReadPartitions": 1,
     "matching.numTaskqueueWritePartitions": 1,
     "history.transferProcessorMaxPollRPS": 1000,

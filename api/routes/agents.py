@@ -27,6 +27,7 @@ from models.jobs import COLLECTION_PATTERN
 from models.review import ReviewAck, ReviewDecision
 from models.tenancy import scoped, workflow_id
 from ragline import audit
+from temporal import policies
 from temporal import search_attributes as sa
 from workflows.agent import AgentWorkflow
 
@@ -72,7 +73,7 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
         AgentInput(tenant=caller.tenant, goal=req.goal, collection=req.collection, max_depth=req.max_depth,
                    budget=Budget(**req.budget.model_dump()), review_timeout_seconds=review_timeout_seconds(settings)),
         id=job_id, key=idempotency_key, digest=request_digest("agent", req.model_dump()), rpc_timeout=timeout,
-        task_queue=settings.task_queue,
+        task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant),
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
             SearchAttributePair(sa.COLLECTION, req.collection), SearchAttributePair(sa.TENANT, caller.tenant)]))

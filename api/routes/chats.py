@@ -34,6 +34,7 @@ from models.chat import (
 from models.inputs import NOT_BLANK
 from models.tenancy import workflow_id
 from ragline import tracing
+from temporal import policies
 from temporal import search_attributes as sa
 from workflows.chat import ChatSessionWorkflow
 
@@ -79,6 +80,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                 ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
                 id=session_workflow_id(caller.tenant, session_id),
                 task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
+                priority=policies.fair_share(caller.tenant),
                 search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
                                                          SearchAttributePair(sa.SESSION, session_id),
                                                          SearchAttributePair(sa.TENANT, caller.tenant)]),

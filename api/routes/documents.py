@@ -30,6 +30,7 @@ from models.tenancy import workflow_id
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 from ragline.text import sniff_kind
+from temporal import policies
 from temporal import search_attributes as sa
 from workflows.ingest import IngestWorkflow
 
@@ -107,7 +108,7 @@ async def upload_documents(
         await client.start_workflow(
             IngestWorkflow.run, IngestInput(tenant=caller.tenant, collection=collection,
                                             documents=list(documents.values())),
-            id=job_id, task_queue=settings.task_queue,
+            id=job_id, task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant),
             # Same files again: a running job is reused; a finished one that failed may run again.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
