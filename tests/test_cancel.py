@@ -15,7 +15,7 @@ import pytest
 from models.chat import session_workflow_id
 from ragline import audit
 from temporal import policies
-from tests.helpers import eventually
+from tests.helpers import delegate_until, eventually, waiting_reviews
 
 HERDS = "The herds of the Serengeti cross the Mara river every July, watched by rangers in small aircraft."
 # 300 pieces: streamed at 50 ms a piece the whole answer takes 15 s, within the attempt's 20 s.
@@ -115,3 +115,25 @@ async def test_a_cancelled_waiting_turn_is_skipped_and_its_session_goes_on(stack
 async def test_cancelling_an_unknown_job_is_404(stack):
     r = await stack.http.post("/v1/jobs/acme.chat-nosuchsession.0000/cancel")
     assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
+
+
+async def test_cancelling_an_agent_cancels_its_sub_agent_waiting_for_review(stack):
+    """An agent tree is one job: cancelled at its root, the sub-agent that waits for a reviewer ends too,
+    and nothing of it is left in the reviewers' list."""
+    with stack.llm.scope() as llm:
+        llm.script_fn("agent", delegate_until(leaf_depth=9, token=llm.token))
+        r = await stack.http.post("/v1/agents", json={"goal": f"Survey the herds {llm.token}", "collection": "cancel",
+                                                      "max_depth": 1})
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        [review] = await waiting_reviews(stack, job_id)
+        assert review["job_id"] != job_id  # the sub-agent waits, not the root
+        r = await stack.http.post(f"/v1/jobs/{job_id}/cancel")
+        assert r.status_code == 202, r.text
+        assert (await stack.wait_done(job_id))["status"] == "cancelled"
+        assert (await stack.wait_done(review["job_id"]))["status"] == "cancelled"
+
+    async def none_listed() -> bool:  # the listing reads visibility, which follows a moment later
+        reviews = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        return not [item for item in reviews if item["job_id"].startswith(job_id)]
+    await eventually(none_listed, what="no review of the cancelled tree listed")
