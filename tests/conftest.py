@@ -108,7 +108,8 @@ SHARED_CODEC_KEYS = Path(tempfile.mkdtemp(prefix="ragline-test-codec-")) / "code
 def shared_pdf(name: str) -> Path:
     path = SHARED_PDFS / name
     if not path.exists():
-        pytest.skip(f"{path} is not here (../shared/pdfs sits beside the project folder)")
+        pytest.fail(f"{path} is not here: the shared PDFs are part of the test setup (../shared/pdfs sits "
+                    "beside the project folder)", pytrace=False)
     return path
 
 

@@ -136,11 +136,15 @@ async def test_a_rejected_delegation_is_not_proposed_again(stack):
     assert job["status"] == "completed" and job["result"]["status"] == "stopped"
     assert [d["decision"] for d in job["result"]["decisions"]] == ["approve", "reject"]
     assert await _tree_reviews(stack, job_id) == []
-    listed = (await stack.http.get("/v1/jobs", params={"kind": "agent", "limit": 1000})).json()["jobs"]
-    tree = [j for j in listed if j["job_id"].startswith(job_id)]
+
+    async def tree_listed() -> list[dict]:
+        listed = (await stack.http.get("/v1/jobs", params={"kind": "agent", "limit": 1000})).json()["jobs"]
+        tree = [j for j in listed if j["job_id"].startswith(job_id)]
+        return tree if len(tree) >= 3 and all(j["status"] == "completed" for j in tree) else []
+
+    tree = await eventually(tree_listed, what="the agent tree listed as completed")
     # root, one child, one grandchild: the child did not delegate the rejected branch a second time
     assert sorted(j["job_id"] for j in tree) == [job_id, f"{job_id}.1", f"{job_id}.1.1"]
-    assert all(j["status"] == "completed" for j in tree)
 
 
 async def test_loop_guard_trips_on_a_repeated_goal(stack):
@@ -223,6 +227,7 @@ async def test_bad_tool_calls_are_tool_errors_and_events_carry_depth(stack):
     assert "search_documents needs a non-empty string 'query'" in plans[2].user_message
 
     events = await read_events(stack, job_id)
+    assert events
     assert all(e["data"].get("depth") == 0 for _, e in events)
 
 

@@ -47,8 +47,10 @@ async def test_exhausted_step_parks_and_retry_resumes_at_that_step(stack, dlq_do
         # Parked, the job spends nothing more: the side steps wait behind the answer.
         assert llm.count("summarize") == 0 and llm.count("extract_entities") == 0
 
-        listed = (await stack.http.get("/v1/jobs", params={"status": "dead_lettered"})).json()["jobs"]
-        assert job["job_id"] in {j["job_id"] for j in listed}
+        async def listed() -> bool:
+            jobs = (await stack.http.get("/v1/jobs", params={"status": "dead_lettered", "limit": 1000})).json()["jobs"]
+            return job["job_id"] in {j["job_id"] for j in jobs}
+        await eventually(listed, what="the job listed as dead-lettered")
 
         # The fault is gone (the script is used up): retry completes without redoing finished steps.
         r = await stack.http.post(f"/v1/jobs/{job['job_id']}/retry",
@@ -68,7 +70,7 @@ async def test_exhausted_step_parks_and_retry_resumes_at_that_step(stack, dlq_do
     assert done["operator_decisions"][0]["operator"] == "ana"
 
     again = await stack.http.post(f"/v1/jobs/{job['job_id']}/retry", json={})
-    assert again.status_code == 409
+    assert again.status_code == 409 and again.json()["error"]["code"] == "job_closed", again.text
 
 
 async def test_discard_ends_a_parked_job_as_failed(stack, dlq_docs):
@@ -143,7 +145,9 @@ async def test_a_retrying_step_shows_what_failed_it(stack, dlq_docs):
     and replaces one over 4 KB with "Failure exceeds size limit.": a dropped connection's failure, with
     the HTTP client's whole exception chain, used to be that large."""
     with stack.llm.scope() as llm:
-        llm.script("answer", ["drop"] * ATTEMPTS)
+        # The second attempt drops too, but only after 2 s (under the stack's 3 s llm_timeout): long enough
+        # to find it pending, with the first attempt's failure, however busy the machine.
+        llm.script("answer", ["drop", {"fault": "drop", "delay": 2}] + ["drop"] * (ATTEMPTS - 2))
         accepted = await stack.chat(f"What do lighthouses guide? {llm.token}", collection="dlq")
         handle = stack.client.get_workflow_handle(accepted["job_id"])
 

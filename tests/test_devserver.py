@@ -3,7 +3,6 @@ durability of the SQLite file across a restart."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,6 @@ def test_command_flags(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
-    started = time.monotonic()
     port = _free_grpc_port()
     settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{port}",
                         temporal_ui_port=port + 5)
@@ -72,4 +70,3 @@ async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
         assert desc.status == WorkflowExecutionStatus.RUNNING
         assert desc.workflow_type == "Nothing"
     assert not await temporal_reachable(settings.temporal_address)
-    assert time.monotonic() - started < 30

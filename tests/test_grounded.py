@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.scripted_llm import ScriptedLLM
 from tests.conftest import running_stack, worker_metrics_url
+from tests.helpers import eventually
 
 POSTMORTEM = (
     "Postmortem of incident 4711. The root cause of incident 4711 was an expired TLS certificate on the "
@@ -172,9 +173,14 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
     assert r.status_code == 202, r.text
     job = await trusted.wait_job(r.json()["job_id"])
     assert job["status"] == "completed" and job["kind"] == "evaluation", job
-    listed = (await trusted.http.get("/v1/evaluations?collection=trust")).json()["evaluations"]
-    [mine] = [e for e in listed if e["job_id"] == r.json()["job_id"]]
-    report = mine["report"]
+
+    async def listed() -> dict | None:
+        evaluations = (await trusted.http.get("/v1/evaluations?collection=trust")).json()["evaluations"]
+        mine = [e for e in evaluations if e["job_id"] == r.json()["job_id"]]
+        assert len(mine) <= 1, mine
+        return mine[0] if mine and mine[0]["status"] == "completed" and mine[0]["report"] else None
+
+    report = (await eventually(listed, what="the evaluation listed as completed, with its report"))["report"]
     assert report["questions"] == 4 and report["in_corpus"] == 3 and report["out_of_corpus"] == 1
     assert report["recall_at_k"] == 1.0 and report["mrr"] == 1.0 and report["honest_refusals"] == 1.0
     # The scripted model always cites passage [1]; answers are scored only where an expected answer is given.

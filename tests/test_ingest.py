@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 
 from tests.conftest import shared_pdf
@@ -187,10 +188,14 @@ async def test_bad_uploads_are_refused_up_front(stack):
     assert missing.status_code == 422 and "files" in missing.json()["error"]["message"]
 
     # A valid file next to a bad one: the whole request is refused and nothing starts.
-    mixed = await post([("files", ("ok.txt", b"fine text here")), ("files", ("empty.txt", b""))])
-    assert mixed.status_code == 400
+    collection = f"mixed-{uuid.uuid4().hex[:8]}"
+    mixed = await post([("files", ("ok.txt", b"fine text here")), ("files", ("empty.txt", b""))],
+                       collection=collection)
+    assert mixed.status_code == 400 and mixed.json()["error"]["code"] == "empty_file"
+    docs = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
+    assert docs == []
     jobs = (await stack.http.get("/v1/jobs", params={"kind": "ingest", "limit": 1000})).json()["jobs"]
-    assert all(j["collection"] != "default" or j["status"] for j in jobs)
+    assert [j for j in jobs if j["collection"] == collection] == []
 
 
 async def test_upload_limit_and_filenames_are_not_paths(stack, tmp_path):

@@ -138,8 +138,11 @@ async def test_a_capped_tenant_runs_one_job_at_a_time_and_queues_the_rest(stack)
             await _in_line(stack, tenant, *waiting)
             for job_id in waiting:  # (once it has heard so from the gate: retrieval may run meanwhile)
                 await _wait_status(http, job_id, "queued")
-            jobs = (await http.get("/v1/jobs", params={"status": "queued"})).json()["jobs"]
-            assert {j["job_id"] for j in jobs} >= set(waiting)
+
+            async def listed() -> bool:
+                jobs = (await http.get("/v1/jobs", params={"status": "queued", "limit": 1000})).json()["jobs"]
+                return {j["job_id"] for j in jobs} >= set(waiting)
+            await eventually(listed, what="both turns listed as queued")
             assert await _status(http, held.holder) == "running"
             assert held.others.count("answer") == 0
             held.release.set()

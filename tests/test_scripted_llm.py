@@ -207,11 +207,10 @@ async def test_hang_is_a_timeout_and_stop_releases_hung_requests(llm, client):
     llm.script("answer", ["hang"])
     pending = asyncio.ensure_future(ask(client, timeout=30))
     await llm.wait_for_calls(3, "answer")
-    began = time.monotonic()
     await llm.stop()
-    assert time.monotonic() - began < 3
-    with pytest.raises(openai.APIConnectionError):
+    with pytest.raises(openai.APIConnectionError) as caught:
         await asyncio.wait_for(pending, 5)
+    assert type(caught.value) is openai.APIConnectionError  # released by the stop, not the client's 30 s timeout
 
 
 async def test_malformed_bodies_raise_json_decode_errors(llm, client):
@@ -234,7 +233,7 @@ async def test_random_faults_are_reproducible_with_a_seed(llm, client):
         outcomes = []
         for _ in range(16):
             try:
-                await ask(client, timeout=0.3)
+                await ask(client, timeout=3)
                 outcomes.append("ok")
             except (openai.OpenAIError, ValueError) as exc:
                 outcomes.append(type(exc).__name__)
@@ -263,11 +262,9 @@ async def test_random_faults_are_reproducible_with_a_seed(llm, client):
 
 async def test_counts_overlap_and_hundreds_of_concurrent_requests(llm, client):
     llm.set_delay(0.5)
-    began = time.monotonic()
     results = await asyncio.gather(*(ask(client, "answer" if i % 2 else "summarize",
                                          extra_headers={"X-Ragline-Step": f"s{i}"}) for i in range(300)))
-    elapsed = time.monotonic() - began
-    assert len(results) == 300 and elapsed < 10, elapsed  # one after the other it would take 150 s
+    assert len(results) == 300
     assert llm.count() == 300 and llm.count("answer") == 150 and llm.count("summarize", ok_only=True) == 150
     assert llm.max_concurrency() >= 100
     a, s = llm.calls_for("answer")[0], llm.calls_for("summarize")[0]
@@ -331,10 +328,9 @@ async def test_scopes_keep_scripts_delays_and_records_to_requests_with_their_tok
         mine.script("answer", ["mine 1", "503"])
         other.script_fn("*", lambda body: {"content": "other's"})
         mine.set_delay(0.3)
-        # A request without either token takes the unscoped script, at once.
-        began = time.monotonic()
+        # A request without either token takes the unscoped script, without the scope's delay.
         assert (await ask(client)).choices[0].message.content == "unscoped"
-        assert time.monotonic() - began < 0.3
+        assert llm.calls[-1].scope is None
         # The token may sit anywhere in the messages (here: the question); the scope's script comes first.
         began = time.monotonic()
         assert (await ask(client, messages=messages("answer", f"Zebras? {mine.token}"))
@@ -372,9 +368,8 @@ async def test_scoped_stream_chunk_delay_and_cut_off_calls(llm, client):
             client, stream=True, messages=messages("answer", f"Slow? {slow.token}"))
             if c.choices and c.choices[0].delta.content]
         assert time.monotonic() - began >= 0.05 * (len(pieces) - 1)
-        began = time.monotonic()
         await ask(client, stream=True)  # not in the scope: no pause
-        assert time.monotonic() - began < 0.05 * (len(pieces) - 1)
+        assert llm.calls[-1].scope is None
 
         # A client that goes away before the reply is sent is recorded as cut off; an injected fault is not.
         slow.set_delay(5)

@@ -30,7 +30,7 @@ from temporal import codec as codec_mod
 from temporal import search_attributes as sa
 from temporal.client import connect
 from tests.conftest import serving_api
-from tests.helpers import delegate_until, waiting_reviews
+from tests.helpers import delegate_until, eventually, waiting_reviews
 
 DOC_A = "The {tag} lighthouse of Acme is painted red and white and has 120 steps."
 DOC_B = "The {tag} granary of Globex stores barley and opens at dawn every Monday."
@@ -51,7 +51,7 @@ async def test_every_route_but_healthz_needs_a_known_key(stack):
                   ("POST", "/v1/search"), ("GET", "/v1/jobs/acme.agent-x"), ("GET", "/v1/chats/s1"),
                   ("POST", "/v1/chats"), ("POST", "/v1/agents"), ("GET", "/v1/jobs/acme.agent-x/events"),
                   ("POST", "/v1/jobs/x/retry"), ("POST", "/v1/jobs/x/discard"), ("POST", "/v1/jobs/x/review"),
-                  ("POST", "/v1/jobs/x/cancel"),
+                  ("POST", "/v1/jobs/x/cancel"), ("POST", "/v1/dead-letters/retry"),
                   ("POST", "/v1/documents")]
         for http in (anonymous, wrong):
             for method, path in routes:
@@ -335,8 +335,23 @@ async def test_tenants_see_only_their_own_agents_and_reviews(stack, scripted_llm
         job_id = r.json()["job_id"]
         [review] = await waiting_reviews(stack, job_id)
         assert review["workflow_id"] == job_id and job_id.startswith("acme.")
-        theirs = (await stack.other_http.get("/v1/reviews")).json()["reviews"]
+        # The other tenant has a review waiting too: listed for it, never for acme.
+        r = await stack.other_http.post("/v1/agents", json={"goal": f"Inspect {token}", "max_depth": 0})
+        assert r.status_code == 202, r.text
+        their_job = r.json()["job_id"]
+        assert their_job.startswith("globex.")
+
+        async def their_reviews() -> list[dict]:
+            reviews = (await stack.other_http.get("/v1/reviews")).json()["reviews"]
+            return reviews if any(x["job_id"] == their_job for x in reviews) else []
+
+        theirs = await eventually(their_reviews, what="globex's review listed for globex")
         assert all(not x["job_id"].startswith("acme.") for x in theirs)
+        ours = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        assert ours and all(x["job_id"].startswith("acme.") for x in ours)
+        assert their_job not in {x["job_id"] for x in ours}
+        r = await stack.other_http.post(f"/v1/jobs/{their_job}/review", json={"decision": "reject", "reviewer": "eve"})
+        assert r.status_code == 200, r.text
         r = await stack.other_http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "eve"})
         assert r.status_code == 404
         assert (await stack.http.get(f"/v1/jobs/{job_id}")).json()["status"] == "waiting_review"
@@ -344,6 +359,11 @@ async def test_tenants_see_only_their_own_agents_and_reviews(stack, scripted_llm
                                   json={"decision": "approve", "reviewer": "Ada", "extra_depth": 1})
         assert r.status_code == 200, r.text
         assert (await stack.wait_done(job_id))["status"] == "completed"
+
+        async def their_job_done() -> bool:
+            return (await stack.other_http.get(f"/v1/jobs/{their_job}")).json()["status"] == "completed"
+
+        await eventually(their_job_done, timeout=60, what="globex's agent completed")
     finally:
         scripted_llm.clear_script(when=token)
     # The audit log names the key that decided, and the refused attempt of the other tenant is not there
