@@ -33,7 +33,7 @@ from typing import Any
 
 from devtools.localmodel import LocalModelError, ensure_model, get_model, llama_server_argv, model_file
 from ragline.settings import Settings, get_settings
-from devtools.devserver import DevServer, DevServerError, port_in_use, tail, temporal_reachable
+from devtools.devserver import DevServer, DevServerError, die_with_parent, port_in_use, tail, temporal_reachable
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -332,7 +332,7 @@ class Managed:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.spec.argv, cwd=str(self.spec.cwd), env=self.env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
+                stderr=asyncio.subprocess.STDOUT, preexec_fn=die_with_parent,
                 start_new_session=True)  # own process group: Ctrl-C reaches only us; we stop in order
         except OSError as e:
             log.close()

@@ -70,3 +70,48 @@ async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
         assert desc.status == WorkflowExecutionStatus.RUNNING
         assert desc.workflow_type == "Nothing"
     assert not await temporal_reachable(settings.temporal_address)
+
+
+def test_a_process_make_run_started_ends_when_make_run_is_killed(tmp_path: Path) -> None:
+    """`make run`'s supervisor killed outright (SIGKILL, an OOM kill) takes its processes with it. Left
+    behind, the worker failed every step it took on the dead supervisor's pipe (Broken pipe) and
+    dead-lettered the jobs in flight, and the next `make run` found the ports taken."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import asyncio, os, sys
+from pathlib import Path
+from devtools.supervisor import Managed, ProcessSpec
+
+async def main():
+    child = Managed(ProcessSpec(name="sleeper", argv=[sys.executable, "-c", "import time; time.sleep(120)"]),
+                    Path({str(tmp_path)!r}), dict(os.environ))
+    await child.start()
+    print(child.proc.pid, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""], cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(child, 0)  # it runs
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie until init reaps it: it has ended
+            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+        except OSError:
+            return True
+    deadline = time.monotonic() + 30
+    while not gone():
+        assert time.monotonic() < deadline, f"process {child} outlived the supervisor that started it"
+        time.sleep(0.1)
