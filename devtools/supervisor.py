@@ -619,9 +619,9 @@ class Supervisor:
         if getattr(self, "new_api_key", None):
             lines += [f"  API key:         {self.new_api_key}",
                       "                   (tenant default, reviewer; shown once: keep it. More: "
-                      "python -m ragline.keys create --tenant NAME --role member)"]
+                      ".venv/bin/python -m ragline.keys create --tenant NAME --role member)"]
         else:
-            lines.append(f"  API keys:        {s.effective_api_keys_file} (python -m ragline.keys create ...)")
+            lines.append(f"  API keys:        {s.effective_api_keys_file} (.venv/bin/python -m ragline.keys create ...)")
         if s.encrypt_payloads:
             lines.append(f"  Codec endpoint:  {api_base_url(s)}/codec (reviewer key; the Web UI uses it)")
         return lines
