@@ -20,7 +20,6 @@ from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, Accepted, JobList, JobView, OperatorResult, error_responses,
 )
 from api.validators import JOB_ID, CursorDep
-from models.inputs import STRICT_INPUT
 from models.jobs import COLLECTION_PATTERN, JobKind, JobStatus, OperatorAck, OperatorRequest
 from models.tenancy import local_id, scoped
 from temporal import search_attributes as sa
@@ -94,7 +93,6 @@ async def discard_job(job_id: JOB_ID, client: ClientDep, caller: ReviewerDep, se
 
 class DeadLetterRetry(OperatorRequest):
     """Which of the tenant's dead-lettered jobs to resume: all, or those of one kind or collection."""
-    model_config = STRICT_INPUT
     kind: JobKind | None = None
     collection: str | None = Field(None, pattern=COLLECTION_PATTERN)
     limit: int = Field(100, ge=1, le=1000, description="At most this many jobs, the most recently started first")
@@ -102,7 +100,8 @@ class DeadLetterRetry(OperatorRequest):
 
 class RetryRefused(BaseModel):
     job_id: str
-    code: str = Field(description="not_dead_lettered or job_closed: it was retried, discarded or ended meanwhile")
+    code: str = Field(description="not_dead_lettered, job_closed or job_not_found: it was retried, discarded or "
+                                  "ended (or deleted) after it was listed")
     message: str
 
 
@@ -133,7 +132,7 @@ async def retry_dead_letters(req: DeadLetterRetry, client: ClientDep, caller: Re
                 retried.append(await _operator("retry", job_id, operator, client, caller, settings, timeout,
                                                idempotency_key))
             except ApiError as exc:
-                if exc.status != 409:
+                if exc.status not in (404, 409):  # Temporal unreachable: the whole request fails, send it again
                     raise
                 refused.append(RetryRefused(job_id=scoped(caller.tenant, job_id), code=exc.code, message=exc.message))
 
