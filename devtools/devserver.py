@@ -307,6 +307,7 @@ class DevServer:
 
         try:
             await self._wait_ready()
+            await self._keep_histories()
         except BaseException:
             await self.stop()
             raise
@@ -340,6 +341,27 @@ class DevServer:
             return True
         except Exception:  # noqa: BLE001
             return False
+
+    async def _keep_histories(self) -> None:
+        """The namespace keeps finished jobs for RAGLINE_TEMPORAL_RETENTION: the dev server's own 24h
+        would make yesterday's jobs 404 and its documents drop out of the listing (their chunks stay)."""
+        from google.protobuf.duration_pb2 import Duration
+        from temporalio.api.namespace.v1 import NamespaceConfig
+        from temporalio.api.workflowservice.v1 import UpdateNamespaceRequest
+        from temporalio.client import Client
+
+        from temporal.policies import parse_duration
+
+        retention = Duration()
+        retention.FromTimedelta(parse_duration(self.settings.temporal_retention))
+        client = await Client.connect(self.address, namespace=self.namespace)
+        try:
+            await client.workflow_service.update_namespace(UpdateNamespaceRequest(
+                namespace=self.namespace, config=NamespaceConfig(workflow_execution_retention_ttl=retention)),
+                timeout=timedelta(seconds=10))
+        except Exception as exc:
+            raise DevServerError(f"could not set the namespace's retention to {self.settings.temporal_retention}: "
+                                 f"{exc}") from exc
 
     def _check_ports(self) -> None:
         names = {"--port": "RAGLINE_TEMPORAL_ADDRESS",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,6 +22,10 @@ class Settings(BaseSettings):
     temporal_address: str = "127.0.0.1:7233"
     temporal_ui_port: int = 8233
     temporal_namespace: str = "default"
+    # How long Temporal keeps a finished job's history: GET /v1/jobs/{id}, the listings and an
+    # Idempotency-Key's resend find the job for this long. `make run`'s dev server gets it at every
+    # start (its own default is 24h); on a cluster it is the namespace's setting (deploy/helm).
+    temporal_retention: str = "30d"
     # Beyond the dev server: TLS (server CA; client cert + key for mTLS) and/or an API key (Temporal
     # Cloud style; implies TLS). temporal_tls_server_name overrides the name checked in the certificate.
     temporal_tls: bool = False
@@ -110,6 +115,14 @@ class Settings(BaseSettings):
     agent_max_seconds: float = 6 * 3600
     # How long anything waits for a human review before it is rejected ("review timed out"), e.g. "24h".
     review_timeout: str = "24h"
+
+    @field_validator("temporal_retention")
+    @classmethod
+    def _a_retention(cls, value: str) -> str:
+        """Temporal refuses a retention under a day; said at start, not when the dev server is up."""
+        if parse_duration(value) < timedelta(days=1):
+            raise ValueError(f"must be at least 1d (Temporal's minimum): {value!r}")
+        return value
 
     @field_validator("review_timeout")
     @classmethod

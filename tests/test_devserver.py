@@ -1,5 +1,5 @@
 """The dev-server launcher against the real `temporal` CLI: readiness, search attributes, stop, and
-durability of the SQLite file across a restart."""
+durability of the SQLite file across a restart, and how long the namespace keeps finished jobs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from ragline.settings import Settings
@@ -55,6 +56,8 @@ async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
             assert key.name in resp.custom_attributes, key.name
             assert resp.custom_attributes[key.name] == key.indexed_value_type
         assert resp.custom_attributes["RaglineChunks"] == IndexedValueType.INDEXED_VALUE_TYPE_INT
+        # Finished jobs stay readable for RAGLINE_TEMPORAL_RETENTION (30d), not the dev server's own 24h.
+        assert await _retention_days(client, settings.temporal_namespace) == 30
         handle = await client.start_workflow("Nothing", id="persist-check", task_queue="nobody-polls")
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
     finally:
@@ -63,13 +66,29 @@ async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
     assert not await temporal_reachable(server.address)
     assert server.db_path.exists() and server.log_path.exists()
 
-    # Second run on the same database file: the workflow is still there.
+    # Second run on the same database file: the workflow is still there; a changed retention applies.
+    settings = settings.model_copy(update={"temporal_retention": "90d"})
     async with DevServer(settings) as again:
         client = await Client.connect(again.address, namespace=settings.temporal_namespace)
         desc = await client.get_workflow_handle("persist-check").describe()
         assert desc.status == WorkflowExecutionStatus.RUNNING
         assert desc.workflow_type == "Nothing"
+        assert await _retention_days(client, settings.temporal_namespace) == 90
+        # Updating the retention left the search attributes registered.
+        resp = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=settings.temporal_namespace))
+        assert all(key.name in resp.custom_attributes for key in search_attributes.ALL)
     assert not await temporal_reachable(settings.temporal_address)
+
+
+async def _retention_days(client: Client, namespace: str) -> float:
+    described = await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace=namespace))
+    return described.config.workflow_execution_retention_ttl.ToTimedelta().total_seconds() / 86400
+
+
+def test_a_retention_under_a_day_is_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least 1d"):
+        Settings(data_dir=tmp_path, temporal_retention="12h")
 
 
 def test_a_process_make_run_started_ends_when_make_run_is_killed(tmp_path: Path) -> None:
