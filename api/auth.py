@@ -48,6 +48,7 @@ class Caller:
     role: str
     name: str
     key_id: str  # the first characters of the key's sha256: enough to tell keys apart in logs
+    fairness_weight: float | None = None  # `[tenants.<name>] fairness_weight` (policies.fair_share)
 
     @property
     def who(self) -> str:
@@ -172,7 +173,7 @@ async def admit(request: Request, key: str) -> Caller:
         raise unauthenticated(UNKNOWN_KEY)
     await guard.check_rate(entry)
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
-                    key_id=entry.sha256[:8])
+                    key_id=entry.sha256[:8], fairness_weight=guard.limits(entry.tenant).fairness_weight)
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)
     return caller
 

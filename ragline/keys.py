@@ -12,6 +12,7 @@
     max_running_jobs = 4           # RAGLINE_TENANT_MAX_RUNNING_JOBS
     max_upload_mb = 10             # RAGLINE_MAX_UPLOAD_MB
     max_pages = 100                # RAGLINE_MAX_PAGES
+    fairness_weight = 3            # this tenant's share of busy task queues against the others' (default 1)
 
 `python -m ragline.keys create --tenant acme --role reviewer [--name ci] [--rpm 120]` adds a key and
 prints it once. The file is re-read when it changes: a new key works without restarting the API.
@@ -52,6 +53,8 @@ class TenantLimits(BaseModel):
     max_running_jobs: int | None = Field(None, ge=1)
     max_upload_mb: float | None = Field(None, gt=0)
     max_pages: int | None = Field(None, ge=1)
+    # How many of a busy queue's tasks go to this tenant for each one of a tenant with weight 1.
+    fairness_weight: float | None = Field(None, gt=0, le=1000)
 
 
 class KeysFile(BaseModel):

@@ -297,12 +297,14 @@ def heartbeat_every() -> timedelta:
     return loaded().heartbeat_every
 
 
-def fair_share(tenant: str) -> Priority:
+def fair_share(tenant: str, weight: float | None = None) -> Priority:
     """The priority every job of `tenant` starts with: the tenant is its fairness key, so the server hands
     out each queue's waiting tasks in turn among the tenants that have some, rather than first come first
-    served (one tenant's upload of a hundred files does not hold up another's one question). Children and
-    activities inherit the key; priority keys still go first. Needs `matching.enableFairness` on the server."""
-    return Priority(fairness_key=tenant)
+    served (one tenant's upload of a hundred files does not hold up another's one question). `weight`
+    (`[tenants.<name>] fairness_weight`, default 1) is how many turns the tenant gets for each turn of a
+    tenant of weight 1. Children and activities inherit both; priority keys still go first. Needs
+    `matching.enableFairness` on the server."""
+    return Priority(fairness_key=tenant, fairness_weight=weight)
 
 
 def workflow_priority(kind: Literal["tenant_gate", "chat_turn"]) -> Priority:

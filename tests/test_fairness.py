@@ -1,12 +1,19 @@
 """Tenants share the task queues fairly: the server hands out waiting tasks in turn among tenants (each
 job's fairness key is its tenant), so one tenant's large upload does not hold up another tenant's
-small one sent just after it, as first come first served would."""
+small one sent just after it, as first come first served would. A tenant may be given a larger share
+(`fairness_weight` in the keys file)."""
 
 from __future__ import annotations
 
 import uuid
 
+import httpx
+
+from models.chat import session_workflow_id
+from models.tenancy import scoped
+from ragline import keys as api_keys
 from tests.conftest import running_stack
+from tests.helpers import eventually
 
 BIG_UPLOAD = 24
 
@@ -37,3 +44,45 @@ async def test_one_tenants_big_upload_does_not_hold_up_anothers_small_one(tempor
     assert embedded.count("big") == BIG_UPLOAD and embedded.count("small") == 1
     # The small upload's one batch went out among the first, not behind the big upload's batches.
     assert embedded.index("small") < BIG_UPLOAD / 4, embedded
+
+
+async def test_a_tenants_fairness_weight_goes_with_every_job_it_starts(stack):
+    """`[tenants.<name>] fairness_weight` in the keys file: every job the tenant starts carries it with its
+    fairness key, and so do the jobs those start (a chat turn's job, an upload's documents); a tenant
+    without one gets the server's default weight (1)."""
+    tenant = f"weighted-{uuid.uuid4().hex[:8]}"
+    path = stack.settings.effective_api_keys_file
+    key = api_keys.create(path, tenant, "reviewer", f"{tenant}-reviewer")
+    with path.open("a") as f:
+        f.write(f"\n[tenants.{tenant}]\nfairness_weight = 3\n")
+    collection = f"weighted-{uuid.uuid4().hex[:8]}"
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
+        r = await http.post("/v1/documents", data={"collection": collection},
+                            files=[("files", ("dues.txt", b"The harbour dues of berth 4 were paid in May."))])
+        assert r.status_code == 202, r.text
+        upload = r.json()["job_id"]
+        r = await http.post("/v1/chats", json={"message": "Were the dues paid?", "collection": collection})
+        assert r.status_code == 202, r.text
+        turn, session = r.json()["job_id"], r.json()["session_id"]
+        for job_id in (upload, turn):
+            assert (await eventually(lambda: _ended(http, job_id), what=f"{job_id} ended"))["status"] == "completed"
+        documents = (await http.get("/v1/documents", params={"collection": collection})).json()["documents"]
+    client = stack.client
+    started = [upload, turn, session_workflow_id(tenant, session), *(d["job_id"] for d in documents)]
+    assert len(started) == 4, started  # the upload, the turn, its session and the one document
+    for workflow_id in started:
+        priority = (await client.get_workflow_handle(scoped(tenant, workflow_id)).describe()
+                    ).raw_description.workflow_execution_info.priority
+        assert (priority.fairness_key, priority.fairness_weight) == (tenant, 3), workflow_id
+    # A tenant with no weight in the keys file: the server's default.
+    accepted = await stack.chat("Were the dues paid?", collection=collection)
+    await stack.wait_done(accepted["job_id"])
+    priority = (await client.get_workflow_handle(scoped("acme", accepted["job_id"])).describe()
+                ).raw_description.workflow_execution_info.priority
+    assert (priority.fairness_key, priority.fairness_weight) == ("acme", 0)
+
+
+async def _ended(http: httpx.AsyncClient, job_id: str) -> dict | None:
+    job = (await http.get(f"/v1/jobs/{job_id}")).json()
+    return job if job["status"] in ("completed", "failed") else None

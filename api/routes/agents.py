@@ -73,7 +73,7 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
         AgentInput(tenant=caller.tenant, goal=req.goal, collection=req.collection, max_depth=req.max_depth,
                    budget=Budget(**req.budget.model_dump()), review_timeout_seconds=review_timeout_seconds(settings)),
         id=job_id, key=idempotency_key, digest=request_digest("agent", req.model_dump()), rpc_timeout=timeout,
-        task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant),
+        task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant, caller.fairness_weight),
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
             SearchAttributePair(sa.COLLECTION, req.collection), SearchAttributePair(sa.TENANT, caller.tenant)]))

@@ -80,7 +80,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                 ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
                 id=session_workflow_id(caller.tenant, session_id),
                 task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
-                priority=policies.fair_share(caller.tenant),
+                priority=policies.fair_share(caller.tenant, caller.fairness_weight),
                 search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
                                                          SearchAttributePair(sa.SESSION, session_id),
                                                          SearchAttributePair(sa.TENANT, caller.tenant)]),

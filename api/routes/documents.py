@@ -108,7 +108,7 @@ async def upload_documents(
         await client.start_workflow(
             IngestWorkflow.run, IngestInput(tenant=caller.tenant, collection=collection,
                                             documents=list(documents.values())),
-            id=job_id, task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant),
+            id=job_id, task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant, caller.fairness_weight),
             # Same files again: a running job is reused; a finished one that failed may run again.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
