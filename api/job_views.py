@@ -28,7 +28,7 @@ from temporalio.client import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.errors import ApiError
-from api.schemas import JobError, JobSummary, JobView
+from api.schemas import JobError, JobSummary, JobView, TurnAhead
 from models.chat import TurnInput, session_of_turn, session_workflow_id
 from models.jobs import JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
 from models.tenancy import scoped
@@ -310,7 +310,8 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
                 at = turn.accepted_at or datetime.now(timezone.utc)  # a turn accepted before the time was kept
             if at is not None:
                 return JobView(job_id=job_id, kind="chat", status="queued", created_at=at, updated_at=at,
-                               turn=None, steps=[], result=None, error=None)
+                               turn=None, steps=[], result=None, error=None,
+                               waiting_for=await turns_ahead(client, tenant, job_id, None, rpc_timeout))
             raise not_found(asked) from None
         raise
     if not owned(desc, tenant):
@@ -336,15 +337,42 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
     elif progress and progress.dead_letters:
         error = dead_letter_error(progress)
     step_times = [t for s in steps for t in (s.finished_at, s.started_at) if t]
+    ahead = await turns_ahead(client, tenant, job_id, turn, rpc_timeout) if view.kind == "chat" and \
+        view.status == "queued" else []
     job = JobView(job_id=view.job_id, kind=view.kind, status=view.status, created_at=view.created_at,
                   updated_at=max([view.updated_at, *_aware(step_times)]), turn=turn, steps=steps,
                   result=result, error=error, operator_decisions=progress.decisions if progress else [],
-                  trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links)
+                  trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links, waiting_for=ahead)
     if ended and (progress is not None or not started):  # whole: its steps came from the workflow
         _ENDED_VIEWS[(job_id, run_id)] = job
         if len(_ENDED_VIEWS) > ENDED_VIEWS_KEPT:
             _ENDED_VIEWS.popitem(last=False)
     return job
+
+
+async def turns_ahead(client: Client, tenant: str, job_id: str, turn: int | None,
+                      rpc_timeout: timedelta) -> list[TurnAhead]:
+    """The earlier turns of a queued turn's session that are still open (all of the session's open turns
+    when `turn` is not numbered yet), read from visibility: a person learns that turn 3, dead-lettered,
+    is what holds turn 4, and that cancelling or retrying it lets the session go on. Best effort: a
+    listing that fails leaves the field empty rather than the whole read."""
+    session_id = session_of_turn(job_id)
+    if session_id is None:
+        return []
+    query = f"{list_query(tenant, kind='chat', extra={sa.SESSION.name: session_id})} AND ExecutionStatus = 'Running'"
+    try:
+        executions = await list_jobs(client, query, MAX_TURNS_AHEAD, rpc_timeout)
+    except RPCError:
+        return []
+    ahead = []
+    for execution in executions:
+        number = (await execution.memo()).get("turn")
+        if execution.id != job_id and (turn is None or number is None or number < turn):
+            ahead.append(TurnAhead(job_id=execution.id, turn=number, status=job_status(execution)))
+    return sorted(ahead, key=lambda t: t.turn or 0)
+
+
+MAX_TURNS_AHEAD = 100  # a session's open turns shown on a queued one (a person needs the first of them)
 
 
 # An ended run never changes, and its steps are read by a query, which a worker answers by replaying the

@@ -153,8 +153,15 @@ class JobList(BaseModel):
     query: str = Field(description="The Temporal visibility query that listed them")
 
 
+class TurnAhead(BaseModel):
+    """An earlier turn of the same session, still open: a queued turn runs after it."""
+    job_id: str
+    turn: int | None
+    status: JobStatus
+
+
 class JobView(BaseModel):
-    """A job; `turn` and `operator_decisions` are left out where they do not apply."""
+    """A job; `turn`, `waiting_for` and `operator_decisions` are left out where they do not apply."""
     job_id: str
     kind: JobKind
     status: JobStatus
@@ -168,12 +175,18 @@ class JobView(BaseModel):
         [], description="Only when an operator retried or discarded the job")
     trace_id: str | None = Field(None, description="The trace of the request that started the job (W3C trace id)")
     links: dict[str, str] = Field({}, description="`temporal_ui`: the job's page in the Temporal Web UI")
+    waiting_for: list[TurnAhead] = Field(
+        [], description="Queued chat turns only: the earlier turns of its session still open, which run first. "
+                        "One that is dead-lettered or waits for a review holds the later ones until it is "
+                        "decided, retried, discarded or cancelled")
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler):
         data = handler(self)
         if self.kind != "chat":
             data.pop("turn", None)
+        if not self.waiting_for:
+            data.pop("waiting_for", None)
         if not self.operator_decisions:
             data.pop("operator_decisions", None)
         return data

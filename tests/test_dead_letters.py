@@ -86,6 +86,28 @@ async def test_discard_ends_a_parked_job_as_failed(stack, dlq_docs):
     assert (await stack.http.post("/v1/jobs/no-such-job/discard", json={})).status_code == 404
 
 
+async def test_a_turn_behind_a_parked_one_says_what_it_waits_for(stack, dlq_docs):
+    """The turns of a session run in order: a later turn waits for a dead-lettered one, and says so."""
+    session = f"dlq-behind-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["503"] * ATTEMPTS)
+        first = await stack.chat(f"What do lighthouses do? {llm.token}", session_id=session, collection="dlq")
+        assert (await stack.wait_job(first["job_id"]))["status"] == "dead_lettered"
+        second = await stack.chat(f"And at night? {llm.token}", session_id=session, collection="dlq")
+
+        async def waiting() -> dict | None:
+            job = (await stack.http.get(f"/v1/jobs/{second['job_id']}")).json()
+            return job if job["status"] == "queued" and job["turn"] and job.get("waiting_for") else None
+        job = await eventually(waiting, what="the second turn numbered and queued behind the first")
+        assert job["turn"] == 2
+        assert job["waiting_for"] == [{"job_id": first["job_id"], "turn": 1, "status": "dead_lettered"}]
+        # Cancelling the parked turn lets the session go on.
+        assert (await stack.http.post(f"/v1/jobs/{first['job_id']}/cancel")).status_code == 202
+        done = await stack.wait_done(second["job_id"])
+    assert done["status"] == "completed" and "waiting_for" not in done
+    assert (await stack.http.get(f"/v1/jobs/{first['job_id']}")).json()["status"] == "cancelled"
+
+
 async def test_one_request_resumes_every_parked_job_of_a_collection_after_an_outage(stack):
     collection = f"outage-{uuid.uuid4().hex[:8]}"
     upload = await stack.upload(("harbours.txt", b"Harbours shelter ships from storms."), collection=collection)
