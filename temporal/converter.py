@@ -36,17 +36,17 @@ class BlobStoreDriver(StorageDriver):
     """Keeps oversized payloads as content-addressed blobs in the data folder."""
 
     def __init__(self, store: BlobStore) -> None:
-        self.store = store
+        self._blobs = store  # not `self.store`: that would hide the driver's own store() from the SDK
 
     def name(self) -> str:
         return "ragline-blobs"
 
     async def store(self, context: StorageDriverStoreContext, payloads: Sequence[Payload]) -> list[StorageDriverClaim]:
-        refs = await asyncio.to_thread(lambda: [self.store.put(p.SerializeToString()) for p in payloads])
+        refs = await asyncio.to_thread(lambda: [self._blobs.put(p.SerializeToString()) for p in payloads])
         return [StorageDriverClaim(claim_data={"ref": ref}) for ref in refs]
 
     async def retrieve(self, context: StorageDriverRetrieveContext, claims: Sequence[StorageDriverClaim]) -> list[Payload]:
-        blobs = await asyncio.to_thread(lambda: [self.store.get(c.claim_data["ref"]) for c in claims])
+        blobs = await asyncio.to_thread(lambda: [self._blobs.get(c.claim_data["ref"]) for c in claims])
         payloads = []
         for blob in blobs:
             payload = Payload()
