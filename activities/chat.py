@@ -16,7 +16,7 @@ from temporalio.contrib.workflow_streams import WorkflowStreamClient
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.heartbeats import heartbeating
-from activities.search import find_passages_for_turn
+from activities.search import find_passages_for_turn, no_documents_warnings
 from models.chat import (
     CacheInput, CacheOutput, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
     RetrieveInput, RetrieveOutput, SummaryOutput, TurnResult, Usage,
@@ -49,6 +49,7 @@ SUPPORT_THRESHOLD = 0.35
 # Room kept in the model's context for the prompt's own text, history and question.
 PROMPT_OVERHEAD_TOKENS = 600
 DELTA_FLUSH = timedelta(milliseconds=150)
+REPETITION_WARNING = "the model repeated itself: its answer was cut where the repetition began"
 
 
 class ChatActivities:
@@ -82,6 +83,12 @@ class ChatActivities:
                                       threshold=threshold, follows=req.follows)
         supported = any(h.relevance >= threshold for h in hits)
         if not supported:  # nothing to answer from: say so, in the question's language, without a model
+            # A collection without the tenant's documents (a misspelt name?) is told from one that does not
+            # cover the question. That refusal gets no cache key: documents may come a second later.
+            if warnings := no_documents_warnings(self.index, req.tenant, req.collection, hits):
+                return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], supported=False,
+                                      refusal=prompts.no_documents_answer(req.question, req.collection),
+                                      warnings=warnings, attempt=attempt)
             refusal = prompts.not_covered_answer(req.question) if hits else prompts.no_context_answer(req.question)
             return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], supported=False,
                                   refusal=refusal, cache_key=key, attempt=attempt)
@@ -132,20 +139,21 @@ class ChatActivities:
         async with heartbeating(), AnswerDeltas(attempt, send=req.stream) as deltas:
             async for piece in model.stream(messages, result, step="generate"):
                 await deltas.publish(piece)
+        # A looping reply was stopped and cut by the stream: the deltas sent showed part of the loop, the
+        # answer (and `ragline.answer.completed`) is the cut text.
+        warnings = [REPETITION_WARNING] if result.repetition_cut else []
+        usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
         answer = result.text.strip()
         if not _NOT_WORDS.sub("", _CITATION_MARK.sub("", answer)):  # "", "[1] [2]", "[1": no answer at all
             log.warning("the model's answer has no words of its own", reply=answer[:200])
             return GenerateOutput(answer=prompts.no_answer(req.question), cited=[], grounded=False, model=result.model,
-                                  usage=Usage(prompt_tokens=result.prompt_tokens,
-                                              completion_tokens=result.completion_tokens),
-                                  unsent_events=deltas.unsent, attempt=attempt)
+                                  usage=usage, warnings=warnings, unsent_events=deltas.unsent, attempt=attempt)
         cited = cited_passages(answer, passages)
         return GenerateOutput(answer=answer, cited=cited, grounded=bool(cited),
                               citations=[citation(passages[i - 1], quote_for(answer, passages[i - 1].text))
                                          for i in cited],
-                              model=result.model, usage=Usage(prompt_tokens=result.prompt_tokens,
-                                                              completion_tokens=result.completion_tokens),
-                              unsent_events=deltas.unsent, attempt=attempt)
+                              model=result.model, usage=usage, warnings=warnings, unsent_events=deltas.unsent,
+                              attempt=attempt)
 
     @activity.defn
     @translate_errors

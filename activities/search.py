@@ -5,7 +5,7 @@ from __future__ import annotations
 from temporalio import activity
 
 from models.ingest import SearchHit, SearchInput, SearchOutput
-from ragline import lexical, relevance
+from ragline import lexical, prompts, relevance
 from ragline.embeddings import Embedder
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
@@ -46,6 +46,15 @@ def find_passages_for_turn(embedder: Embedder, index: VectorIndex, tenant: str, 
     return sorted(best.values(), key=lambda h: -h.relevance)[:top_k]
 
 
+def no_documents_warnings(index: VectorIndex, tenant: str, collection: str, hits: list[SearchHit]) -> list[str]:
+    """A warning when a search found nothing because the tenant has no documents in the collection (a
+    misspelt name, nothing uploaded yet; another tenant's documents do not count). The collection is
+    counted only when nothing was found, so a search that finds something pays nothing for it."""
+    if hits or index.count(tenant, collection) > 0:
+        return []
+    return [prompts.no_documents_warning(collection)]
+
+
 class SearchActivities:
     def __init__(self, embedder: Embedder, index: VectorIndex) -> None:
         self.embedder = embedder
@@ -54,4 +63,5 @@ class SearchActivities:
     @activity.defn
     @translate_errors
     def search_chunks(self, req: SearchInput) -> SearchOutput:
-        return SearchOutput(hits=find_passages(self.embedder, self.index, req.tenant, req.collection, req.query, req.top_k))
+        hits = find_passages(self.embedder, self.index, req.tenant, req.collection, req.query, req.top_k)
+        return SearchOutput(hits=hits, warnings=no_documents_warnings(self.index, req.tenant, req.collection, hits))

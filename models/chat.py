@@ -177,7 +177,10 @@ class RetrieveOutput(StepResult):
     # False when no passage reaches the relevance threshold: `refusal` is then the whole answer.
     supported: bool = True
     refusal: str | None = None
-    # The answer cache: its key for this question and collection version, and the answer when it hit.
+    # What the turn should tell besides its answer (the collection has no documents: a misspelt name?).
+    warnings: list[str] = []
+    # The answer cache: its key for this question and collection version (None: not to be kept), and the
+    # answer when it hit.
     cache_key: str | None = None
     cached: TurnResult | None = None
 
@@ -226,6 +229,8 @@ class GenerateOutput(StreamedStepResult):
     grounded: bool = True
     model: str
     usage: Usage = Usage()
+    # What the turn should tell about this answer (the model looped and the answer was cut).
+    warnings: list[str] = []
 
 
 class AwaitTurnInput(BaseModel):

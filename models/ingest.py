@@ -161,3 +161,5 @@ class SearchHit(BaseModel):
 
 class SearchOutput(BaseModel):
     hits: list[SearchHit]
+    # What the caller should know besides the hits: the collection has no documents (a misspelt name?).
+    warnings: list[str] = []

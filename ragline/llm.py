@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import structlog
 from openai import AsyncOpenAI
 
 from opentelemetry import trace
@@ -25,6 +26,7 @@ from ragline.settings import Settings
 
 
 _tracer = trace.get_tracer("ragline.llm")
+log = structlog.get_logger("ragline.llm")
 
 
 @dataclass
@@ -90,10 +92,42 @@ class StreamedCompletion:
     parts: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # The reply fell into a loop: `stream()` stopped reading it and `parts` end at the loop's first occurrence.
+    repetition_cut: bool = False
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+# Degenerate repetition: a small model (the default 0.5B Qwen) sometimes loops on one short unit
+# ("[1] [2] [1] [2] …") until max_tokens. A reply's tail counts as such a loop when one unit of at most
+# LOOP_MAX_UNIT characters repeats LOOP_MIN_REPEATS times or more in a row, over LOOP_MIN_CHARS or more.
+# Prose, numbered lists, tables and code never repeat that much verbatim: a table rule ("---|") would need
+# 38 columns, a list item 8 identical lines of 19+ characters.
+LOOP_MAX_UNIT = 50
+LOOP_MIN_REPEATS = 8
+LOOP_MIN_CHARS = 150
+
+
+def _periodic_tail(text: str, period: int) -> int:
+    """How many characters at the end of `text` repeat with this period (counting the last unit itself)."""
+    i = len(text) - period - 1
+    while i >= 0 and text[i] == text[i + period]:
+        i -= 1
+    return len(text) - i - 1
+
+
+def cut_repetition(text: str) -> str | None:
+    """`text` with a looping tail cut down to one occurrence of what repeats (the shortest such unit), or
+    None when its tail does not loop. The cut keeps the text before the loop and the loop's first unit."""
+    for period in range(1, min(LOOP_MAX_UNIT, len(text) // LOOP_MIN_REPEATS) + 1):
+        if text[-1] != text[-1 - period]:
+            continue  # the common case, answered without a scan
+        run = _periodic_tail(text, period)
+        if run // period >= LOOP_MIN_REPEATS and run >= LOOP_MIN_CHARS:
+            return text[:len(text) - run + period]
+    return None
 
 
 @dataclass
@@ -178,12 +212,15 @@ class ChatModel:
 
     async def stream(self, messages: list[dict], result: StreamedCompletion, *, step: str,
                      temperature: float = 0.0) -> AsyncIterator[str]:
-        """Yields pieces of the reply as they arrive; totals land in `result`."""
+        """Yields pieces of the reply as they arrive; totals land in `result`. A reply that falls into a
+        loop (`cut_repetition`) is not read further: its stream is closed, so the model stops generating,
+        and `result` keeps the text up to the loop's first occurrence, with `repetition_cut` set."""
+        streamed_chars = 0
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
                 model=self.model, messages=self._mask(messages), temperature=temperature, max_tokens=self.max_tokens,
                 stream=True, stream_options={"include_usage": True}, extra_headers=observed.headers)
-            async with response:  # closed however the reading ends (a cancelled job): the model stops
+            async with response:  # closed however the reading ends (a loop, a cancelled job): the model stops
                 async for chunk in response:
                     if chunk.model:
                         result.model = chunk.model
@@ -193,11 +230,20 @@ class ChatModel:
                         observed.take(chunk.usage)
                     for choice in chunk.choices:
                         piece = choice.delta.content if choice.delta else None
-                        if piece:
-                            result.parts.append(piece)
-                            yield piece
-        if not result.completion_tokens:
-            result.completion_tokens = max(1, len(result.text) // 4)
+                        if not piece:
+                            continue
+                        result.parts.append(piece)
+                        streamed_chars += len(piece)
+                        if (kept := cut_repetition(result.text)) is not None:
+                            log.warning("the model repeated itself: reply cut", step=step, model=result.model,
+                                        streamed_chars=streamed_chars, kept=kept[-200:])
+                            result.parts, result.repetition_cut = [kept], True
+                            break
+                        yield piece
+                    if result.repetition_cut:
+                        break
+        if not result.completion_tokens:  # no usage came (the stream was cut): estimated from what was streamed
+            result.completion_tokens = max(1, streamed_chars // 4)
 
     async def close(self) -> None:
         await self._client.close()

@@ -35,6 +35,16 @@ def no_context_answer(question: str) -> str:
     return templates()["no_context"][language_of(question)]
 
 
+def no_documents_answer(question: str, collection: str) -> str:
+    """What a turn says when the tenant has no documents in the collection (no model is called)."""
+    return templates()["no_documents"][language_of(question)].format(collection=collection)
+
+
+def no_documents_warning(collection: str) -> str:
+    """The warning of a chat turn or a search on a collection in which the tenant has no documents."""
+    return templates()["no_documents"]["warning"].format(collection=collection)
+
+
 def not_covered_answer(question: str) -> str:
     """What a turn says when no passage is relevant enough (no model is called)."""
     return templates()["not_covered"][language_of(question)]

@@ -10,7 +10,9 @@ import pytest
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from activities.chat import REPETITION_WARNING
 from devtools.scripted_llm import ScriptedLLM
+from ragline.prompts import no_documents_warning
 from tests.conftest import running_stack, worker_metrics_url
 from tests.helpers import eventually
 
@@ -64,6 +66,67 @@ async def test_out_of_corpus_question_is_refused_honestly_in_its_language_withou
     assert en["supported"] is False and en["citations"] == [] and "do not cover" in en["answer"]
     assert zh["supported"] is False and zh["citations"] == [] and "没有涉及" in zh["answer"]
     assert trusted.llm.count() == before  # no generation, no summary, no entities
+
+
+async def test_a_collection_without_documents_is_named_instead_of_a_plain_i_dont_know(trusted):
+    """A misspelt collection ("handbok"): the refusal says the collection has no documents, in the
+    question's language, with a warning; it is not kept, so documents uploaded next are answered from."""
+    before = trusted.llm.count()
+    en = await ask(trusted, "What was the root cause of incident 4711?", collection="handbok")
+    zh = await ask(trusted, "单次大模型调用的超时阈值是多少秒？", collection="handbok")
+    assert trusted.llm.count() == before  # nothing to retrieve: no model call
+    for job, says in ((en, '"handbok" has no documents'), (zh, "“handbok”中没有任何文档")):
+        result = job["result"]
+        assert result["supported"] is False and result["citations"] == [] and says in result["answer"]
+        assert result["warnings"] == [no_documents_warning("handbok")] and "handbok" in result["warnings"][0]
+        assert "cache_answer" not in [s["name"] for s in job["steps"]]
+    again = await ask(trusted, "What was the root cause of incident 4711?", collection="handbok")
+    assert again["result"]["cached"] is False and again["result"]["warnings"] == en["result"]["warnings"]
+    # Uploaded a moment later: the same question is answered from the documents.
+    body = await trusted.upload(("postmortem.txt", POSTMORTEM.encode()), collection="handbok")
+    assert (await trusted.wait_job(body["job_id"]))["status"] == "completed"
+    trusted.llm.script("answer", ["An expired TLS certificate [1]."])
+    answered = (await ask(trusted, "What was the root cause of incident 4711?", collection="handbok"))["result"]
+    assert answered["supported"] is True and answered["warnings"] == [] and answered["citations"]
+
+
+async def test_a_search_on_a_collection_without_documents_says_so(trusted):
+    r = await trusted.http.post("/v1/search", json={"query": "database backups", "collection": "handbok-typo"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"hits": [], "warnings": [no_documents_warning("handbok-typo")]}
+    r = await trusted.http.post("/v1/search", json={"query": "database backups", "collection": "trust"})
+    assert r.json()["hits"] and r.json()["warnings"] == []
+
+
+async def test_another_tenants_documents_do_not_count_as_documents(trusted):
+    """Collection "trust" holds acme's documents only: for globex it has none, and says so."""
+    r = await trusted.other_http.post("/v1/chats", json={"message": "What was the root cause of incident 4711?",
+                                                          "collection": "trust"})
+    assert r.status_code == 202, r.text
+
+    async def ended() -> dict | None:
+        job = (await trusted.other_http.get(f"/v1/jobs/{r.json()['job_id']}")).json()
+        return job if job["status"] not in ("queued", "running") else None
+
+    job = await eventually(ended, timeout=120, what="globex's turn ended")
+    assert job["status"] == "completed", job
+    assert job["result"]["supported"] is False and '"trust" has no documents' in job["result"]["answer"]
+    assert job["result"]["warnings"] == [no_documents_warning("trust")]
+    search = await trusted.other_http.post("/v1/search", json={"query": "incident 4711", "collection": "trust"})
+    assert search.json() == {"hits": [], "warnings": [no_documents_warning("trust")]}
+
+
+async def test_a_looping_answer_is_cut_and_not_kept_for_the_next_asker(trusted):
+    question = "About how many orders failed in incident 4711?"
+    answer = "About 12,400 orders failed [1]."
+    trusted.llm.script("answer", [f"{answer} {'[1] [2] ' * 100}"])
+    calls = trusted.llm.count("answer")
+    looped = (await ask(trusted, question))["result"]
+    assert looped["answer"] == f"{answer} [1] [2]" and REPETITION_WARNING in looped["warnings"]
+    trusted.llm.script("answer", [answer])
+    again = (await ask(trusted, question))["result"]
+    assert again["cached"] is False and again["answer"] == answer and again["warnings"] == []
+    assert trusted.llm.count("answer") == calls + 2
 
 
 async def test_chinese_answer_cites_the_handbook_with_page_and_quoted_span(trusted):

@@ -40,6 +40,9 @@ with workflow.unsafe.imports_passed_through():
 
 # Turns recorded before a reviewer's hold kept the answer out of the stream replay showing it at once.
 REVIEW_HOLDS_ANSWER_PATCH = "review-holds-answer"
+# An answer its step warns about (the model looped, it was cut) is not cached. Earlier code cached it,
+# and a turn whose step ran on a newer worker than its workflow task did must replay so.
+WARNED_ANSWER_NOT_CACHED_PATCH = "warned-answer-not-cached"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
 MAX_SEEN = 1000             # job ids remembered per session, to skip a resent request
@@ -122,7 +125,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if not retrieved.supported:
             result = TurnResult(session_id=turn.session_id, turn=turn.turn, question=question.message,
                                 answer=retrieved.refusal or "", citations=[], summary="", entities=[], model="none",
-                                usage=Usage(), supported=False)
+                                usage=Usage(), supported=False, warnings=list(retrieved.warnings))
             return await self._remember(self._answered(result), retrieved.cache_key)
         # The model calls from here on are what the tenant's running slot is for; retrieval ran while
         # the slot was being asked for.
@@ -149,7 +152,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                                      self.step(ChatActivities.extract_entities, context))
         else:
             entities = await self.step(ChatActivities.extract_entities, context)
-        warnings = list(entities.warnings)
+        warnings = list(answer.warnings) + list(entities.warnings)
         if not answer.grounded:
             warnings.append("the answer cites no passage and no passage supports it: treat it as unverified")
         if fallback_model:
@@ -161,6 +164,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             fallback_model=fallback_model)
         if not answer.grounded or fallback_model:
             return result  # only grounded answers of the configured model are worth repeating
+        if answer.warnings and workflow.patched(WARNED_ANSWER_NOT_CACHED_PATCH):
+            return result  # nor one cut short: the next asker gets a fresh answer
         if self._answer_held and self._needs_review(turn, result):
             return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)

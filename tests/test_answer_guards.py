@@ -1,0 +1,133 @@
+"""Guards on what the model streams: a reply that loops ("[1] [2] [1] [2] …", seen from the default
+0.5B Qwen on a Chinese question until max tokens) is stopped, cut and flagged; normal prose, lists,
+tables and code pass untouched. The detector is tested as a pure function, the whole path once on the
+real stack with the scripted model."""
+
+from __future__ import annotations
+
+import pytest
+
+from activities.chat import REPETITION_WARNING
+from ragline.llm import LOOP_MAX_UNIT, LOOP_MIN_CHARS, LOOP_MIN_REPEATS, cut_repetition
+from tests.helpers import eventually, read_events
+
+LOOP = "[1] [2] "
+
+
+def streamed_prefixes(text: str, piece: int = 3) -> list[str]:
+    """The texts the stream has seen after each piece of `piece` characters (the guard runs on each)."""
+    return [text[:end] for end in range(piece, len(text) + piece, piece)]
+
+
+# -- the detector ----------------------------------------------------------------------------------
+
+def test_the_loop_seen_from_the_small_model_is_cut_to_one_occurrence():
+    assert cut_repetition(LOOP * 64) == LOOP
+    answer = "单次大模型调用的超时阈值为45秒[1]。"
+    assert cut_repetition(answer + LOOP * 64) == answer + LOOP
+
+
+def test_a_loop_cut_off_mid_unit_is_still_one():
+    """The stream stops wherever a piece ends, seldom at the end of a unit."""
+    answer = "The timeout is 45 seconds [1]."
+    assert cut_repetition(answer + " " + LOOP * 40 + "[1") == answer + " [1] [2]"
+
+
+def test_the_loop_is_found_as_soon_as_the_stream_shows_it():
+    """Streamed piece by piece, the guard trips within a unit of the thresholds, not at max tokens."""
+    text = "The timeout is 45 seconds [1]. " + LOOP * 200
+    first = next(seen for seen in streamed_prefixes(text) if cut_repetition(seen) is not None)
+    assert len(first) <= len("The timeout is 45 seconds [1]. ") + LOOP_MIN_CHARS + len(LOOP)
+
+
+SENTENCE = "Model calls time out after 45 seconds, I said [1]. "  # 51 characters
+
+
+@pytest.mark.parametrize("unit, repeats, loops", [
+    ("好", LOOP_MIN_CHARS, True),
+    ("好", LOOP_MIN_CHARS - 1, False),                      # too short a run
+    (SENTENCE[:LOOP_MAX_UNIT], LOOP_MIN_REPEATS, True),
+    (SENTENCE[:LOOP_MAX_UNIT], LOOP_MIN_REPEATS - 1, False),  # too few repeats
+    (SENTENCE[:LOOP_MAX_UNIT + 1], LOOP_MIN_REPEATS, False),  # a unit too long to count
+])
+def test_the_thresholds(unit, repeats, loops):
+    assert (cut_repetition("Answer: " + unit * repeats) is not None) is loops
+
+
+ENGLISH_PROSE = (
+    "The root cause of incident 4711 was an expired TLS certificate on the internal payment gateway proxy [1]. "
+    "The renewal job had failed for three weeks because its service account lost write permission to the "
+    "secrets vault [1]. About 12,400 orders failed during the outage [1]. No, no, no: the database was fine.")
+CHINESE_PROSE = (
+    "单次大模型调用的超时阈值为45秒，超过45秒的调用会被中断并按重试策略重试[1]。每个请求最多重试3次，"
+    "重试间隔从2秒开始，每次翻倍[1]。数据库每天凌晨两点进行全量备份，备份文件保留35天[2]。"
+    "如果备份失败，值班工程师会在十五分钟内收到告警，并需要在当天重新执行备份任务[2]。"
+    "好的，好的，好的，就是这样：请按手册操作，按手册操作，按手册操作。")
+NUMBERED_LIST = "Steps to renew the certificate:\n" + "".join(
+    f"{n}. Step {n}: check the renewal job [1].\n" for n in range(1, 13))
+CHINESE_LIST = "备份步骤：\n" + "".join(f"{n}. 第{n}步：检查备份文件 [2]。\n" for n in range(1, 13))
+TABLE = (
+    "| 章节 | 内容 | 超时 | 重试 | 备注 |\n"
+    "| --- | --- | --- | --- | --- |\n"
+    + "".join(f"| 第{n}章 | 大模型服务 | 45秒 | 3次 | - |\n" for n in range(1, 9))
+    + "| 第九章 | 数据备份 | - | - | - |\n")
+CODE = (
+    "```python\n"
+    "# " + "-" * 76 + "\n"
+    "def call_with_retries(call, attempts: int = 3, first_wait: float = 2.0):\n"
+    "    for attempt in range(attempts):\n"
+    "        try:\n"
+    "            return call(timeout=45)\n"
+    "        except TimeoutError:\n"
+    "            time.sleep(first_wait * 2 ** attempt)\n"
+    "    raise TimeoutError('gave up')\n\n\n"
+    "WEIGHTS = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]\n"
+    "MATRIX = [[0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]\n"
+    "```\n")
+
+
+@pytest.mark.parametrize("text", [ENGLISH_PROSE, CHINESE_PROSE, NUMBERED_LIST, CHINESE_LIST, TABLE, CODE],
+                         ids=["english", "chinese", "numbered-list", "chinese-list", "table", "code"])
+def test_normal_answers_never_trip_the_guard(text):
+    assert len(text) > LOOP_MIN_CHARS
+    assert [seen for seen in streamed_prefixes(text) if cut_repetition(seen) is not None] == []
+
+
+# -- the whole path ----------------------------------------------------------------------------------
+
+TIMEOUTS = ("Model calls time out after 45 seconds. A call that times out is retried up to 3 times, "
+            "waiting 2 seconds before the first retry and twice as long before each next one.")
+
+
+@pytest.fixture(scope="module")
+async def timeouts_doc(stack):
+    body = await stack.upload(("timeouts.txt", TIMEOUTS.encode()), collection="guards")
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+
+
+async def test_a_looping_answer_is_stopped_cut_and_flagged(stack, timeouts_doc):
+    answer = "The timeout is 45 seconds [1]."
+    looping = f"{answer} {LOOP * 200}"
+    # A pause between chunks keeps the model generating while the worker reads, as a real one does.
+    with stack.llm.scope(stream_chunk_delay=0.01) as llm:
+        llm.script("answer", [looping])
+        accepted = await stack.chat(f"How long before a model call times out? {llm.token}", collection="guards")
+        job = await stack.wait_job(accepted["job_id"])
+        [call] = llm.calls("answer")
+    assert job["status"] == "completed", job
+    result = job["result"]
+    assert result["answer"] == f"{answer} [1] [2]"
+    assert REPETITION_WARNING in result["warnings"]
+    assert [c["filename"] for c in result["citations"]] == ["timeouts.txt"]
+
+    async def closed_early() -> bool:
+        return call.finished_at is not None and call.cut_off
+    # The worker closed the model's stream: the server saw it go away before the reply was complete.
+    await eventually(closed_early, what="the scripted model seeing its stream closed before the end")
+
+    events = await read_events(stack, accepted["job_id"])
+    shown = "".join(e["data"]["text"] for _, e in events if e["type"] == "ragline.answer.delta")
+    [completed] = [e["data"] for _, e in events if e["type"] == "ragline.answer.completed"]
+    # What was streamed cannot be taken back: it shows part of the loop. The answer is the cut text.
+    assert shown.startswith(result["answer"]) and len(shown) < len(looping) // 4
+    assert completed["answer"] == result["answer"]
