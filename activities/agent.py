@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 
 from temporalio import activity
 
 from activities.heartbeats import heartbeating
 from activities.search import find_passages
-from models.agent import PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, ToolCall
+from models.agent import (
+    PlanCorrection, PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, ToolCall,
+)
 from ragline import prompts
 from ragline.embeddings import Embedder
-from ragline.llm import ChatModel
+from ragline.errors import ModelReplyError
+from ragline.llm import ChatModel, tool_calls_in_text
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
 
@@ -27,16 +32,23 @@ class AgentActivities:
     @activity.defn
     @translate_errors
     async def agent_plan(self, req: PlanInput) -> PlanOutput:
+        tools = prompts.agent_tools()
+        allowed = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
         messages = prompts.messages(
             "agent", goal=req.goal, instructions=req.instructions or "(none)", depth=str(req.depth),
             max_depth=str(req.max_depth), observations="\n".join(f"- {o}" for o in req.observations) or "(none)")
-        tools = prompts.agent_tools()
+        if req.correction is not None:
+            messages += correction_messages(req.correction, allowed)
         async with heartbeating():
             plan = await self.model.plan(messages, tools, step="agent")
-        allowed = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        malformed = None if plan.calls else malformed_tool_call(plan.text, allowed)
+        if malformed and req.correction is not None:
+            raise ModelReplyError(
+                f"the agent's model wrote no usable plan step, even when told what was wrong: {malformed}. Run the "
+                "agent again, or configure a model that calls tools reliably (RAGLINE_LLM_BASE_URL, RAGLINE_LLM_MODEL)")
         return PlanOutput(calls=[checked_call(c.name, c.arguments, allowed) for c in plan.calls], text=plan.text,
-                          prompt_tokens=plan.prompt_tokens, completion_tokens=plan.completion_tokens,
-                          attempt=activity.info().attempt)
+                          malformed=malformed, prompt_tokens=plan.prompt_tokens,
+                          completion_tokens=plan.completion_tokens, attempt=activity.info().attempt)
 
     @activity.defn
     @translate_errors
@@ -52,7 +64,7 @@ class AgentActivities:
 def checked_call(name: str, arguments: str, allowed: dict[str, dict]) -> ToolCall:
     """Hold a model's tool call to the allowlist and the tool's schema; errors become tool errors."""
     if name not in allowed:
-        return ToolCall(name=name, error=f"unknown tool {name!r}; allowed: {', '.join(sorted(allowed))}")
+        return ToolCall(name=name, error=unknown_tool(name, allowed))
     try:
         args = json.loads(arguments or "{}")
     except json.JSONDecodeError:
@@ -68,3 +80,78 @@ def checked_call(name: str, arguments: str, allowed: dict[str, dict]) -> ToolCal
     if unknown:
         return ToolCall(name=name, error=f"{name} got unknown argument(s): {', '.join(sorted(unknown))}")
     return ToolCall(name=name, arguments={k: v.strip() for k, v in args.items()})
+
+
+def tool_names(allowed: Mapping[str, dict]) -> str:
+    return ", ".join(sorted(allowed))
+
+
+def unknown_tool(name: str, allowed: Mapping[str, dict]) -> str:
+    return f"unknown tool {name!r}; allowed: {tool_names(allowed)}"
+
+
+# Where a reply that is no parsed call may still hold one: Qwen's <tool_call> tags, a code fence (either
+# perhaps cut off by max_tokens), or the bare reply.
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FENCED = re.compile(r"```[A-Za-z]*\s*(.*?)\s*(?:```|$)", re.DOTALL)
+# JSON means a call when it names one of the tools, or, as the whole reply, has a tool-call key. A plain
+# "name" is common in data ({"name": "ACME"}), and prose may quote JSON with a "function" key.
+_NAME_KEYS = ("name", "tool", "tool_name", "function")
+_NAMED = re.compile(r'"(?:%s)"\s*:\s*"([^"]*)"' % "|".join(_NAME_KEYS))
+_CALL_KEY = re.compile(r'"(?:tool|tool_name|tool_calls|function|function_call|arguments|args|parameters)"\s*:')
+
+
+def malformed_tool_call(text: str, allowed: Mapping[str, dict]) -> str | None:
+    """What is wrong with a reply that evidently tries to be a tool call (<tool_call> tags, or JSON that
+    calls a tool, bare or in a code fence) though no call could be read from it; None for any other
+    reply, which is a final answer (prose that mentions or quotes JSON included). Meant for a reply in
+    which no call was found."""
+    tagged = _TAGGED.findall(text)
+    fenced = [] if tagged else _FENCED.findall(text)
+    alone = not fenced or not _FENCED.sub("", text).strip()  # no prose around the JSON
+    attempts = tagged or [body for body in fenced or [text.strip()] if _looks_like_call(body, allowed, alone)]
+    if not attempts:
+        return None
+    return next((problem for body in attempts if (problem := _call_problem(body, allowed))),
+                "a tool call is the whole reply, without prose around it")
+
+
+def _looks_like_call(body: str, allowed: Mapping[str, dict], alone: bool) -> bool:
+    if not body.startswith(("{", "[")):
+        return False
+    return any(name in allowed for name in _NAMED.findall(body)) or (alone and bool(_CALL_KEY.search(body)))
+
+
+def _call_problem(body: str, allowed: Mapping[str, dict]) -> str | None:
+    """What is wrong with the JSON of a call; None when it is one the model client reads."""
+    try:
+        value = json.loads(body)
+    except ValueError as exc:
+        return f"the tool call was not valid JSON ({exc})"
+    for item in value if isinstance(value, list) else [value]:
+        name = _called_name(item)
+        if not isinstance(name, str):
+            return f"the tool call names no tool; allowed: {tool_names(allowed)}"
+        if name not in allowed:
+            return unknown_tool(name, allowed)
+    if not tool_calls_in_text(body):  # a tool that exists, under other keys or with extra ones
+        return 'a tool call is written {"name": "<tool>", "arguments": {...}}'
+    return None
+
+
+def _called_name(item: object) -> object:
+    """The tool a parsed call names, under whichever key the model put it (OpenAI's nesting included)."""
+    if not isinstance(item, dict):
+        return None
+    if isinstance(item.get("tool_calls"), list) and item["tool_calls"]:
+        return _called_name(item["tool_calls"][0])
+    if isinstance(item.get("function"), dict):
+        return _called_name(item["function"])
+    return next((item[key] for key in _NAME_KEYS if isinstance(item.get(key), str)), None)
+
+
+def correction_messages(correction: PlanCorrection, allowed: Mapping[str, dict]) -> list[dict[str, str]]:
+    """The malformed reply as the model wrote it, then what was wrong with it: the model's one chance to
+    write the step again."""
+    said = prompts.text("agent", "correction").format(problem=correction.problem, tools=tool_names(allowed))
+    return [{"role": "assistant", "content": correction.reply}, {"role": "user", "content": said}]

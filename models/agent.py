@@ -81,17 +81,28 @@ class ToolCall(BaseModel):
     error: str | None = None
 
 
+class PlanCorrection(BaseModel):
+    """A reply that tried to be a tool call and was malformed, and what was wrong with it: the next plan
+    shows both to the model, once."""
+    reply: str
+    problem: str
+
+
 class PlanInput(BaseModel):
     goal: str
     instructions: str = ""
     observations: list[str] = []
     depth: int
     max_depth: int
+    correction: PlanCorrection | None = None
 
 
 class PlanOutput(StepResult):
     calls: list[ToolCall]
     text: str = ""
+    # Set when `text` tried to be a tool call but was malformed or named no known tool: what was wrong.
+    # Such a text is no final answer.
+    malformed: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
 

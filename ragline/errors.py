@@ -46,3 +46,21 @@ class StoreUnavailableError(RaglineError):
 
     retryable = False
 
+
+class ModelReplyError(RaglineError):
+    """The model's reply cannot be used even after it was told what was wrong with it (an agent's tool
+    call it keeps writing malformed). The same request would get the same reply: never retried."""
+
+    retryable = False
+
+
+def non_retryable_types() -> frozenset[str]:
+    """Names of the error types that are never retried (as `ApplicationError.type`): their failure is the
+    expected end of bad input or a refused request, with a reason a person can act on, not a crash."""
+    found, todo = set(), [RaglineError]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if not cls.retryable:
+            found.add(cls.__name__)
+    return frozenset(found)

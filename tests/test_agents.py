@@ -248,6 +248,31 @@ async def test_tool_calls_a_model_writes_as_its_text_are_run(stack):
     assert "search_documents('tide tables')" in plans[2].user_message  # the search's outcome went back
 
 
+async def test_a_malformed_tool_call_is_no_answer_the_agent_plans_again(stack):
+    """A small model writes a call as broken JSON in a fence: not the answer, but one more plan, told why."""
+    broken = '```json\n{"name": "finish", "arguments": {"answer": "High tide at noon."}\n```'
+    with stack.llm.scope() as llm:
+        llm.script("agent", [broken, "High tide at Vell is at noon."])
+        job_id = await _start(stack, f"When is high tide? {llm.token}")
+        job = await stack.wait_done(job_id)
+        plans = llm.calls("agent")
+    assert job["status"] == "completed" and job["result"]["answer"] == "High tide at Vell is at noon."
+    assert [s["name"] for s in job["steps"]] == ["plan 1", "plan 2"]
+    assert len(plans) == 2 and job["result"]["llm_calls"] == 2  # the re-plan is a model call of the budget
+    assert "not a valid tool call: the tool call was not valid JSON" in plans[1].user_message
+
+
+async def test_a_tool_call_malformed_again_fails_the_job_with_the_reason(stack):
+    with stack.llm.scope() as llm:
+        llm.script("agent", ['{"tool": "lookup", "arguments": {"q": "tides"}}'] * 2)
+        job_id = await _start(stack, f"When is low tide? {llm.token}")
+        job = await stack.wait_done(job_id)
+        assert llm.count("agent") == 2, "one corrective re-plan, not retried"
+    assert job["status"] == "failed"
+    assert "unknown tool 'lookup'" in job["error"]["message"]
+    assert [(s["name"], s["status"]) for s in job["steps"]] == [("plan 1", "completed"), ("plan 2", "failed")]
+
+
 async def test_limits_above_the_ceiling_are_refused(stack):
     r = await stack.http.post("/v1/agents", json={"goal": "x", "max_depth": 99})
     assert r.status_code == 422 and "max_depth" in r.json()["error"]["message"]

@@ -1,7 +1,8 @@
 """Agents: plan with the model, call allowlisted tools, delegate to sub-agents as child workflows.
 
 AgentWorkflow (id agent-<uuid>, children <parent id>.<n>)
-  loop: guard the budget -> agent_plan (tool calling) -> for each tool call:
+  loop: guard the budget -> agent_plan (tool calling) -> a malformed call written as text: plan once more,
+        told what was wrong (agent_plan fails the job if that reply is malformed too) -> for each tool call:
           search_documents -> observation
           delegate(subgoal) -> guards (depth, loop, budget) -> child AgentWorkflow, in parallel
           finish(answer) -> done
@@ -23,8 +24,8 @@ from temporalio.exceptions import ChildWorkflowError
 with workflow.unsafe.imports_passed_through():
     from activities.agent import AgentActivities
     from models.agent import (
-        TOOL_DELEGATE, TOOL_FINISH, TOOL_SEARCH, AgentInput, AgentNode, AgentResult, Budget, PlanInput,
-        SearchDocumentsInput, Spend, agent_workflow_id,
+        TOOL_DELEGATE, TOOL_FINISH, TOOL_SEARCH, AgentInput, AgentNode, AgentResult, Budget, PlanCorrection,
+        PlanInput, SearchDocumentsInput, Spend, agent_workflow_id,
     )
     from models.review import ReviewDecision, ReviewRecord
     from temporal import search_attributes as sa
@@ -34,6 +35,9 @@ with workflow.unsafe.imports_passed_through():
 
 MAX_TURNS = 8            # planning rounds per agent
 MAX_OBSERVATIONS = 8     # observations kept for the next plan (each is short)
+# A reply that tries to be a tool call and is malformed gets a corrective re-plan; under earlier code (a
+# plan step of a newer worker, a workflow task of an older one) it was taken for the final answer.
+REPLAN_MALFORMED_PATCH = "agent-replans-malformed-tool-call"
 
 
 def normalise_goal(goal: str) -> str:
@@ -87,6 +91,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         """The final answer, or None when the planning rounds ran out."""
         inp = self.inp
         instructions = ""
+        correction: PlanCorrection | None = None
         for turn in range(1, MAX_TURNS + 1):
             over = self._over_budget()
             if over:
@@ -97,8 +102,12 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 instructions = decision.instructions or instructions
             plan = await self.step(AgentActivities.agent_plan, PlanInput(
                 goal=inp.goal, instructions=instructions, observations=self.observations[-MAX_OBSERVATIONS:],
-                depth=inp.depth, max_depth=self.max_depth), name=f"plan {turn}")
+                depth=inp.depth, max_depth=self.max_depth, correction=correction), name=f"plan {turn}")
             self.spent.add(Spend(llm_calls=1, tokens=plan.prompt_tokens + plan.completion_tokens))
+            correction = None
+            if plan.malformed and workflow.patched(REPLAN_MALFORMED_PATCH):
+                correction = PlanCorrection(reply=plan.text, problem=plan.malformed)
+                continue
             if not plan.calls:
                 return plan.text.strip() or self._partial()
             subgoals = []

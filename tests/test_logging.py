@@ -1,0 +1,101 @@
+"""What an operator reads on the console: an expected input error (the job fails with its reason) is one
+line, a bug or a retryable failure keeps its traceback. Activities fail in a real worker, on the session's
+Temporal dev server, so that the lines are the Temporal SDK's own; the API's 4xx answers log none."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import timedelta
+
+import httpx
+import pytest
+from temporalio import activity, workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from api.app import create_app
+from ragline import keys as api_keys
+from ragline import logs
+from ragline.errors import InputError, TransientError
+from ragline.settings import Settings
+from temporal.errors import translate_errors
+
+
+@activity.defn
+@translate_errors
+async def extract_locked_pdf() -> None:
+    raise InputError("encrypted: password required")
+
+
+@activity.defn
+@translate_errors
+async def call_an_unreachable_model() -> None:
+    raise TransientError("cannot reach the model endpoint")
+
+
+@activity.defn
+async def step_with_a_bug() -> None:
+    raise KeyError("page_count")
+
+
+@workflow.defn(sandboxed=False)
+class OneStep:
+    """Runs one activity, once; completes whatever it raised."""
+
+    @workflow.run
+    async def run(self, step: str) -> str:
+        try:
+            await workflow.execute_activity(step, start_to_close_timeout=timedelta(seconds=30),
+                                            retry_policy=RetryPolicy(maximum_attempts=1))
+        except ActivityError:
+            return "failed"
+        return "completed"
+
+
+@pytest.fixture
+def configured_logs():
+    """Logging as the worker and the API configure it at start."""
+    logs.configure()
+
+
+async def _failure_lines(client, caplog, step) -> list[logging.LogRecord]:
+    """The SDK's records of the failed attempt of `step`, run by a worker of this test's own."""
+    queue, workflow_id = f"logging-{uuid.uuid4().hex[:8]}", f"logging-{step.__name__}-{uuid.uuid4().hex[:8]}"
+    async with Worker(client, task_queue=queue, workflows=[OneStep], activities=[step],
+                      workflow_runner=UnsandboxedWorkflowRunner()):
+        with caplog.at_level(logging.WARNING, logger=logs.SDK_ACTIVITY_LOGGER):
+            assert await client.execute_workflow(OneStep.run, step.__name__, id=workflow_id,
+                                                 task_queue=queue) == "failed"
+    return [r for r in caplog.records if r.name == logs.SDK_ACTIVITY_LOGGER
+            and getattr(r, "temporal_activity", {}).get("workflow_id") == workflow_id]
+
+
+async def test_an_input_error_is_one_line_without_a_traceback(temporal_env, caplog, configured_logs):
+    [line] = await _failure_lines(temporal_env.client, caplog, extract_locked_pdf)
+    assert line.exc_info is None and "Traceback" not in caplog.text
+    message = line.getMessage()
+    assert "extract_locked_pdf" in message and "InputError: encrypted: password required" in message
+    assert line.temporal_activity["workflow_id"] in message and "\n" not in message
+
+
+@pytest.mark.parametrize("step", [step_with_a_bug, call_an_unreachable_model])
+async def test_a_bug_or_a_retryable_failure_keeps_its_traceback(temporal_env, caplog, configured_logs, step):
+    [line] = await _failure_lines(temporal_env.client, caplog, step)
+    assert line.exc_info is not None and "Traceback (most recent call last)" in caplog.text
+
+
+async def test_the_api_answers_4xx_without_a_traceback(tmp_path, caplog, capsys):
+    settings = Settings(data_dir=tmp_path, temporal_address="127.0.0.1:1")  # no Temporal needed for these
+    key = api_keys.create(settings.effective_api_keys_file, "acme", "member", "logging")
+    app = create_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+        caplog.set_level(logging.DEBUG)
+        unauthenticated = await http.get("/v1/jobs")
+        invalid = await http.post("/v1/agents", json={"goal": 5}, headers={"Authorization": f"Bearer {key}"})
+    assert (unauthenticated.status_code, invalid.status_code) == (401, 422)
+    assert not [r for r in caplog.records if r.exc_info]
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.out + printed.err
