@@ -61,8 +61,9 @@ class _StepInbound(ActivityInboundInterceptor):
                 return await super().execute_activity(input)
             except BaseException as exc:
                 outcome = _outcome(exc)
-                log.warning("step attempt failed", outcome=outcome, error_type=type(exc).__name__,
-                            error=str(exc)[:300])
+                # Our taxonomy's class (InputError, TransientError…), not the ApplicationError carrying it.
+                error_type = exc.type if isinstance(exc, ApplicationError) and exc.type else type(exc).__name__
+                log.warning("step attempt failed", outcome=outcome, error_type=error_type, error=str(exc)[:300])
                 raise
             finally:
                 metrics.step_attempt(meter, time.monotonic() - started, outcome, retry=info.attempt > 1)

@@ -99,3 +99,17 @@ async def test_the_api_answers_4xx_without_a_traceback(tmp_path, caplog, capsys)
     assert not [r for r in caplog.records if r.exc_info]
     printed = capsys.readouterr()
     assert "Traceback" not in printed.out + printed.err
+
+
+async def test_the_step_line_names_the_error_of_our_taxonomy(temporal_env, capfd, configured_logs):
+    """The worker's own line per failed attempt (temporal/telemetry.py) says InputError, not the
+    ApplicationError that carries it to Temporal."""
+    from temporal.telemetry import StepTelemetry
+
+    queue = f"logging-{uuid.uuid4().hex[:8]}"
+    async with Worker(temporal_env.client, task_queue=queue, workflows=[OneStep], activities=[extract_locked_pdf],
+                      workflow_runner=UnsandboxedWorkflowRunner(), interceptors=[StepTelemetry()]):
+        assert await temporal_env.client.execute_workflow(OneStep.run, extract_locked_pdf.__name__, id=queue,
+                                                          task_queue=queue) == "failed"
+    [line] = [line for line in capfd.readouterr().out.splitlines() if "step attempt failed" in line and queue in line]
+    assert "error_type=InputError" in line and "outcome=non_retryable_error" in line, line
