@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import uuid
 
+import httpx
 from temporalio.api.enums.v1 import EventType
 
-from tests.conftest import shared_pdf
+from tests.conftest import running_stack, shared_pdf
 from tests.helpers import read_events, waiting_reviews
 from workflows.events import PUBLISH_SIGNAL
 
@@ -111,3 +114,40 @@ async def test_many_watchers_of_one_job_share_one_poll_and_leave_room_for_a_deci
     # point where the job published on its own (the held answer's step ended, the review was requested,
     # the decision and the end).
     assert len(polls) <= batches + 3, (len(polls), batches)
+
+
+async def test_a_summary_the_answer_waits_for_shows_the_turn_at_work(temporal_env, scripted_llm, tmp_path):
+    """A chat turn keeps its step events until its first answer delta, except while a summary runs before
+    the answer (passages too long for the model's context): that can take tens of seconds on a local model,
+    and the person sees the steps meanwhile, not nothing."""
+    tag = uuid.uuid4().hex[:8]
+    address = temporal_env.client.service_client.config.target_host
+    # A context this small holds no passage: every turn summarizes before it answers.
+    async with running_stack(address, scripted_llm, tmp_path, task_queue=f"summary-first-{tag}",
+                             llm_context_tokens=700, llm_max_tokens=64) as stack:
+        collection = f"summary-first-{tag}"
+        text = " ".join(f"Lighthouse {n} guides ships along the rocky coast at night with a rotating lamp."
+                        for n in range(8))
+        upload = await stack.upload(("lights.txt", text.encode()), collection=collection)
+        assert (await stack.wait_done(upload["job_id"]))["status"] == "completed"
+        with scripted_llm.scope() as llm:
+            llm.script("summarize", [{"content": "Lighthouses guide ships at night.", "delay": 2}])  # under llm_timeout
+            accepted = await stack.chat(f"What do lighthouses do? {llm.token}", collection=collection)
+            seen: list[dict] = []
+            summary_done_when_shown = None
+            async with stack.http.stream("GET", f"/v1/jobs/{accepted['job_id']}/events",
+                                         timeout=httpx.Timeout(60)) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    event = json.loads(line[5:])
+                    seen.append(event)
+                    if event["type"] == "ragline.step.started" and event["data"]["step"] == "summarize_context":
+                        summary_done_when_shown = any(c.finished_at for c in llm.calls("summarize"))
+    types = [e["type"] for e in seen]
+    assert types[0] == "ragline.job.accepted" and types[-1] == "ragline.job.completed", types
+    assert summary_done_when_shown is False, types  # shown while the summary was still being written
+    assert llm.count("summarize") == 1
+    first_delta = types.index("ragline.answer.delta")
+    started = [e["data"]["step"] for e in seen[:first_delta] if e["type"] == "ragline.step.started"]
+    assert started == ["retrieve_context", "summarize_context", "generate_answer"], started

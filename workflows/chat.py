@@ -11,7 +11,8 @@ ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
   -> [the slot] -> generate_answer (streams deltas) -> summarize_context || extract_entities
   Only when the passages overflow the model's context budget does summarize_context run before
   generate_answer, which then answers from the summary. Nothing else delays the answer's first token.
-  Its step events ride along with the events a person waits for (the deltas, the answer, the end).
+  Its step events ride along with the events a person waits for (the deltas, the answer, the end), except
+  while that summary runs: a person then sees the turn at work.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ with workflow.unsafe.imports_passed_through():
 
 # Turns recorded before a reviewer's hold kept the answer out of the stream replay showing it at once.
 REVIEW_HOLDS_ANSWER_PATCH = "review-holds-answer"
+# Turns recorded before a summary the answer waits for showed the turn's steps at once replay with them
+# held until the first delta.
+SUMMARY_SHOWN_PATCH = "summary-first-shows-steps"
 # An answer its step warns about (the model looped, it was cut) is not cached. Earlier code cached it,
 # and a turn whose step ran on a newer worker than its workflow task did must replay so.
 WARNED_ANSWER_NOT_CACHED_PATCH = "warned-answer-not-cached"
@@ -131,7 +135,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         # the slot was being asked for.
         await self.running_slot()
         context = ContextInput(question=question.message, context_ref=retrieved.context_ref)
-        summary = None if retrieved.fits else await self.step(ChatActivities.summarize_context, context)
+        summary = None if retrieved.fits else await self._shown_while_it_runs(ChatActivities.summarize_context, context)
         generate = GenerateInput(question=question.message, context_ref=retrieved.context_ref,
                                  history=self.context.history, summary=summary.summary if summary else None,
                                  stream=not self._answer_held)
@@ -169,6 +173,18 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._answer_held and self._needs_review(turn, result):
             return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)
+
+    async def _shown_while_it_runs(self, activity, arg):  # noqa: ANN001, ANN202 - as JobWorkflow.step
+        """A model call before the answer (a summary of passages too long for the model, tens of seconds on a
+        local model): its step events go out at once, and the ones held so far with them, so that the person
+        sees the turn at work rather than nothing until the first delta."""
+        if not workflow.patched(SUMMARY_SHOWN_PATCH):
+            return await self.step(activity, arg)
+        held, self.events.hold_steps = self.events.hold_steps, False
+        try:
+            return await self.step(activity, arg)
+        finally:
+            self.events.hold_steps = held
 
     def _answered(self, result: TurnResult) -> TurnResult:
         """A turn answered without the model chain: the remaining planned steps are skipped."""
