@@ -10,15 +10,20 @@ the model cited, turns keep their order), not the scripted model's canned text.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
+from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from activities.gate import gate_id
+from api.app import create_app
 from devtools.scripted_llm import last_user_message, parse_prompt
 from models.chat import session_workflow_id
+from tests.conftest import serving_api
 from tests.helpers import read_events
 from workflows.events import PUBLISH_SIGNAL
 
@@ -315,9 +320,9 @@ async def test_summary_and_entities_run_concurrently(stack, chat_docs):
 async def test_no_context_is_said_in_the_language_of_the_question(stack):
     with stack.llm.scope() as llm:
         english = await stack.wait_job((await stack.chat(f"What is the capital of Peru? {llm.token}",
-                                                         collection="empty"))["job_id"])
+                                                         collection="chat-empty"))["job_id"])
         chinese = await stack.wait_job((await stack.chat(f"秘鲁的首都是哪里？{llm.token}",
-                                                         collection="empty"))["job_id"])
+                                                         collection="chat-empty"))["job_id"])
         assert llm.count() == 0, "nothing to retrieve: no model call should be paid for"
     assert "don't know" in english["result"]["answer"] and english["result"]["citations"] == []
     assert "不知道" in chinese["result"]["answer"] and chinese["result"]["citations"] == []
@@ -371,3 +376,52 @@ async def test_a_retried_answer_streams_again_under_its_new_attempt(stack, chat_
     assert "".join(d["text"] for d in retry) == answered.reply
     assert events[-1]["type"] == "ragline.job.completed"
     assert events[-1]["data"]["answer"] == answered.reply.strip()
+
+
+async def test_a_held_answer_nobody_reviews_fails_the_turn_after_the_review_timeout(stack, chat_docs):
+    """`require_review`: the answer waits for a reviewer at most RAGLINE_REVIEW_TIMEOUT (a server setting,
+    any duration above 0, which the API that accepts a turn gives it). Nobody decides: the review is
+    rejected by "system" with "review timed out", the turn fails saying so, and the person who asked never
+    saw the answer on the job's stream, neither streamed nor whole. The turn is accepted by an API of the
+    test's own with a short timeout, on the session's Temporal; the session's worker runs it."""
+    timeout = timedelta(seconds=2)
+    settings = stack.settings.model_copy(update={"review_timeout": "2s"})
+    async with serving_api(create_app(settings)) as url, \
+            httpx.AsyncClient(base_url=url, timeout=60,
+                              headers={"Authorization": f"Bearer {stack.keys['member']}"}) as asker:
+        with stack.llm.scope() as llm:
+            held = f"Held {llm.token}: the herds cross the Mara river in July [1]."
+            llm.script("answer", [held])
+            r = await asker.post("/v1/chats", json={"message": f"When do the herds cross? {llm.token}",
+                                                    "collection": "chat", "require_review": True})
+            assert r.status_code == 202, r.text
+            accepted = r.json()
+            # The asker's view, watched from the moment it was accepted until the stream ends.
+            events = [e for _, e in await asyncio.wait_for(
+                read_events(SimpleNamespace(http=asker), accepted["job_id"]), timeout=120)]
+            [answer_call] = llm.calls("answer")
+        job = (await asker.get(f"/v1/jobs/{accepted['job_id']}")).json()
+        session = (await asker.get(f"/v1/chats/{accepted['session_id']}")).json()
+    assert answer_call.reply.strip() == held  # there was an answer to hold
+
+    types = [e["type"] for e in events]
+    [requested] = [e["data"] for e in events if e["type"] == "ragline.review.requested"]
+    [decided] = [e["data"] for e in events if e["type"] == "ragline.review.decided"]
+    assert requested["reason"] == "review requested"
+    expires_at = datetime.fromisoformat(requested["expires_at"])
+    assert expires_at - datetime.fromisoformat(requested["requested_at"]) == timeout
+    assert (decided["decision"], decided["reviewer"], decided["comment"]) == ("reject", "system", "review timed out")
+    assert datetime.fromisoformat(decided["decided_at"]) >= expires_at  # by the timer, not before it ran out
+    assert types[-1] == "ragline.job.failed"
+    assert "answer rejected by system: review timed out" in events[-1]["data"]["error"]
+    assert types.index("ragline.review.requested") < types.index("ragline.review.decided") < len(types) - 1
+    # Never shown: no delta, no completed answer, and the text in no event but the review's own.
+    assert not [t for t in types if t.startswith("ragline.answer.")], types
+    assert not [e["type"] for e in events
+                if held in json.dumps(e, ensure_ascii=False) and not e["type"].startswith("ragline.review.")]
+
+    assert job["status"] == "failed" and job["result"] is None, job
+    assert job["error"]["type"] == "AnswerRejected"
+    assert job["error"]["message"] == "answer rejected by system: review timed out"
+    [turn] = session["turns"]
+    assert (turn["job_id"], turn["status"], turn["answer"]) == (accepted["job_id"], "failed", None)

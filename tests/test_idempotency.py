@@ -23,7 +23,7 @@ def _reused(r) -> bool:  # noqa: ANN001
 
 async def test_a_chat_key_sent_with_another_question_is_refused_in_this_process_and_from_the_job(stack):
     key = _key()
-    body = {"message": "Who wrote the ledger?", "collection": "idem"}
+    body = {"message": "Who wrote the ledger?", "collection": "idempotency"}
     first = await stack.http.post("/v1/chats", json=body, headers={"Idempotency-Key": key})
     assert first.status_code == 202, first.text
     session = first.json()["session_id"]
@@ -57,7 +57,7 @@ async def test_an_agent_resent_with_its_key_is_one_job_even_after_it_ended(stack
     key = _key()
     with stack.llm.scope() as llm:
         llm.script_fn("agent", delegate_until(leaf_depth=0, token=llm.token))
-        body = {"goal": f"Count the ledgers {llm.token}", "collection": "idem", "max_depth": 1}
+        body = {"goal": f"Count the ledgers {llm.token}", "collection": "idempotency", "max_depth": 1}
         first = await stack.http.post("/v1/agents", json=body, headers={"Idempotency-Key": key})
         resent = await stack.http.post("/v1/agents", json=body, headers={"Idempotency-Key": key})
         assert first.status_code == 202 and resent.status_code == 202, (first.text, resent.text)
@@ -75,7 +75,7 @@ async def test_an_agent_resent_with_its_key_is_one_job_even_after_it_ended(stack
     # Without a key, each POST is a job of its own; another tenant's same key is its own too.
     with stack.llm.scope() as llm:
         llm.script_fn("agent", delegate_until(leaf_depth=0, token=llm.token))
-        body = {"goal": f"Count the ledgers {llm.token}", "collection": "idem", "max_depth": 0}
+        body = {"goal": f"Count the ledgers {llm.token}", "collection": "idempotency", "max_depth": 0}
         unkeyed = [(await stack.http.post("/v1/agents", json=body)).json()["job_id"] for _ in range(2)]
         theirs = await stack.other_http.post("/v1/agents", json=body, headers={"Idempotency-Key": key})
         assert theirs.status_code == 202 and theirs.json()["duplicate"] is False
@@ -89,7 +89,7 @@ async def test_an_agent_resent_with_its_key_is_one_job_even_after_it_ended(stack
 async def test_an_evaluation_resent_with_its_key_is_one_job(stack):
     key = _key()
     golden = json.dumps({"question": "Who wrote the ledger?", "expected_document": None}).encode()
-    url = "/v1/evaluations?collection=idem"
+    url = "/v1/evaluations?collection=idempotency"
     first = await stack.http.post(url, content=golden, headers={"Idempotency-Key": key})
     resent = await stack.http.post(url, content=golden, headers={"Idempotency-Key": key})
     assert first.status_code == 202 and resent.status_code == 202, (first.text, resent.text)
@@ -97,7 +97,7 @@ async def test_an_evaluation_resent_with_its_key_is_one_job(stack):
     assert resent.json()["job_id"] == first.json()["job_id"]
     # Another golden set, or the same one against another collection or k, under the same key: refused.
     assert _reused(await stack.http.post(url, content=golden + b"\n", headers={"Idempotency-Key": key}))
-    assert _reused(await stack.http.post("/v1/evaluations?collection=idem2", content=golden,
+    assert _reused(await stack.http.post("/v1/evaluations?collection=idempotency-2", content=golden,
                                          headers={"Idempotency-Key": key}))
     assert _reused(await stack.http.post(url + "&k=3", content=golden, headers={"Idempotency-Key": key}))
     assert (await stack.wait_done(first.json()["job_id"]))["status"] == "completed"
@@ -109,7 +109,7 @@ async def test_one_key_sent_many_times_at_once_is_one_turn_and_refuses_other_que
     key = _key()
 
     async def send(message: str):
-        return await stack.http.post("/v1/chats", json={"message": message, "collection": "idem"},
+        return await stack.http.post("/v1/chats", json={"message": message, "collection": "idempotency"},
                                      headers={"Idempotency-Key": key})
 
     messages = ["Who wrote the ledger?" if i % 2 else f"Question {i}?" for i in range(8)]
@@ -141,8 +141,8 @@ async def test_a_review_resent_with_its_key_gets_the_first_acknowledgement(stack
             return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"a part {llm.token}"}}]}
 
         llm.script_fn("agent", plan)
-        r = await stack.http.post("/v1/agents", json={"goal": f"Map the lamps {llm.token}", "collection": "idem",
-                                                      "max_depth": 0})
+        r = await stack.http.post("/v1/agents", json={"goal": f"Map the lamps {llm.token}",
+                                                      "collection": "idempotency", "max_depth": 0})
         job_id = r.json()["job_id"]
         [review] = await waiting_reviews(stack, job_id)
         decision = {"decision": "revise", "reviewer": "ed", "instructions": "answer without delegating"}

@@ -25,7 +25,7 @@ def _outcomes(job: dict) -> dict[str, dict]:
 
 
 async def test_one_page_pdf_is_indexed_and_searchable(stack):
-    body = await stack.upload(("crazyones.pdf", shared_pdf("crazyones.pdf").read_bytes()), collection="one")
+    body = await stack.upload(("crazyones.pdf", shared_pdf("crazyones.pdf").read_bytes()), collection="ingest-one")
     assert set(body) >= {"job_id", "status_url", "events_url", "documents"}
     # Absolute URLs a client follows as they are.
     assert body["status_url"] == f"{stack.base_url}/v1/jobs/{body['job_id']}"
@@ -40,22 +40,22 @@ async def test_one_page_pdf_is_indexed_and_searchable(stack):
     outcome = _outcomes(job)["crazyones.pdf"]
     assert outcome["status"] == "indexed" and outcome["chunks"] >= 1 and outcome["pages"] == 1
 
-    hits = await stack.search("here's to the crazy ones, the misfits, the rebels", collection="one")
+    hits = await stack.search("here's to the crazy ones, the misfits, the rebels", collection="ingest-one")
     assert hits and hits[0]["document_id"] == doc["document_id"]
     assert "crazy" in hits[0]["text"].lower()
     assert hits[0]["filename"] == "crazyones.pdf" and hits[0]["page"] == 1
-    assert stack.index.count(stack.tenant, "one", doc["document_id"]) == outcome["chunks"]
+    assert stack.index.count(stack.tenant, "ingest-one", doc["document_id"]) == outcome["chunks"]
 
 
 async def test_multi_page_pdf_keeps_page_numbers(stack):
     body = await stack.upload(("geobase.pdf", shared_pdf("GeoBase_NHNC1_Data_Model_UML_EN.pdf").read_bytes()),
-                              collection="multi")
+                              collection="ingest-multi")
     job = await stack.wait_job(body["job_id"])
     assert job["status"] == "completed", job
     outcome = _outcomes(job)["geobase.pdf"]
     assert outcome["pages"] == 19 and outcome["chunks"] > 10
 
-    hits = await stack.search("UML data model", collection="multi", top_k=10)
+    hits = await stack.search("UML data model", collection="ingest-multi", top_k=10)
     assert len(hits) == 10
     pages = {h["page"] for h in hits}
     assert pages - {1}, f"every hit claims page 1: {pages}"
@@ -77,7 +77,7 @@ async def test_batch_with_one_bad_file_indexes_the_others(stack):
         ("example.pdf", shared_pdf("example.pdf").read_bytes()),
         ("locked.pdf", shared_pdf("encrypted-file.pdf").read_bytes()),
         ("notes.md", "# Notes\n\nThe zebra migration crosses the Mara river every July.\n".encode()),
-        collection="batch")
+        collection="ingest-batch")
     assert len(body["documents"]) == 3
     job = await stack.wait_job(body["job_id"])
     assert job["status"] == "completed", job
@@ -91,20 +91,20 @@ async def test_batch_with_one_bad_file_indexes_the_others(stack):
     assert steps["document:locked.pdf"]["status"] == "failed"
     assert steps["document:notes.md"]["status"] == "completed"
 
-    hits = await stack.search("when does the zebra migration cross the river?", collection="batch")
+    hits = await stack.search("when does the zebra migration cross the river?", collection="ingest-batch")
     assert hits[0]["filename"] == "notes.md"
 
 
 async def test_same_bytes_same_collection_is_not_ingested_twice(stack):
     data = shared_pdf("pdflatex-outline.pdf").read_bytes()
-    first = await stack.upload(("outline.pdf", data), collection="idem")
+    first = await stack.upload(("outline.pdf", data), collection="ingest-idem")
     await stack.wait_job(first["job_id"])
-    again = await stack.upload(("renamed.pdf", data), collection="idem")
+    again = await stack.upload(("renamed.pdf", data), collection="ingest-idem")
     assert again["job_id"] == first["job_id"] and again["duplicate"] is True
     assert again["documents"][0]["document_id"] == first["documents"][0]["document_id"]
     # Concurrent duplicates while nothing exists yet still make one job.
     fresh = shared_pdf("toy.pdf").read_bytes()
-    bodies = await asyncio.gather(*(stack.upload(("toy.pdf", fresh), collection="idem") for _ in range(5)))
+    bodies = await asyncio.gather(*(stack.upload(("toy.pdf", fresh), collection="ingest-idem") for _ in range(5)))
     assert len({b["job_id"] for b in bodies}) == 1
     await stack.wait_job(bodies[0]["job_id"])
 
@@ -113,15 +113,15 @@ async def test_same_bytes_same_collection_is_not_ingested_twice(stack):
         runs = [w async for w in stack.client.list_workflows(f"WorkflowId = '{job_id}'")]
         assert len(runs) == 1, f"{job_id} ran {len(runs)} times"
     # Another collection is another document.
-    other = await stack.upload(("outline.pdf", data), collection="idem2")
+    other = await stack.upload(("outline.pdf", data), collection="ingest-idem2")
     assert other["documents"][0]["document_id"] != first["documents"][0]["document_id"]
     await stack.wait_job(other["job_id"])
 
 
 async def test_a_document_shared_by_two_jobs_is_ingested_once(stack):
     a, b = shared_pdf("commented.pdf").read_bytes(), shared_pdf("attachment.pdf").read_bytes()
-    first = await stack.upload(("a.pdf", a), collection="shared")
-    second = await stack.upload(("a.pdf", a), ("b.pdf", b), collection="shared")
+    first = await stack.upload(("a.pdf", a), collection="ingest-shared")
+    second = await stack.upload(("a.pdf", a), ("b.pdf", b), collection="ingest-shared")
     assert first["job_id"] != second["job_id"]
     job = await stack.wait_job(second["job_id"])
     assert job["status"] == "completed"
@@ -133,15 +133,15 @@ async def test_a_document_shared_by_two_jobs_is_ingested_once(stack):
 
 async def test_encrypted_pdf_needs_the_right_password(stack):
     data = shared_pdf("crazyones-encrypted-256.pdf").read_bytes()
-    no_pw = await stack.wait_job((await stack.upload(("enc.pdf", data), collection="enc"))["job_id"])
+    no_pw = await stack.wait_job((await stack.upload(("enc.pdf", data), collection="ingest-enc"))["job_id"])
     assert no_pw["status"] == "failed"
     assert "encrypted: password required" in no_pw["error"]["message"]
 
-    wrong = await stack.wait_job((await stack.upload(("enc.pdf", data), collection="enc",
+    wrong = await stack.wait_job((await stack.upload(("enc.pdf", data), collection="ingest-enc",
                                                      password="nope"))["job_id"])
     assert wrong["status"] == "failed" and "encrypted: wrong password" in wrong["error"]["message"]
 
-    right = await stack.upload(("enc.pdf", data), collection="enc", password="password")
+    right = await stack.upload(("enc.pdf", data), collection="ingest-enc", password="password")
     job = await stack.wait_job(right["job_id"])
     assert job["status"] == "completed", job
     assert _outcomes(job)["enc.pdf"]["chunks"] >= 1
@@ -156,7 +156,7 @@ async def test_unprocessable_documents_fail_with_a_reason_and_no_retries(stack):
         "long.pdf": (too_long, f"too many pages: {stack.settings.max_pages + 1} > {stack.settings.max_pages}"),
     }
     for name, (data, reason) in cases.items():
-        body = await stack.upload((name, data), collection="bad")
+        body = await stack.upload((name, data), collection="ingest-bad")
         job = await stack.wait_job(body["job_id"])
         assert job["status"] == "failed", (name, job)
         assert reason in job["error"]["message"], (name, job["error"])
@@ -205,7 +205,7 @@ async def test_upload_limit_and_filenames_are_not_paths(stack, tmp_path):
     assert r.status_code == 413 and r.json()["error"]["code"] == "file_too_large"
 
     body = await stack.upload(("../../../../etc/passwd.txt", b"Filenames are labels, never paths."),
-                              collection="names")
+                              collection="ingest-names")
     assert body["documents"][0]["filename"] == "passwd.txt"
     assert not (stack.settings.data_dir / "etc").exists()
     job = await stack.wait_job(body["job_id"])
@@ -215,7 +215,7 @@ async def test_upload_limit_and_filenames_are_not_paths(stack, tmp_path):
 async def test_long_document_history_keeps_payloads_small(stack):
     pages = [f"Page {i}. Chapter {i // 20} describes harbour number {i} and its lighthouse keeper, "
              f"who logs ships in a red notebook every evening." for i in range(1, 501)]
-    body = await stack.upload(("book.pdf", pdf_bytes(pages)), collection="long")
+    body = await stack.upload(("book.pdf", pdf_bytes(pages)), collection="ingest-long")
     job = await stack.wait_job(body["job_id"], timeout=300)
     assert job["status"] == "completed", job
     outcome = _outcomes(job)["book.pdf"]
@@ -226,15 +226,15 @@ async def test_long_document_history_keeps_payloads_small(stack):
         biggest = max(event.ByteSize() for event in history.events)
         assert biggest < 256 * 1024, f"{workflow_id}: an event of {biggest} bytes"
 
-    hits = await stack.search("harbour number 321 lighthouse keeper", collection="long", top_k=3)
+    hits = await stack.search("harbour number 321 lighthouse keeper", collection="ingest-long", top_k=3)
     assert any("321" in h["text"] for h in hits)
     assert all(h["page"] >= 1 for h in hits)
 
 
 async def test_jobs_and_documents_are_listed_from_temporal_visibility(stack):
-    body = await stack.upload(("hello.pdf", shared_pdf("hello-world.pdf").read_bytes()), collection="listing")
+    body = await stack.upload(("hello.pdf", shared_pdf("hello-world.pdf").read_bytes()), collection="ingest-listing")
     await stack.wait_job(body["job_id"])
-    failed = await stack.upload(("scan.pdf", shared_pdf("git.pdf").read_bytes()), collection="listing")
+    failed = await stack.upload(("scan.pdf", shared_pdf("git.pdf").read_bytes()), collection="ingest-listing")
     await stack.wait_job(failed["job_id"])
 
     async def listed(**params) -> list[dict]:
@@ -256,17 +256,18 @@ async def test_jobs_and_documents_are_listed_from_temporal_visibility(stack):
     assert len((await stack.http.get("/v1/jobs", params={"limit": 1})).json()["jobs"]) == 1
     assert (await stack.http.get("/v1/jobs", params={"status": "bogus"})).status_code == 422
 
-    documents = (await stack.http.get("/v1/documents", params={"collection": "listing"})).json()["documents"]
+    documents = (await stack.http.get("/v1/documents", params={"collection": "ingest-listing"})).json()["documents"]
     by_name = {d["filename"]: d for d in documents}
     assert by_name["hello.pdf"]["status"] == "indexed" and by_name["hello.pdf"]["chunks"] >= 1
     assert by_name["scan.pdf"]["status"] == "failed"
     assert by_name["scan.pdf"]["error"].startswith("no extractable text")  # why, without opening the job
     assert by_name["hello.pdf"]["error"] is None
-    assert all(d["collection"] == "listing" for d in documents)
+    assert all(d["collection"] == "ingest-listing" for d in documents)
 
 
 async def test_job_contract_and_unknown_ids(stack):
-    body = await stack.upload(("toy.txt", b"A tiny text file about teapots and their spouts."), collection="contract")
+    body = await stack.upload(("toy.txt", b"A tiny text file about teapots and their spouts."),
+                              collection="ingest-contract")
     job = await stack.wait_job(body["job_id"])
     assert set(job) >= {"job_id", "kind", "status", "created_at", "updated_at", "steps", "result", "error"}
     for step in job["steps"]:
@@ -287,6 +288,6 @@ async def test_job_contract_and_unknown_ids(stack):
 
 
 async def test_search_an_empty_or_unknown_collection(stack):
-    assert await stack.search("anything", collection="never-used") == []
+    assert await stack.search("anything", collection="ingest-never-used") == []
     r = await stack.http.post("/v1/search", json={"query": "", "collection": "default"})
     assert r.status_code == 422

@@ -247,7 +247,7 @@ async def test_a_slot_held_by_a_terminated_job_is_freed_and_other_tenants_are_no
             await _wait_status(http, waiter, "queued")
 
             # The limit is per tenant: acme's turn does not wait behind this tenant's line.
-            ours = await stack.chat(f"Unrelated question {held.others.token}")
+            ours = await stack.chat(f"Unrelated question {held.others.token}", collection="slots")
             assert (await stack.wait_done(ours["job_id"]))["status"] == "completed"
             assert await _status(http, waiter) == "queued"
 

@@ -420,7 +420,7 @@ async def test_ingest_with_no_good_document_fails_with_every_reason(env):
 
 def turn(session: str, message: str, *, key: str | None = None) -> TurnInput:
     return TurnInput(job_id=turn_job_id(session, key or uuid.uuid4().hex), session_id=session,
-                     question=ChatQuestion(message=message, collection="chat", top_k=3))
+                     question=ChatQuestion(message=message, collection="wf-chat", top_k=3))
 
 
 async def turn_result(env: WorkflowEnvironment, job_id: str) -> TurnResult:
@@ -469,7 +469,7 @@ async def test_chat_turn_waits_for_its_go_then_answers_before_the_side_steps(bar
     assert summarize.started < entities.finished and entities.started < summarize.finished
     # What each step was given.
     # The question before it goes along, for a follow-up that names its topic only there.
-    assert retrieve.arg == RetrieveInput(question="When do zebras cross?", collection="chat", top_k=3, follows="Where?")
+    assert retrieve.arg == RetrieveInput(question="When do zebras cross?", collection="wf-chat", top_k=3, follows="Where?")
     assert generate.arg.context_ref == "ctx:When do zebras cross?" and generate.arg.summary is None
     assert generate.arg.history == history
     assert summarize.arg == entities.arg == ContextInput(question="When do zebras cross?",
