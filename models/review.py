@@ -38,6 +38,17 @@ class ReviewRequest(BaseModel):
     depth: int
     requested_at: datetime
     expires_at: datetime
+    # Keys of `proposed_action` for reviewers only (a held chat answer): the job's events and its record
+    # of the review leave them out, and so does what a member key reads (GET /v1/reviews).
+    withheld: list[str] = []
+
+    def shown_to_all(self) -> dict[str, Any]:
+        """`proposed_action` without what is withheld."""
+        return without(self.proposed_action, self.withheld)
+
+
+def without(action: dict[str, Any], withheld: list[str]) -> dict[str, Any]:
+    return {key: value for key, value in action.items() if key not in withheld}
 
 
 class RejectedInput(BaseModel):

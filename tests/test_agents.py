@@ -291,8 +291,11 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
         [review] = await waiting_reviews(stack, job_id)
         [answer_call] = llm.calls("answer")
     assert review["job_id"] == job_id and review["reason"] == "review requested"
-    # The reviewer sees the answer the model gave, held back from the user.
-    assert review["proposed_action"] == {"action": "release_answer", "answer": answer_call.reply.strip()}
+    # The reviewer sees the answer the model gave, held back from the user; a member key sees that it waits.
+    model_answer = answer_call.reply.strip()
+    assert review["proposed_action"] == {"action": "release_answer", "answer": model_answer}
+    members_view = [r for r in (await stack.member_http.get("/v1/reviews")).json()["reviews"] if r["job_id"] == job_id]
+    assert [(r["proposed_action"], r["withheld"]) for r in members_view] == [({"action": "release_answer"}, ["answer"])]
     held = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
     assert held["status"] == "waiting_review" and held["result"] is None
     session = (await stack.http.get(f"/v1/chats/{r.json()['session_id']}")).json()
@@ -307,8 +310,11 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
     assert job["status"] == "completed"
     assert job["result"]["answer"] == "High tide is at noon [1]."
     assert job["result"]["review"]["reviewer"] == "editor"
+    assert model_answer not in json.dumps(job)  # the text the reviewer replaced is not kept with the job
     # The event stream showed nothing of the held answer: no deltas, and the answer only as released.
-    types = [(e["type"], e["data"]) for _, e in await read_events(stack, job_id)]
+    events = await read_events(stack, job_id)
+    assert model_answer not in json.dumps(events, ensure_ascii=False)
+    types = [(e["type"], e["data"]) for _, e in events]
     assert not [t for t, _ in types if t == "ragline.answer.delta"]
     [(index, shown)] = [(i, d) for i, (t, d) in enumerate(types) if t == "ragline.answer.completed"]
     assert shown["answer"] == "High tide is at noon [1]."

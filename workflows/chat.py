@@ -204,7 +204,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         decision = await self.reviews.ask(
             reason=reason, detail=f"answer to {turn.question.message[:200]!r} is held until a reviewer releases it",
             proposed_action={"action": "release_answer", "answer": result.answer[:2000]},
-            goal=turn.question.message, depth=0, timeout=timedelta(seconds=turn.review_timeout_seconds))
+            goal=turn.question.message, depth=0, timeout=timedelta(seconds=turn.review_timeout_seconds),
+            withheld=("answer",))
         if decision.decision == "reject":
             raise ApplicationError(f"answer rejected by {decision.reviewer}: {decision.comment or 'no comment'}",
                                    type="AnswerRejected", non_retryable=True)

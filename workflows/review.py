@@ -39,20 +39,23 @@ class Reviews:
         self.revise_needs_answer = False
 
     async def ask(self, *, reason: str, detail: str, proposed_action: dict, goal: str, depth: int,
-                  timeout: timedelta) -> ReviewDecision:
+                  timeout: timedelta, withheld: tuple[str, ...] = ()) -> ReviewDecision:
+        """`withheld`: keys of `proposed_action` only reviewers may read (workflows/chat.py: a held answer)."""
         now = workflow.now()
         self.pending = ReviewRequest(reason=reason, detail=detail, proposed_action=proposed_action, goal=goal,
-                                     depth=depth, requested_at=now, expires_at=now + timeout)
+                                     depth=depth, requested_at=now, expires_at=now + timeout, withheld=list(withheld))
+        shown = self.pending.shown_to_all()
         self.decision = None
         self._on_change()
-        self._events.emit("ragline.review.requested", self.pending.model_dump(mode="json"))
+        # The job's stream is read by any key of the tenant: what only reviewers may read stays out of it.
+        self._events.emit("ragline.review.requested", {**self.pending.model_dump(mode="json"), "proposed_action": shown})
         async with self._while_waiting():  # the job's running slot is lent meanwhile
             try:
                 await workflow.wait_condition(lambda: self.decision is not None, timeout=timeout)
                 decision = self.decision
             except TimeoutError:
                 decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
-        record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
+        record = ReviewRecord(reason=reason, detail=detail, proposed_action=shown, depth=depth,
                               decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
                               instructions=decision.instructions, extra_depth=decision.extra_depth,
                               extra_budget=decision.extra_budget, decided_at=workflow.now())

@@ -101,8 +101,10 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
             return None
         if not request:
             return None  # decided a moment ago; visibility has not caught up
-        return ReviewItem(job_id=execution.id, workflow_id=execution.id,
+        item = ReviewItem(job_id=execution.id, workflow_id=execution.id,
                           kind=execution.typed_search_attributes.get(sa.JOB_KIND), **request)
+        # A held answer is for reviewers' eyes: a member sees that it waits, not what it says.
+        return item if caller.role == "reviewer" else item.model_copy(update={"proposed_action": item.shown_to_all()})
 
     reviews = [i for i in await asyncio.gather(*(item(e) for e in executions)) if i]
     return ReviewList(reviews=reviews, unreadable=sorted(unreadable))
