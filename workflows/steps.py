@@ -69,6 +69,8 @@ class StepLog:
     def fail(self, name: str, error: str) -> None:
         step = self._steps.setdefault(name, StepState(name=name))
         step.status, step.finished_at, step.error = "failed", workflow.now(), error
+        if step.started_at is not None:  # it ran, and failed: at least the attempt that failed counts
+            step.attempts = max(step.attempts, 1)
         self._events.emit("ragline.step.failed", {"step": name, "error": error})
 
     def cancel(self, name: str) -> None:
