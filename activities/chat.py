@@ -26,7 +26,7 @@ from ragline import answer_cache, prompts, relevance, tracing
 from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
-from ragline.llm import ChatModel, StreamedCompletion
+from ragline.llm import ChatModel, StreamedCompletion, estimate_tokens
 from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
@@ -43,7 +43,6 @@ _NOT_WORDS = re.compile(r"[\W_]+")
 _WORD = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_\u4e00-\u9fff]{4,}|(?=([\u4e00-\u9fff]{2}))", re.UNICODE)
 _SENTENCE = re.compile(r"[^.!?。！？\n]+[.!?。！？]?")
 QUOTE_CHARS = 300
-_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 # An uncited answer is attributed to the passages sharing at least this share of its content words.
 SUPPORT_THRESHOLD = 0.35
 # Room kept in the model's context for the prompt's own text, history and question.
@@ -284,12 +283,6 @@ def quote_for(answer: str, passage: str) -> str:
         return passage[:QUOTE_CHARS].strip()
     best = max(sentences, key=lambda s: len(words & content_words(s)))
     return best[:QUOTE_CHARS]
-
-
-def estimate_tokens(text: str) -> int:
-    """A model-independent over-estimate: a CJK character is about a token, other text about 4 characters."""
-    cjk = len(_CJK.findall(text))
-    return cjk + (len(text) - cjk + 3) // 4
 
 
 def parse_entities(text: str) -> list[Entity] | None:

@@ -103,11 +103,18 @@ class StreamedCompletion:
 # Degenerate repetition: a small model (the default 0.5B Qwen) sometimes loops on one short unit
 # ("[1] [2] [1] [2] …") until max_tokens. A reply's tail counts as such a loop when one unit of at most
 # LOOP_MAX_UNIT characters repeats LOOP_MIN_REPEATS times or more in a row, over LOOP_MIN_CHARS or more.
-# Prose, numbered lists, tables and code never repeat that much verbatim: a table rule ("---|") would need
-# 38 columns, a list item 8 identical lines of 19+ characters.
+# Prose, numbered lists and code never repeat words that much verbatim. Layout does: a rule of "=" or
+# "——", a dot leader, a blank table's identical rows (a unit with a line break, or with no letter or
+# digit in it) count only from LAYOUT_MIN_REPEATS repeats over LAYOUT_MIN_CHARS.
 LOOP_MAX_UNIT = 50
 LOOP_MIN_REPEATS = 8
 LOOP_MIN_CHARS = 150
+LAYOUT_MIN_REPEATS = 30
+LAYOUT_MIN_CHARS = 600
+# The guard looks at the reply's tail once per this many new characters: a loop is caught a few words
+# later, and a long reply costs a few dozen checks, not one per token.
+LOOP_CHECK_EVERY = 64
+LOOP_WINDOW = LOOP_MAX_UNIT * LAYOUT_MIN_REPEATS + LOOP_MAX_UNIT  # the longest run a check needs to see
 
 
 def _periodic_tail(text: str, period: int) -> int:
@@ -118,6 +125,10 @@ def _periodic_tail(text: str, period: int) -> int:
     return len(text) - i - 1
 
 
+def _is_layout(unit: str) -> bool:
+    return "\n" in unit or not any(c.isalnum() for c in unit)
+
+
 def cut_repetition(text: str) -> str | None:
     """`text` with a looping tail cut down to one occurrence of what repeats (the shortest such unit), or
     None when its tail does not loop. The cut keeps the text before the loop and the loop's first unit."""
@@ -125,9 +136,40 @@ def cut_repetition(text: str) -> str | None:
         if text[-1] != text[-1 - period]:
             continue  # the common case, answered without a scan
         run = _periodic_tail(text, period)
-        if run // period >= LOOP_MIN_REPEATS and run >= LOOP_MIN_CHARS:
+        layout = _is_layout(text[len(text) - period:])
+        repeats, chars = (LAYOUT_MIN_REPEATS, LAYOUT_MIN_CHARS) if layout else (LOOP_MIN_REPEATS, LOOP_MIN_CHARS)
+        if run // period >= repeats and run >= chars:
             return text[:len(text) - run + period]
     return None
+
+
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+CHARS_PER_TOKEN = 4  # of text that is not CJK, about
+
+
+def estimate_tokens(text: str | list[dict]) -> int:
+    """A model-independent over-estimate: a CJK character is about a token, other text about 4 characters.
+    Messages count by their text."""
+    if not isinstance(text, str):
+        text = " ".join(str(m.get("content") or "") for m in text)
+    cjk = len(_CJK.findall(text))
+    return cjk + (len(text) - cjk + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+
+
+class LoopGuard:
+    """Watches a streamed reply for a loop, on its last LOOP_WINDOW characters, every LOOP_CHECK_EVERY."""
+
+    def __init__(self) -> None:
+        self._tail = ""
+        self._unchecked = 0
+
+    def looping(self, piece: str) -> bool:
+        self._tail = (self._tail + piece)[-LOOP_WINDOW:]
+        self._unchecked += len(piece)
+        if self._unchecked < LOOP_CHECK_EVERY:
+            return False
+        self._unchecked = 0
+        return cut_repetition(self._tail) is not None
 
 
 @dataclass
@@ -216,6 +258,7 @@ class ChatModel:
         loop (`cut_repetition`) is not read further: its stream is closed, so the model stops generating,
         and `result` keeps the text up to the loop's first occurrence, with `repetition_cut` set."""
         streamed_chars = 0
+        guard = LoopGuard()
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
                 model=self.model, messages=self._mask(messages), temperature=temperature, max_tokens=self.max_tokens,
@@ -234,7 +277,7 @@ class ChatModel:
                             continue
                         result.parts.append(piece)
                         streamed_chars += len(piece)
-                        if (kept := cut_repetition(result.text)) is not None:
+                        if guard.looping(piece) and (kept := cut_repetition(result.text)) is not None:
                             log.warning("the model repeated itself: reply cut", step=step, model=result.model,
                                         streamed_chars=streamed_chars, kept=kept[-200:])
                             result.parts, result.repetition_cut = [kept], True
@@ -242,8 +285,10 @@ class ChatModel:
                         yield piece
                     if result.repetition_cut:
                         break
-        if not result.completion_tokens:  # no usage came (the stream was cut): estimated from what was streamed
-            result.completion_tokens = max(1, streamed_chars // 4)
+            if not result.completion_tokens:  # no usage came (the stream was cut): estimated, and counted so
+                result.prompt_tokens = result.prompt_tokens or estimate_tokens(messages)
+                result.completion_tokens = max(1, streamed_chars // CHARS_PER_TOKEN)
+                observed.prompt_tokens, observed.completion_tokens = result.prompt_tokens, result.completion_tokens
 
     async def close(self) -> None:
         await self._client.close()

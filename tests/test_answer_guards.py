@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 
 from activities.chat import REPETITION_WARNING
-from ragline.llm import LOOP_MAX_UNIT, LOOP_MIN_CHARS, LOOP_MIN_REPEATS, cut_repetition
+from ragline.llm import (
+    LAYOUT_MIN_CHARS, LAYOUT_MIN_REPEATS, LOOP_CHECK_EVERY, LOOP_MAX_UNIT, LOOP_MIN_CHARS, LOOP_MIN_REPEATS, LoopGuard,
+    cut_repetition,
+)
 from tests.helpers import eventually, read_events
 
 LOOP = "[1] [2] "
@@ -33,11 +36,22 @@ def test_a_loop_cut_off_mid_unit_is_still_one():
     assert cut_repetition(answer + " " + LOOP * 40 + "[1") == answer + " [1] [2]"
 
 
+def guard_trips_at(text: str, piece: int = 3) -> int | None:
+    """How much of `text` the stream had shown when the guard, fed piece by piece, saw a loop."""
+    guard = LoopGuard()
+    for end in range(piece, len(text) + piece, piece):
+        if guard.looping(text[end - piece:end]):
+            return min(end, len(text))
+    return None
+
+
 def test_the_loop_is_found_as_soon_as_the_stream_shows_it():
-    """Streamed piece by piece, the guard trips within a unit of the thresholds, not at max tokens."""
+    """Streamed piece by piece, the guard trips within a check of the thresholds, not at max tokens."""
     text = "The timeout is 45 seconds [1]. " + LOOP * 200
-    first = next(seen for seen in streamed_prefixes(text) if cut_repetition(seen) is not None)
-    assert len(first) <= len("The timeout is 45 seconds [1]. ") + LOOP_MIN_CHARS + len(LOOP)
+    seen = guard_trips_at(text)
+    assert seen is not None
+    assert seen <= len("The timeout is 45 seconds [1]. ") + LOOP_MIN_CHARS + len(LOOP) + LOOP_CHECK_EVERY
+    assert cut_repetition(text[:seen]).rstrip() == ("The timeout is 45 seconds [1]. " + LOOP).rstrip()
 
 
 SENTENCE = "Model calls time out after 45 seconds, I said [1]. "  # 51 characters
@@ -52,6 +66,20 @@ SENTENCE = "Model calls time out after 45 seconds, I said [1]. "  # 51 character
 ])
 def test_the_thresholds(unit, repeats, loops):
     assert (cut_repetition("Answer: " + unit * repeats) is not None) is loops
+
+
+ROW = "| - | - | - |\n"
+ROWS_THAT_LOOP = max(LAYOUT_MIN_REPEATS, -(-LAYOUT_MIN_CHARS // len(ROW)))  # both thresholds reached
+
+
+@pytest.mark.parametrize("unit, repeats, loops", [
+    ("=", LAYOUT_MIN_CHARS, True),                        # a rule this long is a loop
+    ("=", LAYOUT_MIN_CHARS - 1, False),
+    (ROW, ROWS_THAT_LOOP, True),                          # a blank table's rows: only this many
+    (ROW, ROWS_THAT_LOOP - 1, False),
+])
+def test_layout_counts_only_from_its_own_thresholds(unit, repeats, loops):
+    assert (cut_repetition("Answer:\n" + unit * repeats) is not None) is loops
 
 
 ENGLISH_PROSE = (
@@ -84,6 +112,15 @@ CODE = (
     "WEIGHTS = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]\n"
     "MATRIX = [[0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]\n"
     "```\n")
+BLANK_FORM = ("Fill in one row per visit:\n| Date | Room | Signature |\n| --- | --- | --- |\n"
+              + "| - | - | - |\n" * 12 + "Sign each row.")
+RULES = "第一部分\n" + "——" * 80 + "\n" + "=" * 160 + "\nContents" + "." * 120 + "3\n"
+
+
+@pytest.mark.parametrize("text", [BLANK_FORM, RULES], ids=["blank-table-rows", "rules-and-leaders"])
+def test_layout_that_repeats_is_not_a_loop(text):
+    assert [seen for seen in streamed_prefixes(text) if cut_repetition(seen) is not None] == []
+    assert guard_trips_at(text) is None
 
 
 @pytest.mark.parametrize("text", [ENGLISH_PROSE, CHINESE_PROSE, NUMBERED_LIST, CHINESE_LIST, TABLE, CODE],
@@ -91,6 +128,7 @@ CODE = (
 def test_normal_answers_never_trip_the_guard(text):
     assert len(text) > LOOP_MIN_CHARS
     assert [seen for seen in streamed_prefixes(text) if cut_repetition(seen) is not None] == []
+    assert guard_trips_at(text) is None
 
 
 # -- the whole path ----------------------------------------------------------------------------------
@@ -131,3 +169,5 @@ async def test_a_looping_answer_is_stopped_cut_and_flagged(stack, timeouts_doc):
     # What was streamed cannot be taken back: it shows part of the loop. The answer is the cut text.
     assert shown.startswith(result["answer"]) and len(shown) < len(looping) // 4
     assert completed["answer"] == result["answer"]
+    # The cut reply sent no usage: its tokens are estimated, not counted as none.
+    assert result["usage"]["prompt_tokens"] > 0 and result["usage"]["completion_tokens"] > 0
