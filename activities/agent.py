@@ -116,10 +116,23 @@ def malformed_tool_call(text: str, allowed: Mapping[str, dict]) -> str | None:
                 "a tool call is the whole reply, without prose around it")
 
 
+# Keys a tool call is made of, in the shapes models write: JSON that parses and has any other key is data.
+_CALL_SHAPE = frozenset({*_NAME_KEYS, "tool_calls", "function_call", "arguments", "args", "parameters", "type", "id"})
+
+
 def _looks_like_call(body: str, allowed: Mapping[str, dict], alone: bool) -> bool:
     if not body.startswith(("{", "[")):
         return False
-    return any(name in allowed for name in _NAMED.findall(body)) or (alone and bool(_CALL_KEY.search(body)))
+    if any(name in allowed for name in _NAMED.findall(body)):
+        return True
+    if not alone or not _CALL_KEY.search(body):
+        return False
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return True  # broken JSON with a tool-call key: a call that went wrong
+    items = value if isinstance(value, list) else [value]
+    return bool(items) and all(isinstance(i, dict) and i.keys() <= _CALL_SHAPE for i in items)
 
 
 def _call_problem(body: str, allowed: Mapping[str, dict]) -> str | None:

@@ -45,6 +45,9 @@ def test_a_reply_that_tries_to_be_a_tool_call_says_what_is_wrong(reply, problem)
     "The report is a JSON file; its fields are name and arguments.",
     'The config sets {"name": "ACME", "revenue": 5} for the client.',
     '{"name": "ACME", "revenue": 5}',  # data the goal asked for, not a call: no tool named, no call key
+    # Data with a key a call would have, and keys no call has: not a call either.
+    '{"name": "ACME", "parameters": {"x": 1}, "revenue": 5}',
+    '[{"tool": "hammer", "price": 12}, {"tool": "saw", "price": 20}]',
     'Entities:\n```json\n[{"text": "Ada", "type": "PERSON"}]\n```',
     "```python\nprint('noon')\n```",
     # JSON the answer quotes, with a key a call would have: not a call of any of the tools.

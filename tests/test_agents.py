@@ -15,6 +15,7 @@ from tests.conftest import running_stack
 from tests.helpers import (
     delegate_until, eventually, fresh_plan, plan_depth, plan_goal, read_events, waiting_reviews,
 )
+from workflows.agent import MAX_TURNS
 
 
 async def _start(stack, goal: str, **extra) -> str:
@@ -260,6 +261,20 @@ async def test_a_malformed_tool_call_is_no_answer_the_agent_plans_again(stack):
     assert [s["name"] for s in job["steps"]] == ["plan 1", "plan 2"]
     assert len(plans) == 2 and job["result"]["llm_calls"] == 2  # the re-plan is a model call of the budget
     assert "not a valid tool call: the tool call was not valid JSON" in plans[1].user_message
+
+
+async def test_a_malformed_tool_call_in_the_last_round_still_gets_its_correction(stack):
+    """The rounds ran out with a correction due: it gets one round more, not the answer "rounds ran out"."""
+    search = {"tool_calls": [{"name": "search_documents", "arguments": {"query": "tides"}}]}
+    broken = '{"name": "finish", "arguments": {"answer": "noon"}'
+    with stack.llm.scope() as llm:
+        llm.script("agent", [search] * (MAX_TURNS - 1) + [broken, "High tide at Vell is at noon."])
+        job_id = await _start(stack, f"When exactly is high tide? {llm.token}")
+        job = await stack.wait_done(job_id)
+        assert llm.count("agent") == MAX_TURNS + 1
+    assert job["status"] == "completed" and job["result"]["answer"] == "High tide at Vell is at noon."
+    plans = [s["name"] for s in job["steps"] if s["name"].startswith("plan")]
+    assert plans == [f"plan {n}" for n in range(1, MAX_TURNS + 2)]
 
 
 async def test_a_tool_call_malformed_again_fails_the_job_with_the_reason(stack):

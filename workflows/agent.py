@@ -92,7 +92,10 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         inp = self.inp
         instructions = ""
         correction: PlanCorrection | None = None
-        for turn in range(1, MAX_TURNS + 1):
+        turn = 0
+        # A correction due after the last round still gets its round: a malformed call is never the end.
+        while turn < MAX_TURNS or correction is not None:
+            turn += 1
             over = self._over_budget()
             if over:
                 decision = await self._review("budget", over, {"action": "plan", "goal": inp.goal})
