@@ -30,11 +30,13 @@ from limits.aio.storage import Storage
 from limits.aio.strategies import MovingWindowRateLimiter
 from limits.errors import StorageError
 from limits.storage import storage_from_string
+from temporalio.common import Priority
 
 from api.errors import ApiError
 from api.observability import RATE_LIMIT_STORAGE_ERRORS
 from ragline.keys import KeyEntry, KeyRing, TenantLimits
 from ragline.settings import Settings
+from temporal import policies
 
 log = structlog.get_logger("ragline.auth")
 
@@ -53,6 +55,17 @@ class Caller:
     @property
     def who(self) -> str:
         return f"{self.name} ({self.tenant}, key {self.key_id})"
+
+    @property
+    def is_reviewer(self) -> bool:
+        """A reviewer key may decide reviews, operate dead-lettered jobs, use the codec endpoint and read
+        what a review withholds from members."""
+        return self.role == "reviewer"
+
+    @property
+    def priority(self) -> Priority:
+        """What every job this caller starts runs with: its tenant's fair share (policies.fair_share)."""
+        return policies.fair_share(self.tenant, self.fairness_weight)
 
     @property
     def on_record(self) -> dict[str, str]:
@@ -179,7 +192,7 @@ async def admit(request: Request, key: str) -> Caller:
 
 
 async def require_reviewer(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
-    if caller.role != "reviewer":
+    if not caller.is_reviewer:
         raise ApiError(403, "forbidden", "this needs a reviewer key (role = \"reviewer\" in the keys file)")
     return caller
 

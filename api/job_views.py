@@ -31,6 +31,7 @@ from api.errors import ApiError
 from api.schemas import JobError, JobSummary, JobView, TurnAhead
 from models.chat import TurnInput, session_of_turn, session_workflow_id
 from models.jobs import JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
+from models.review import without
 from models.tenancy import scoped
 from ragline import tracing
 from temporal import search_attributes as sa
@@ -350,14 +351,30 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
     return job
 
 
+def as_a_member_sees(view: JobView) -> JobView:
+    """A job as a member key reads it: a review's proposal for reviewers only (a held chat answer, kept in
+    the turn's result for the audit) is left out."""
+    result = view.result
+    review = result.get("review") if isinstance(result, dict) else None
+    if not isinstance(review, dict) or not review.get("withheld"):
+        return view
+    shown = {**review, "proposed_action": without(review.get("proposed_action") or {}, review["withheld"])}
+    return view.model_copy(update={"result": {**result, "review": shown}})
+
+
+# A session's open turns shown on a queued one (a person needs the first of them).
+MAX_TURNS_AHEAD = 100
+
+
 async def turns_ahead(client: Client, tenant: str, job_id: str, turn: int | None,
                       rpc_timeout: timedelta) -> list[TurnAhead]:
     """The earlier turns of a queued turn's session that are still open (all of the session's open turns
     when `turn` is not numbered yet), read from visibility: a person learns that turn 3, dead-lettered,
     is what holds turn 4, and that cancelling or retrying it lets the session go on. Best effort: a
-    listing that fails leaves the field empty rather than the whole read."""
+    listing that fails leaves the field empty, a turn whose memo cannot be read shows without its number,
+    rather than failing the whole read."""
     session_id = session_of_turn(job_id)
-    if session_id is None:
+    if session_id is None or turn == 1:
         return []
     query = f"{list_query(tenant, kind='chat', extra={sa.SESSION.name: session_id})} AND ExecutionStatus = 'Running'"
     try:
@@ -366,13 +383,13 @@ async def turns_ahead(client: Client, tenant: str, job_id: str, turn: int | None
         return []
     ahead = []
     for execution in executions:
-        number = (await execution.memo()).get("turn")
+        try:
+            number = (await execution.memo()).get("turn")
+        except Exception:  # noqa: BLE001 - a payload this API cannot decode (another codec key)
+            number = None
         if execution.id != job_id and (turn is None or number is None or number < turn):
             ahead.append(TurnAhead(job_id=execution.id, turn=number, status=job_status(execution)))
     return sorted(ahead, key=lambda t: t.turn or 0)
-
-
-MAX_TURNS_AHEAD = 100  # a session's open turns shown on a queued one (a person needs the first of them)
 
 
 # An ended run never changes, and its steps are read by a query, which a worker answers by replaying the

@@ -59,6 +59,9 @@ class TurnInput(BaseModel):
     request: str | None = None
     # When the API accepted it: a turn still waiting for its session to start its job shows this.
     accepted_at: datetime | None = None
+    # The tenant's fairness weight when the API accepted it (`[tenants.<name>] fairness_weight`): the turn's
+    # job runs with it, whatever weight the session started with.
+    fairness_weight: float | None = None
 
 
 class TurnOutcome(BaseModel):

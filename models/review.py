@@ -76,6 +76,9 @@ class ReviewRecord(BaseModel):
     extra_depth: int = 0
     extra_budget: dict[str, float] = {}
     decided_at: datetime
+    # Keys of `proposed_action` for reviewers only (ReviewRequest.withheld): kept here for the audit, left
+    # out of the job's events and of what a member key reads.
+    withheld: list[str] = []
 
 
 class ReviewAck(BaseModel):

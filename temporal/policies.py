@@ -9,6 +9,7 @@ the definition.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from collections.abc import Callable, Iterable
@@ -305,6 +306,15 @@ def fair_share(tenant: str, weight: float | None = None) -> Priority:
     tenant of weight 1. Children and activities inherit both; priority keys still go first. Needs
     `matching.enableFairness` on the server."""
     return Priority(fairness_key=tenant, fairness_weight=weight)
+
+
+def turn_priority(tenant: str, fairness_weight: float | None) -> Priority:
+    """A chat turn's job: the chat turns' priority key, and its tenant's fairness weight as of the turn's
+    request (a session started with another weight would otherwise hand its own down to every turn)."""
+    priority = workflow_priority("chat_turn")
+    if fairness_weight is None:
+        return priority  # the weight (and key) the session has
+    return dataclasses.replace(priority, fairness_key=tenant, fairness_weight=fairness_weight)
 
 
 def workflow_priority(kind: Literal["tenant_gate", "chat_turn"]) -> Priority:

@@ -325,7 +325,11 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
     assert job["status"] == "completed"
     assert job["result"]["answer"] == "High tide is at noon [1]."
     assert job["result"]["review"]["reviewer"] == "editor"
-    assert model_answer not in json.dumps(job)  # the text the reviewer replaced is not kept with the job
+    # The text the reviewer replaced stays on record for reviewers, and only for them.
+    assert job["result"]["review"]["proposed_action"]["answer"] == model_answer
+    as_member = (await stack.member_http.get(f"/v1/jobs/{job_id}")).json()
+    assert as_member["result"]["answer"] == "High tide is at noon [1]." and model_answer not in json.dumps(as_member)
+    assert as_member["result"]["review"]["withheld"] == ["answer"]
     # The event stream showed nothing of the held answer: no deltas, and the answer only as released.
     events = await read_events(stack, job_id)
     assert model_answer not in json.dumps(events, ensure_ascii=False)

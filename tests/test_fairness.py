@@ -86,3 +86,30 @@ async def test_a_tenants_fairness_weight_goes_with_every_job_it_starts(stack):
 async def _ended(http: httpx.AsyncClient, job_id: str) -> dict | None:
     job = (await http.get(f"/v1/jobs/{job_id}")).json()
     return job if job["status"] in ("completed", "failed") else None
+
+
+async def test_a_sessions_later_turn_runs_with_the_weight_its_tenant_has_now(stack):
+    """A session keeps the weight it started with; each turn's job takes its tenant's weight as of the turn."""
+    tenant = f"reweighted-{uuid.uuid4().hex[:8]}"
+    path = stack.settings.effective_api_keys_file
+    key = api_keys.create(path, tenant, "reviewer", f"{tenant}-reviewer")
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
+        async def turn(message: str, session: str | None = None) -> dict:
+            r = await http.post("/v1/chats", json={"message": message, "collection": f"weights-{tenant}",
+                                                   **({"session_id": session} if session else {})})
+            assert r.status_code == 202, r.text
+            accepted = r.json()
+            assert (await eventually(lambda: _ended(http, accepted["job_id"]), what="turn ended"))["status"] == "completed"
+            return accepted
+
+        first = await turn("Were the dues paid?")
+        with path.open("a") as f:
+            f.write(f"\n[tenants.{tenant}]\nfairness_weight = 2\n")
+        second = await turn("And when?", first["session_id"])
+
+    async def weight(workflow_id: str) -> float:
+        described = await stack.client.get_workflow_handle(scoped(tenant, workflow_id)).describe()
+        return described.raw_description.workflow_execution_info.priority.fairness_weight
+    assert await weight(session_workflow_id(tenant, first["session_id"])) == 0  # started without one
+    assert (await weight(first["job_id"]), await weight(second["job_id"])) == (0, 2)

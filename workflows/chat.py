@@ -33,6 +33,7 @@ with workflow.unsafe.imports_passed_through():
         TurnContext, TurnInput, TurnResult, Usage,
     )
     from models.jobs import REQUEST_MEMO
+    from models.review import without
     from ragline import tracing
     from temporal import policies
     from temporal import search_attributes as sa
@@ -99,6 +100,13 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._held_answer is not None:  # released (or never held after all): the person sees it now
             self.events.emit("ragline.answer.completed", {**self._held_answer, "answer": result.answer})
         return result
+
+    def shown_result(self, result: TurnResult) -> dict:
+        """A reviewed answer's review as every key of the tenant may read it: without what it withheld."""
+        shown = result.model_dump(mode="json")
+        if result.review is not None and result.review.withheld:
+            shown["review"]["proposed_action"] = without(result.review.proposed_action, result.review.withheld)
+        return shown
 
     @staticmethod
     def _needs_review(turn: TurnInput, result: TurnResult) -> bool:
@@ -252,7 +260,7 @@ class ChatSessionWorkflow:
                 return await workflow.start_child_workflow(
                     ChatTurnWorkflow.run, turn, id=turn.job_id,
                     id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                    priority=policies.workflow_priority("chat_turn"),
+                    priority=policies.turn_priority(turn.tenant, turn.fairness_weight),
                     parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                     memo={"turn": turn.turn, "message": turn.question.message[:500],
                           **({REQUEST_MEMO: turn.request} if turn.request else {})},

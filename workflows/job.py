@@ -89,7 +89,7 @@ class JobWorkflow:
                 await self.running_slot()
             result = await work()
             self._count("completed")
-            await self.events.close("ragline.job.completed", result.model_dump(mode="json"))
+            await self.events.close("ragline.job.completed", self.shown_result(result))
             return result
         except asyncio.CancelledError:
             await self._cancelled()
@@ -108,6 +108,10 @@ class JobWorkflow:
             raise ApplicationError(reason, *details, type=failure_type(exc), non_retryable=True) from exc
         finally:
             await self.slot.release()
+
+    def shown_result(self, result: Any) -> dict[str, Any]:
+        """The result as `ragline.job.completed` carries it to every key of the tenant."""
+        return result.model_dump(mode="json")
 
     async def _cancelled(self) -> None:
         """Cancelled (Web UI, CLI): the job ends as `cancelled`, its stream with `ragline.job.cancelled`."""

@@ -55,14 +55,14 @@ class Reviews:
                 decision = self.decision
             except TimeoutError:
                 decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
-        record = ReviewRecord(reason=reason, detail=detail, proposed_action=shown, depth=depth,
+        record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
                               decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
                               instructions=decision.instructions, extra_depth=decision.extra_depth,
-                              extra_budget=decision.extra_budget, decided_at=workflow.now())
+                              extra_budget=decision.extra_budget, decided_at=workflow.now(), withheld=list(withheld))
         self.history.append(record)
         self.pending = None
         self._on_change()
-        self._events.emit("ragline.review.decided", record.model_dump(mode="json"))
+        self._events.emit("ragline.review.decided", {**record.model_dump(mode="json"), "proposed_action": shown})
         return decision
 
     def view(self) -> PendingReview | None:

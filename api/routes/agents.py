@@ -27,7 +27,6 @@ from models.jobs import COLLECTION_PATTERN
 from models.review import ReviewAck, ReviewDecision
 from models.tenancy import scoped, workflow_id
 from ragline import audit
-from temporal import policies
 from temporal import search_attributes as sa
 from workflows.agent import AgentWorkflow
 
@@ -73,7 +72,7 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
         AgentInput(tenant=caller.tenant, goal=req.goal, collection=req.collection, max_depth=req.max_depth,
                    budget=Budget(**req.budget.model_dump()), review_timeout_seconds=review_timeout_seconds(settings)),
         id=job_id, key=idempotency_key, digest=request_digest("agent", req.model_dump()), rpc_timeout=timeout,
-        task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant, caller.fairness_weight),
+        task_queue=settings.task_queue, priority=caller.priority,
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
             SearchAttributePair(sa.COLLECTION, req.collection), SearchAttributePair(sa.TENANT, caller.tenant)]))
@@ -104,7 +103,7 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
         item = ReviewItem(job_id=execution.id, workflow_id=execution.id,
                           kind=execution.typed_search_attributes.get(sa.JOB_KIND), **request)
         # A held answer is for reviewers' eyes: a member sees that it waits, not what it says.
-        return item if caller.role == "reviewer" else item.model_copy(update={"proposed_action": item.shown_to_all()})
+        return item if caller.is_reviewer else item.model_copy(update={"proposed_action": item.shown_to_all()})
 
     reviews = [i for i in await asyncio.gather(*(item(e) for e in executions)) if i]
     return ReviewList(reviews=reviews, unreadable=sorted(unreadable))

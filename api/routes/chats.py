@@ -34,7 +34,6 @@ from models.chat import (
 from models.inputs import NOT_BLANK
 from models.tenancy import workflow_id
 from ragline import tracing
-from temporal import policies
 from temporal import search_attributes as sa
 from workflows.chat import ChatSessionWorkflow
 
@@ -75,12 +74,12 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                              review_timeout_seconds=review_timeout_seconds(settings),
                              traceparent=tracing.current_traceparent(),
                              fallback=bool(settings.fallback_llm_base_url), request=digest,
-                             accepted_at=datetime.now(timezone.utc))
+                             accepted_at=datetime.now(timezone.utc), fairness_weight=caller.fairness_weight)
             await client.start_workflow(
                 ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
                 id=session_workflow_id(caller.tenant, session_id),
                 task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
-                priority=policies.fair_share(caller.tenant, caller.fairness_weight),
+                priority=caller.priority,
                 search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
                                                          SearchAttributePair(sa.SESSION, session_id),
                                                          SearchAttributePair(sa.TENANT, caller.tenant)]),

@@ -57,7 +57,7 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
             raise ApiError(401, "unauthenticated", "the codec endpoint needs a reviewer key",
                            headers={"WWW-Authenticate": "Bearer"})
         caller = await admit(request, key)
-        if caller.role != "reviewer":
+        if not caller.is_reviewer:
             raise ApiError(403, "forbidden", "the codec endpoint needs a reviewer key")
 
     async def run(request: Request, action: str, path_key: str | None, namespace: str | None) -> Response:

@@ -30,7 +30,6 @@ from models.tenancy import workflow_id
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 from ragline.text import sniff_kind
-from temporal import policies
 from temporal import search_attributes as sa
 from workflows.ingest import IngestWorkflow
 
@@ -108,7 +107,7 @@ async def upload_documents(
         await client.start_workflow(
             IngestWorkflow.run, IngestInput(tenant=caller.tenant, collection=collection,
                                             documents=list(documents.values())),
-            id=job_id, task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant, caller.fairness_weight),
+            id=job_id, task_queue=settings.task_queue, priority=caller.priority,
             # Same files again: a running job is reused; a finished one that failed may run again.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

@@ -23,7 +23,6 @@ from models.jobs import COLLECTION_PATTERN
 from models.tenancy import scoped, workflow_id
 from ragline import evaluation
 from ragline.evaluation import EvaluationReport
-from temporal import policies
 from temporal import search_attributes as sa
 from workflows.evaluation import EvaluationWorkflow
 
@@ -61,7 +60,7 @@ async def create_evaluation(request: Request, client: ClientDep, caller: CallerD
         client, EvaluationWorkflow.run, EvaluationInput(tenant=caller.tenant, collection=collection, questions_ref=ref,
                                                         questions=len(questions), k=k, answers=answers),
         id=job_id, key=idempotency_key, digest=request_digest("evaluation", collection, k, answers, ref),
-        rpc_timeout=timeout, task_queue=settings.task_queue, priority=policies.fair_share(caller.tenant, caller.fairness_weight),
+        rpc_timeout=timeout, task_queue=settings.task_queue, priority=caller.priority,
         search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "evaluation"),
                                                  SearchAttributePair(sa.JOB_STATUS, "queued"),
                                                  SearchAttributePair(sa.COLLECTION, collection),

@@ -48,8 +48,9 @@ async def list_jobs(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep
             responses=error_responses({404: "job_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def get_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                   timeout: RpcTimeoutDep, accepted: AcceptedDep) -> JobView:
-    return await job_views.describe_job(client, caller.tenant, job_id, timeout,
+    view = await job_views.describe_job(client, caller.tenant, job_id, timeout,
                                         ui_url=settings.effective_temporal_ui_url, accepted=accepted)
+    return view if caller.is_reviewer else job_views.as_a_member_sees(view)
 
 
 @router.post("/{job_id}/cancel", status_code=202, summary="Cancel a running job (any key of its tenant)",
