@@ -25,8 +25,22 @@ def to_application_error(exc: RaglineError) -> ApplicationError:
             delay = longest
         elif longest is not None:
             delay = timedelta(seconds=exc.retry_after)
-    return ApplicationError(message, exc.details or None, type=type(exc).__name__,
+    details = dict(exc.details)
+    if activity.in_activity():  # the attempt it failed on: a step that fails for good shows how many it took
+        details[ATTEMPT_DETAIL] = activity.info().attempt
+    return ApplicationError(message, details or None, type=type(exc).__name__,
                             non_retryable=not exc.retryable, next_retry_delay=delay)
+
+
+ATTEMPT_DETAIL = "attempt"
+
+
+def failed_attempt(error: BaseException) -> int | None:
+    """The attempt an activity's failure (ActivityError, or its ApplicationError cause) happened on."""
+    cause = getattr(error, "cause", None) or error
+    details = getattr(cause, "details", None) or ()
+    first = details[0] if details else None
+    return first.get(ATTEMPT_DETAIL) if isinstance(first, dict) else None
 
 
 def _max_interval() -> timedelta | None:

@@ -156,10 +156,23 @@ async def test_poison_input_fails_at_once_without_retries(stack):
         job = await stack.wait_job(accepted["job_id"])
         assert job["status"] == "failed" and "400" in job["error"]["message"]
         assert llm.count("answer") == 1, "a non-retryable error was retried"
+        [step] = [s for s in job["steps"] if s["name"] == "generate_answer"]
+        assert (step["status"], step["attempts"]) == ("failed", 1)
         # Other sessions are not blocked by it.
         other = await stack.chat(f"What do poison pills do? {llm.token}", collection="poison")
         assert (await stack.wait_job(other["job_id"]))["status"] == "completed"
         assert llm.count("answer") == 2
+
+
+async def test_a_step_that_fails_for_good_after_retries_counts_every_attempt(stack, dlq_docs):
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["503", "503", "400"])  # two passing faults, then a refusal no retry can help
+        accepted = await stack.chat(f"What do lighthouses guide? {llm.token}", collection="dlq")
+        job = await stack.wait_job(accepted["job_id"])
+        assert llm.count("answer") == 3
+    assert job["status"] == "failed" and "400" in job["error"]["message"]
+    [step] = [s for s in job["steps"] if s["name"] == "generate_answer"]
+    assert (step["status"], step["attempts"]) == ("failed", 3)
 
 
 async def test_a_retrying_step_shows_what_failed_it(stack, dlq_docs):

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from ragline import metrics
     from temporal import policies
     from temporal import search_attributes as sa
+    from temporal.errors import failed_attempt
     from workflows.dead_letters import DeadLetters
     from workflows.events import HOLD_PATCH, JobEvents
     from workflows.failures import exhausted_retries, failure_reason, failure_type
@@ -183,7 +184,7 @@ class JobWorkflow:
                     raise
                 reason = failure_reason(exc)
                 if not exhausted_retries(exc):
-                    self.steps.fail(step, reason)
+                    self.steps.fail(step, reason, attempts=failed_attempt(exc))
                     raise
                 attempts = policies.policy(name).retry.maximum_attempts
                 self.steps.failed_attempts(step, attempts=attempts, error=reason)

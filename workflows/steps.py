@@ -66,11 +66,12 @@ class StepLog:
             step.status, step.error = "running", None
             self._attempts_before[name] = step.attempts
 
-    def fail(self, name: str, error: str) -> None:
+    def fail(self, name: str, error: str, *, attempts: int | None = None) -> None:
+        """`attempts`: the attempt it failed on, when its failure says (temporal.errors.failed_attempt)."""
         step = self._steps.setdefault(name, StepState(name=name))
         step.status, step.finished_at, step.error = "failed", workflow.now(), error
         if step.started_at is not None:  # it ran, and failed: at least the attempt that failed counts
-            step.attempts = max(step.attempts, 1)
+            step.attempts = max(step.attempts, self._attempts_before.get(name, 0) + (attempts or 1))
         self._events.emit("ragline.step.failed", {"step": name, "error": error})
 
     def cancel(self, name: str) -> None:
