@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ragline.settings import Settings
 
 STARTUP_TIMEOUT = 30.0
+NAMESPACE_UPDATE_TIMEOUT = timedelta(seconds=10)
 STOP_TIMEOUT = 10.0
 LOG_TAIL_LINES = 40
 
@@ -358,7 +359,7 @@ class DevServer:
         try:
             await client.workflow_service.update_namespace(UpdateNamespaceRequest(
                 namespace=self.namespace, config=NamespaceConfig(workflow_execution_retention_ttl=retention)),
-                timeout=timedelta(seconds=10))
+                timeout=NAMESPACE_UPDATE_TIMEOUT)
         except Exception as exc:
             raise DevServerError(f"could not set the namespace's retention to {self.settings.temporal_retention}: "
                                  f"{exc}") from exc

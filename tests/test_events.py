@@ -122,16 +122,17 @@ async def test_a_summary_the_answer_waits_for_shows_the_turn_at_work(temporal_en
     and the person sees the steps meanwhile, not nothing."""
     tag = uuid.uuid4().hex[:8]
     address = temporal_env.client.service_client.config.target_host
-    # A context this small holds no passage: every turn summarizes before it answers.
+    # A context this small holds no passage: every turn summarizes before it answers. The summary takes
+    # 5 s (the stack's model timeout allows it): the step must show within them.
     async with running_stack(address, scripted_llm, tmp_path, task_queue=f"summary-first-{tag}",
-                             llm_context_tokens=700, llm_max_tokens=64) as stack:
+                             llm_context_tokens=700, llm_max_tokens=64, llm_timeout=30) as stack:
         collection = f"summary-first-{tag}"
         text = " ".join(f"Lighthouse {n} guides ships along the rocky coast at night with a rotating lamp."
                         for n in range(8))
         upload = await stack.upload(("lights.txt", text.encode()), collection=collection)
         assert (await stack.wait_done(upload["job_id"]))["status"] == "completed"
         with scripted_llm.scope() as llm:
-            llm.script("summarize", [{"content": "Lighthouses guide ships at night.", "delay": 2}])  # under llm_timeout
+            llm.script("summarize", [{"content": "Lighthouses guide ships at night.", "delay": 5}])
             accepted = await stack.chat(f"What do lighthouses do? {llm.token}", collection=collection)
             seen: list[dict] = []
             summary_done_when_shown = None

@@ -246,9 +246,12 @@ async def test_a_slot_held_by_a_terminated_job_is_freed_and_other_tenants_are_no
             await _in_line(stack, tenant, waiter)
             await _wait_status(http, waiter, "queued")
 
-            # The limit is per tenant: acme's turn does not wait behind this tenant's line.
+            # The limit is per tenant: acme's turn, which calls the model too, does not wait behind this
+            # tenant's line.
+            await _seed(stack.http)
             ours = await stack.chat(f"Unrelated question {held.others.token}", collection="slots")
-            assert (await stack.wait_done(ours["job_id"]))["status"] == "completed"
+            done = await stack.wait_done(ours["job_id"])
+            assert done["status"] == "completed" and done["result"]["model"] == "scripted", done
             assert await _status(http, waiter) == "queued"
 
             # Terminated by hand, the holder never gives its slot back: the gate's sweep frees it.

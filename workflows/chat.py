@@ -30,7 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.chat import (
         AwaitTurnInput, CacheInput, ContextInput, GenerateInput, HistoryItem, RetrieveInput, SessionState,
-        TurnContext, TurnInput, TurnResult, Usage,
+        SummaryOutput, TurnContext, TurnInput, TurnResult, Usage,
     )
     from models.jobs import REQUEST_MEMO
     from models.review import without
@@ -143,7 +143,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         # the slot was being asked for.
         await self.running_slot()
         context = ContextInput(question=question.message, context_ref=retrieved.context_ref)
-        summary = None if retrieved.fits else await self._shown_while_it_runs(ChatActivities.summarize_context, context)
+        summary = None if retrieved.fits else await self._summary_shown_while_it_runs(context)
         generate = GenerateInput(question=question.message, context_ref=retrieved.context_ref,
                                  history=self.context.history, summary=summary.summary if summary else None,
                                  stream=not self._answer_held)
@@ -182,15 +182,15 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)
 
-    async def _shown_while_it_runs(self, activity, arg):  # noqa: ANN001, ANN202 - as JobWorkflow.step
-        """A model call before the answer (a summary of passages too long for the model, tens of seconds on a
-        local model): its step events go out at once, and the ones held so far with them, so that the person
-        sees the turn at work rather than nothing until the first delta."""
+    async def _summary_shown_while_it_runs(self, context: ContextInput) -> SummaryOutput:
+        """The summary the answer waits for (passages too long for the model; tens of seconds on a local
+        model): its step events go out at once, and the ones held so far with them, so that the person sees
+        the turn at work rather than nothing until the first delta."""
         if not workflow.patched(SUMMARY_SHOWN_PATCH):
-            return await self.step(activity, arg)
+            return await self.step(ChatActivities.summarize_context, context)
         held, self.events.hold_steps = self.events.hold_steps, False
         try:
-            return await self.step(activity, arg)
+            return await self.step(ChatActivities.summarize_context, context)
         finally:
             self.events.hold_steps = held
 
