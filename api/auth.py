@@ -186,7 +186,7 @@ async def admit(request: Request, key: str) -> Caller:
         raise unauthenticated(UNKNOWN_KEY)
     await guard.check_rate(entry)
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
-                    key_id=entry.sha256[:8], fairness_weight=guard.limits(entry.tenant).fairness_weight)
+                    key_id=entry.sha256[:8], fairness_weight=guard.keys.limits(entry.tenant, refresh=False).fairness_weight)
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)
     return caller
 

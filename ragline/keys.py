@@ -127,8 +127,10 @@ class KeyRing:
                 return entry
         return None
 
-    def limits(self, tenant: str) -> TenantLimits:
-        self._refresh()
+    def limits(self, tenant: str, *, refresh: bool = True) -> TenantLimits:
+        """`refresh=False`: as of the last read (right after `find`, which re-read the file if it changed)."""
+        if refresh:
+            self._refresh()
         return self._file.tenants.get(tenant, TenantLimits())
 
     def __len__(self) -> int:
