@@ -7,8 +7,9 @@ tests/histories/workflow_ids.json). Re-record after a deliberate, versioned chan
 workflow code (README: "Running on a cluster"); never to make a failing replay pass.
 
 Scenarios: an ingestion (two documents: the batch and its children), a chat session with several turns
-that continues as new, an agent tree whose depth guard waits for a review that approves it, a chat turn
-dead-lettered by a failing model and retried by an operator, an evaluation, a search, and a tenant
+that continues as new, an agent tree whose depth guard waits for a review that approves it, an agent
+whose broken tool call gets a corrective plan, a turn whose passages overflow the model's context (the
+summary first), a chat turn dead-lettered by a failing model and retried by an operator, an evaluation, a search, and a tenant
 capped at one running job whose second turn waits for its slot (the gate's history too).
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
@@ -146,6 +147,30 @@ async def record() -> list[Path]:
             stack.llm.script_fn("agent", None)
             await asyncio.sleep(1)
             saved += await _save(client, "agent-review", f"WorkflowId STARTS_WITH '{agent_id}'")
+
+            # An agent whose model writes its call as broken JSON: it plans once more, told what was wrong.
+            stack.llm.script("agent", ['```json\n{"name": "finish", "arguments": {"answer": "At dusk."}\n```',
+                                       "The lamps are lit at dusk."])
+            r = await stack.http.post("/v1/agents", json={"goal": "When are the lamps lit?", "collection": "record"})
+            replanned = r.json()["job_id"]
+            assert (await stack.wait_done(replanned))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "agent-replan", f"WorkflowId = '{replanned}'")
+
+            # A watched turn whose passages overflow the model's context: the summary runs first, its steps
+            # shown while it runs.
+            log = " ".join(f"Log entry {n}: the keeper of pier {n % 7} lit lamp {n} at dusk and logged ship {n * 3}."
+                           for n in range(400))
+            up = await stack.upload(("log.txt", log.encode()), collection="record-long")
+            assert (await stack.wait_job(up["job_id"]))["status"] == "completed"
+            r = await stack.http.post("/v1/chats", json={"message": "What does the keepers' log say?",
+                                                         "collection": "record-long", "top_k": 20})
+            overflowing = r.json()["job_id"]
+            events = await read_events(stack, overflowing)
+            started = [e["data"]["step"] for _, e in events if e["type"] == "ragline.step.started"]
+            assert started[:2] == ["retrieve_context", "summarize_context"], started
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-summary-first", f"WorkflowId = '{overflowing}'")
 
             # A turn dead-lettered by a failing model, then retried by an operator.
             stack.llm.script("answer", ["503"] * ATTEMPTS)
