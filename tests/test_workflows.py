@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from temporalio import activity
+from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -47,8 +48,10 @@ from temporal.converter import build_data_converter
 from tests.helpers import WaitsForSlot, eventually, time_skipping_server_binary
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.events import JobEvents
 from workflows.gate import TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+from workflows.slot import RunningSlot
 
 FAST_POLICIES = Path(__file__).resolve().parent / "fast_policies.toml"
 DOC_STEPS = ["extract_text", "chunk_text", "embed_chunks", "index_chunks", "prune_stale_chunks"]
@@ -662,3 +665,39 @@ async def test_agent_that_delegates_once_runs_a_child_workflow(env):
     assert [(p.arg.goal, p.arg.depth) for p in plans] == [
         ("Count the ships", 0), ("Count the ships in the north", 1), ("Count the ships", 0)]
     assert plans[1].finished < plans[2].started
+
+
+@workflow.defn(sandboxed=False)
+class HoldsASlot:
+    """A job reduced to its running slot."""
+
+    def __init__(self) -> None:
+        self.slot = RunningSlot(JobEvents(), lambda: None)
+
+    @workflow.signal
+    def slot_update(self, standing: SlotGrant) -> None:
+        self.slot.heard(standing)
+
+    @workflow.run
+    async def run(self) -> bool:
+        await self.slot.acquire(takes_slot=True)
+        return self.slot.held
+
+
+@activity.defn(name="acquire_slot")
+async def answered_out_of_order(req: SlotRequest) -> None:
+    """The gate's two answers to one request, arriving in the wrong order: the grant, then the "wait in
+    line" it sent first (each is a signal of its own, which the server may deliver in either order)."""
+    job = activity.client().get_workflow_handle(req.job_id)
+    await job.signal("slot_update", SlotGrant(ticket=req.ticket, granted=True, running=2, limit=2))
+    await job.signal("slot_update", SlotGrant(ticket=req.ticket, granted=False, running=2, limit=2, position=1))
+
+
+async def test_a_grant_is_not_undone_by_a_wait_in_line_that_arrives_after_it(env):
+    queue = f"slot-order-{uuid.uuid4().hex[:8]}"
+    policies.load(FAST_POLICIES, [policies.activity_name(a) for a in Fakes().all()])
+    async with Worker(env.client, task_queue=queue, workflows=[HoldsASlot], activities=[answered_out_of_order]):
+        held = env.client.execute_workflow(
+            HoldsASlot.run, id=f"t.{queue}", task_queue=queue,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(sa.TENANT, "t")]))
+        assert await asyncio.wait_for(held, 30) is True

@@ -29,6 +29,8 @@ PATCH = "tenant-running-slots"  # histories from before slots replay without the
 LENT_PATCH = "slot-taken-back-for-work"
 # Histories from before a second take_back waited for the first one's ask replay it going on at once.
 RETAKE_PATCH = "slot-retake-awaited"
+# Histories from before a grant was final replay a late "wait in line" undoing it.
+GRANT_FINAL_PATCH = "slot-grant-is-final"
 
 
 class RunningSlot:
@@ -46,9 +48,16 @@ class RunningSlot:
         self._withdrawals = 0  # an ask withdrawn while it was on its way or in line stops waiting
 
     def heard(self, standing: SlotGrant) -> None:
-        """The gate's `slot_update` signal: granted, or the place in line (of the latest request only)."""
-        if standing.ticket == self._ticket:
-            self._standing = standing
+        """The gate's `slot_update` signal: granted, or the place in line (of the latest request only). A
+        grant is final for its request: the gate's answers are signals of their own, which the server may
+        deliver out of order, and a "wait in line" sent before the grant must not undo it (the job would
+        wait for ever, holding the slot the gate gave it)."""
+        if standing.ticket != self._ticket:
+            return
+        if self._standing is not None and self._standing.granted and not standing.granted \
+                and workflow.patched(GRANT_FINAL_PATCH):
+            return
+        self._standing = standing
 
     async def acquire(self, *, takes_slot: bool) -> None:
         tenant = workflow.info().typed_search_attributes.get(sa.TENANT)
