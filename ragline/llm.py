@@ -147,11 +147,8 @@ _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 CHARS_PER_TOKEN = 4  # of text that is not CJK, about
 
 
-def estimate_tokens(text: str | list[dict]) -> int:
-    """A model-independent over-estimate: a CJK character is about a token, other text about 4 characters.
-    Messages count by their text."""
-    if not isinstance(text, str):
-        text = " ".join(str(m.get("content") or "") for m in text)
+def estimate_tokens(text: str) -> int:
+    """A model-independent over-estimate: a CJK character is about a token, other text about 4 characters."""
     cjk = len(_CJK.findall(text))
     return cjk + (len(text) - cjk + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
@@ -286,7 +283,7 @@ class ChatModel:
                     if result.repetition_cut:
                         break
             if not result.completion_tokens:  # no usage came (the stream was cut): estimated, and counted so
-                result.prompt_tokens = result.prompt_tokens or estimate_tokens(messages)
+                result.prompt_tokens = result.prompt_tokens or estimate_tokens(" ".join(str(m.get("content") or "") for m in messages))
                 result.completion_tokens = max(1, streamed_chars // CHARS_PER_TOKEN)
                 observed.prompt_tokens, observed.completion_tokens = result.prompt_tokens, result.completion_tokens
 

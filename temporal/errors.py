@@ -12,6 +12,10 @@ from temporalio.exceptions import ApplicationError
 from ragline.errors import RaglineError, TransientError
 
 
+# The key of an activity failure's details that says which attempt failed (temporal.errors.failed_attempt).
+ATTEMPT_DETAIL = "attempt"
+
+
 def to_application_error(exc: RaglineError) -> ApplicationError:
     delay = None
     message = exc.message
@@ -30,9 +34,6 @@ def to_application_error(exc: RaglineError) -> ApplicationError:
         details[ATTEMPT_DETAIL] = activity.info().attempt
     return ApplicationError(message, details or None, type=type(exc).__name__,
                             non_retryable=not exc.retryable, next_retry_delay=delay)
-
-
-ATTEMPT_DETAIL = "attempt"
 
 
 def failed_attempt(error: BaseException) -> int | None:

@@ -188,11 +188,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         the turn at work rather than nothing until the first delta."""
         if not workflow.patched(SUMMARY_SHOWN_PATCH):
             return await self.step(ChatActivities.summarize_context, context)
-        held, self.events.hold_steps = self.events.hold_steps, False
-        try:
+        with self.events.shown_at_once():
             return await self.step(ChatActivities.summarize_context, context)
-        finally:
-            self.events.hold_steps = held
 
     def _answered(self, result: TurnResult) -> TurnResult:
         """A turn answered without the model chain: the remaining planned steps are skipped."""

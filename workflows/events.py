@@ -12,6 +12,8 @@ end), which carries them out in order in one read."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from temporalio import workflow
@@ -77,6 +79,15 @@ class JobEvents:
         self.release()
         for event in events:
             self._topic.publish(event)
+
+    @contextmanager
+    def shown_at_once(self) -> Iterator[None]:
+        """Meanwhile nothing is held: what was held goes out with the next event, and every event after it."""
+        held, self.hold_steps = self.hold_steps, False
+        try:
+            yield
+        finally:
+            self.hold_steps = held
 
     def release(self) -> None:
         """Publish the held events now: the job is about to wait for something other than its own steps."""
