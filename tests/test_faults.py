@@ -34,18 +34,29 @@ def _doc(n: int, pages: int = 3) -> bytes:
                       for p in range(1, pages + 1)])
 
 
+def _shipped_attempts(tmp_path: Path) -> Path:
+    """The test suite's short backoffs with the attempts temporal/policies.toml ships for model and
+    embedding calls (6): at 12 % faults, 4 attempts (the suite's default) fail some call of a run about
+    once in 50 runs (0.12**4 per call), 6 about once in 4,000."""
+    fast = (FIXTURES.parent / "fast_policies.toml").read_text()
+    assert fast.count("\nmax_attempts = 4\n") == 1, "tests/fast_policies.toml changed its default attempts"
+    path = tmp_path / "fault_policies.toml"
+    path.write_text(fast.replace("\nmax_attempts = 4\n", "\nmax_attempts = 6\n"))
+    return path
+
+
 async def _all_done(stack, job_ids: list[str], timeout: float) -> list[dict]:
     return await asyncio.gather(*(stack.wait_job(j, timeout=timeout) for j in job_ids))
 
 
-async def test_twelve_percent_transient_faults_everywhere(temporal_env, private_llm, tmp_path):
+async def test_twelve_percent_transient_faults_everywhere(temporal_env, private_llm, tmp_path, restore_policies):
     """Every model and embedding call may fail (429 + Retry-After, 503, dropped connection, hang past
     the timeout, malformed JSON): 30 chats and 10 ingestions all complete."""
     llm = private_llm
     address = temporal_env.client.service_client.config.target_host
     async with running_stack(address, llm, tmp_path, task_queue="ragline-faults",
                              embeddings_base_url=llm.base_url, embeddings_model="scripted",
-                             embeddings_timeout=3) as stack:
+                             embeddings_timeout=3, policies=_shipped_attempts(tmp_path)) as stack:
         llm.set_faults(rate=0.12, kinds=TRANSIENT, seed=12, retry_after=0.2)
         uploads = [await stack.upload((f"h{n}.pdf", _doc(n)), collection="faults") for n in range(10)]
         ingest_jobs = await _all_done(stack, [u["job_id"] for u in uploads], timeout=300)
