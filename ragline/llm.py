@@ -101,20 +101,25 @@ class StreamedCompletion:
 
 
 # Degenerate repetition: a small model (the default 0.5B Qwen) sometimes loops on one short unit
-# ("[1] [2] [1] [2] …") until max_tokens. A reply's tail counts as such a loop when one unit of at most
-# LOOP_MAX_UNIT characters repeats LOOP_MIN_REPEATS times or more in a row, over LOOP_MIN_CHARS or more.
-# Prose, numbered lists and code never repeat words that much verbatim. Layout does: a rule of "=" or
-# "——", a dot leader, a blank table's identical rows (a unit with a line break, or with no letter or
-# digit in it) count only from LAYOUT_MIN_REPEATS repeats over LAYOUT_MIN_CHARS.
+# ("[1] [2] [1] [2] …") or on a whole sentence until max_tokens. A reply's tail counts as such a loop when
+# one unit of at most LOOP_MAX_UNIT characters repeats LOOP_MIN_REPEATS times or more in a row, over
+# LOOP_MIN_CHARS or more, or one longer unit (a sentence, a paragraph, up to LONG_LOOP_MAX_UNIT) with
+# letters or digits in it LONG_LOOP_MIN_REPEATS times. Prose, numbered lists and code never repeat words
+# that much verbatim. Layout does: a rule of "=" or "——", a dot leader, a blank table's identical rows
+# (a short unit with a line break, or with no letter or digit in it) count only from LAYOUT_MIN_REPEATS
+# repeats over LAYOUT_MIN_CHARS; a long unit without a letter or digit never counts.
 LOOP_MAX_UNIT = 50
 LOOP_MIN_REPEATS = 8
 LOOP_MIN_CHARS = 150
+LONG_LOOP_MAX_UNIT = 300
+LONG_LOOP_MIN_REPEATS = 4
 LAYOUT_MIN_REPEATS = 30
 LAYOUT_MIN_CHARS = 600
 # The guard looks at the reply's tail once per this many new characters: a loop is caught a few words
 # later, and a long reply costs a few dozen checks, not one per token.
 LOOP_CHECK_EVERY = 64
-LOOP_WINDOW = LOOP_MAX_UNIT * LAYOUT_MIN_REPEATS + LOOP_MAX_UNIT  # the longest run a check needs to see
+# The longest run a check needs to see, and a unit more for a piece that ends mid-unit.
+LOOP_WINDOW = max(LOOP_MAX_UNIT * LAYOUT_MIN_REPEATS, LONG_LOOP_MAX_UNIT * LONG_LOOP_MIN_REPEATS) + LONG_LOOP_MAX_UNIT
 
 
 def _periodic_tail(text: str, period: int) -> int:
@@ -125,19 +130,25 @@ def _periodic_tail(text: str, period: int) -> int:
     return len(text) - i - 1
 
 
-def _is_layout(unit: str) -> bool:
-    return "\n" in unit or not any(c.isalnum() for c in unit)
+def _thresholds(unit: str) -> tuple[int, int]:
+    """(repeats, characters) from which a run of `unit` is a loop (for one that never is, more repeats
+    than the guard's window holds)."""
+    words = any(c.isalnum() for c in unit)
+    if len(unit) > LOOP_MAX_UNIT:
+        return (LONG_LOOP_MIN_REPEATS, 0) if words else (LOOP_WINDOW + 1, 0)
+    if "\n" in unit or not words:
+        return LAYOUT_MIN_REPEATS, LAYOUT_MIN_CHARS
+    return LOOP_MIN_REPEATS, LOOP_MIN_CHARS
 
 
 def cut_repetition(text: str) -> str | None:
     """`text` with a looping tail cut down to one occurrence of what repeats (the shortest such unit), or
     None when its tail does not loop. The cut keeps the text before the loop and the loop's first unit."""
-    for period in range(1, min(LOOP_MAX_UNIT, len(text) // LOOP_MIN_REPEATS) + 1):
+    for period in range(1, min(LONG_LOOP_MAX_UNIT, len(text) // LONG_LOOP_MIN_REPEATS) + 1):
         if text[-1] != text[-1 - period]:
             continue  # the common case, answered without a scan
         run = _periodic_tail(text, period)
-        layout = _is_layout(text[len(text) - period:])
-        repeats, chars = (LAYOUT_MIN_REPEATS, LAYOUT_MIN_CHARS) if layout else (LOOP_MIN_REPEATS, LOOP_MIN_CHARS)
+        repeats, chars = _thresholds(text[len(text) - period:])
         if run // period >= repeats and run >= chars:
             return text[:len(text) - run + period]
     return None

@@ -9,8 +9,8 @@ import pytest
 
 from activities.chat import REPETITION_WARNING
 from ragline.llm import (
-    LAYOUT_MIN_CHARS, LAYOUT_MIN_REPEATS, LOOP_CHECK_EVERY, LOOP_MAX_UNIT, LOOP_MIN_CHARS, LOOP_MIN_REPEATS, LoopGuard,
-    cut_repetition,
+    LAYOUT_MIN_CHARS, LAYOUT_MIN_REPEATS, LONG_LOOP_MAX_UNIT, LONG_LOOP_MIN_REPEATS, LOOP_CHECK_EVERY, LOOP_MAX_UNIT,
+    LOOP_MIN_CHARS, LOOP_MIN_REPEATS, LoopGuard, cut_repetition,
 )
 from tests.helpers import eventually, read_events
 
@@ -55,6 +55,7 @@ def test_the_loop_is_found_as_soon_as_the_stream_shows_it():
 
 
 SENTENCE = "Model calls time out after 45 seconds, I said [1]. "  # 51 characters
+PARAGRAPH = " ".join(f"step{n}" for n in range(80)) + ".\n"  # no part of it repeats
 
 
 @pytest.mark.parametrize("unit, repeats, loops", [
@@ -62,10 +63,36 @@ SENTENCE = "Model calls time out after 45 seconds, I said [1]. "  # 51 character
     ("好", LOOP_MIN_CHARS - 1, False),                      # too short a run
     (SENTENCE[:LOOP_MAX_UNIT], LOOP_MIN_REPEATS, True),
     (SENTENCE[:LOOP_MAX_UNIT], LOOP_MIN_REPEATS - 1, False),  # too few repeats
-    (SENTENCE[:LOOP_MAX_UNIT + 1], LOOP_MIN_REPEATS, False),  # a unit too long to count
+    (SENTENCE[:LOOP_MAX_UNIT + 1], LONG_LOOP_MIN_REPEATS - 1, False),  # a longer unit: from fewer repeats
+    (SENTENCE[:LOOP_MAX_UNIT + 1], LONG_LOOP_MIN_REPEATS, True),
+    (PARAGRAPH[:LONG_LOOP_MAX_UNIT], LONG_LOOP_MIN_REPEATS, True),
+    (PARAGRAPH[:LONG_LOOP_MAX_UNIT + 1], LONG_LOOP_MIN_REPEATS, False),  # a unit too long to count
 ])
 def test_the_thresholds(unit, repeats, loops):
     assert (cut_repetition("Answer: " + unit * repeats) is not None) is loops
+
+
+# What the default model was seen to do on an English question: one sentence, again and again.
+SENTENCE_LOOP = ("The lighthouse of harbour 3 is painted red, and its keeper lights it at dusk [1]. " * 12)
+
+
+def test_a_sentence_that_loops_is_cut_after_a_few_repeats():
+    answer = "Harbour 3 has a lighthouse [1]. "
+    seen = guard_trips_at(answer + SENTENCE_LOOP)
+    unit = len(SENTENCE_LOOP) // 12
+    assert seen is not None and seen <= len(answer) + LONG_LOOP_MIN_REPEATS * unit + LOOP_CHECK_EVERY
+    cut = cut_repetition((answer + SENTENCE_LOOP)[:seen])
+    # The loop's first occurrence stays (where the loop starts is ambiguous by the units' common ending).
+    assert (answer + SENTENCE_LOOP).startswith(cut) and cut.count("painted red") == 1
+    assert len(answer) + unit - len(" [1]. ") <= len(cut) <= len(answer) + unit
+
+
+def test_a_paragraph_said_again_is_not_a_loop():
+    """A model may restate its point once or twice, in the same words: that is style, not a loop."""
+    paragraph = ("The lighthouse of harbour 3 is painted red [1]. Its keeper lights it at dusk and puts it out "
+                 "at dawn [2].\n\n")
+    text = "In short:\n\n" + paragraph * (LONG_LOOP_MIN_REPEATS - 1) + "That is all the documents say."
+    assert [seen for seen in streamed_prefixes(text) if cut_repetition(seen) is not None] == []
 
 
 ROW = "| - | - | - |\n"
@@ -112,12 +139,14 @@ CODE = (
     "WEIGHTS = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]\n"
     "MATRIX = [[0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]\n"
     "```\n")
+WIDE_BLANK_FORM = ("| Date | Room | Signature |\n" + f"|{' ' * 20}|{' ' * 20}|{' ' * 20}|\n" * 12)
 BLANK_FORM = ("Fill in one row per visit:\n| Date | Room | Signature |\n| --- | --- | --- |\n"
               + "| - | - | - |\n" * 12 + "Sign each row.")
 RULES = "第一部分\n" + "——" * 80 + "\n" + "=" * 160 + "\nContents" + "." * 120 + "3\n"
 
 
-@pytest.mark.parametrize("text", [BLANK_FORM, RULES], ids=["blank-table-rows", "rules-and-leaders"])
+@pytest.mark.parametrize("text", [BLANK_FORM, WIDE_BLANK_FORM, RULES],
+                         ids=["blank-table-rows", "wide-blank-rows", "rules-and-leaders"])
 def test_layout_that_repeats_is_not_a_loop(text):
     assert [seen for seen in streamed_prefixes(text) if cut_repetition(seen) is not None] == []
     assert guard_trips_at(text) is None
