@@ -110,12 +110,17 @@ def malformed_tool_call(text: str, allowed: Mapping[str, dict]) -> str | None:
     fenced = [] if tagged else _FENCED.findall(text)
     alone = not fenced or not _FENCED.sub("", text).strip()  # no prose around the JSON
     attempts = tagged or [body for body in fenced or [text.strip()] if _looks_like_call(body, allowed, alone)]
+    if not attempts and not fenced and (start := _JSON_START.search(text)) and text[:start.start()].strip():
+        # Prose, then JSON that names a tool ("Let me check.\n{"name": "finish", ...}"): a call, not an answer.
+        return PROSE_AROUND_CALL if _looks_like_call(text[start.start():].strip(), allowed, alone=False) else None
     if not attempts:
         return None
     return next((problem for body in attempts if (problem := _call_problem(body, allowed))),
-                "a tool call is the whole reply, without prose around it")
+                PROSE_AROUND_CALL)
 
 
+PROSE_AROUND_CALL = "a tool call is the whole reply, without prose around it"
+_JSON_START = re.compile(r'[{\[]\s*["{]')  # where an object, or a list of them, starts
 # Keys a tool call is made of, in the shapes models write: JSON that parses and has any other key is data.
 _CALL_SHAPE = frozenset({*_NAME_KEYS, "tool_calls", "function_call", "arguments", "args", "parameters", "type", "id"})
 

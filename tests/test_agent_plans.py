@@ -35,6 +35,9 @@ ALLOWED = {t["function"]["name"]: t["function"]["parameters"] for t in prompts.a
     ('I will look it up.\n```json\n{"name": "search_documents", "arguments": {"query": "tides"}}\n```',
      "the whole reply, without prose around it"),
     ('<tool_call>{"name": "finish", "arguments": {"answer": "noon"}}</tool_call> Done.', "without prose around it"),
+    # A call after prose, without a fence or tags: the model meant to call, and said so first.
+    ('I will hand this on.\n{"name": "delegate", "arguments": {"goal": "tides"}}', "without prose around it"),
+    ('Done: {"name": "finish", "arguments": {"answer": "noon"}} as asked.', "without prose around it"),
 ])
 def test_a_reply_that_tries_to_be_a_tool_call_says_what_is_wrong(reply, problem):
     assert problem in malformed_tool_call(reply, ALLOWED)
@@ -44,6 +47,7 @@ def test_a_reply_that_tries_to_be_a_tool_call_says_what_is_wrong(reply, problem)
     "High tide at Vell is at noon.",
     "The report is a JSON file; its fields are name and arguments.",
     'The config sets {"name": "ACME", "revenue": 5} for the client.',
+    'The record reads:\n{"name": "ACME", "arguments": "none", "revenue": 5}',  # data after prose, no tool named
     '{"name": "ACME", "revenue": 5}',  # data the goal asked for, not a call: no tool named, no call key
     # Data with a key a call would have, and keys no call has: not a call either.
     '{"name": "ACME", "parameters": {"x": 1}, "revenue": 5}',
