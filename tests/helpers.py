@@ -133,7 +133,8 @@ async def assert_nothing_lost_or_doubled(stack, collection: str, ingest_jobs: li
 
 @workflow.defn(sandboxed=False)
 class WaitsForSlot:
-    """Stands for a job: done once its gate says it may run; `standings` is everything it heard."""
+    """Stands for a job: done once its gate has said `grants` times that it may run (a job that asks
+    again after it was granted); `standings` is everything it heard."""
 
     def __init__(self) -> None:
         self.heard: list[dict] = []
@@ -147,6 +148,6 @@ class WaitsForSlot:
         return self.heard
 
     @workflow.run
-    async def run(self) -> list[dict]:
-        await workflow.wait_condition(lambda: any(s["granted"] for s in self.heard))
+    async def run(self, grants: int = 1) -> list[dict]:
+        await workflow.wait_condition(lambda: sum(s["granted"] for s in self.heard) >= grants)
         return self.heard

@@ -617,6 +617,38 @@ async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended
         await gate.terminate("test over")
 
 
+async def test_a_holder_that_asks_again_without_releasing_passes_its_slot_to_the_line(env):
+    """A job's release never reached the gate (its release_slot gave up while it lent the slot to a
+    person's wait), and it asks again with its next ticket: the slot it held goes to the first in line,
+    and it queues behind. Before, nobody held the slot and every later job waited for ever (no sweep runs
+    while a slot is free)."""
+    fakes = Fakes()
+    queue = f"gate-{uuid.uuid4().hex[:8]}"
+    policies.load(FAST_POLICIES, [policies.activity_name(a) for a in fakes.all()])
+    holder, waiter, later = (f"t.job-{n}-{uuid.uuid4().hex[:6]}" for n in range(3))
+    async with Worker(env.client, task_queue=queue, workflows=[TenantGateWorkflow, WaitsForSlot],
+                      activities=[fakes.ended_jobs]):
+        waiters = {j: await env.client.start_workflow(WaitsForSlot.run, 2 if j == holder else 1, id=j,
+                                                      task_queue=queue)
+                   for j in (holder, waiter, later)}
+        gate = await env.client.start_workflow(TenantGateWorkflow.run, GateState(tenant="t", limit=1),
+                                               id=f"t.gate.{queue}", task_queue=queue)
+        try:
+            for job_id in (holder, waiter):
+                await gate.signal(TenantGateWorkflow.acquire, SlotRequest(tenant="t", job_id=job_id))
+            await gate.signal(TenantGateWorkflow.acquire, SlotRequest(tenant="t", job_id=holder, ticket=2))
+            await waiters[waiter].result()  # granted: it was first in line
+            await gate.signal(TenantGateWorkflow.acquire, SlotRequest(tenant="t", job_id=later))
+            state = await gate.query(TenantGateWorkflow.slots)
+            assert (state.holders, state.waiting) == ([waiter], [holder, later])
+            # The line moves on as usual from there.
+            await gate.signal(TenantGateWorkflow.release, SlotRequest(tenant="t", job_id=waiter))
+            heard = await waiters[holder].result()  # granted, told to wait in line, granted again
+            assert [(s["ticket"], s["granted"]) for s in heard] == [(1, True), (2, False), (2, True)]
+        finally:
+            await gate.terminate("test over")
+
+
 # -- agents --------------------------------------------------------------------------------------------
 
 async def test_agent_that_finishes_at_once(bare_env):

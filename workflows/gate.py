@@ -28,6 +28,9 @@ with workflow.unsafe.imports_passed_through():
     from temporal import policies
 
 
+FREED_SLOT_PATCH = "gate-grants-a-reasked-slot"  # histories from before replay without the grant
+
+
 @workflow.defn
 class TenantGateWorkflow:
     @workflow.init
@@ -62,7 +65,9 @@ class TenantGateWorkflow:
             self._grant_next()
         known = req.job_id in state.holders or req.job_id in state.waiting
         if not known or state.tickets.get(req.job_id) != req.ticket:
-            self._drop(req.job_id, grant=False)
+            # A holder asking with a new ticket lost its release on the way (release_slot gave up): the
+            # slot it held goes to the first in line before it queues again, or no one would get it.
+            self._drop(req.job_id, grant=workflow.patched(FREED_SLOT_PATCH))
             state.tickets[req.job_id] = req.ticket
             if len(state.holders) < state.limit and not state.waiting:
                 state.holders.append(req.job_id)
