@@ -345,11 +345,12 @@ def local_options(name: str) -> dict[str, Any]:
     return policy(name).as_options()
 
 
-def execute(activity: Callable[..., Any], arg: Any) -> Any:
-    """From workflow code: run an activity, called by reference, under its policy (an awaitable)."""
+def execute(activity: Callable[..., Any], arg: Any, **extra: Any) -> Any:
+    """From workflow code: run an activity, called by reference, under its policy (an awaitable);
+    `extra` adds start options no policy holds (a cancellation type), never a timeout or a retry."""
     from temporalio import workflow
 
-    return workflow.execute_activity_method(activity, arg, **options(activity_name(activity)))
+    return workflow.execute_activity_method(activity, arg, **options(activity_name(activity)), **extra)
 
 
 def execute_local(activity: Callable[..., Any], arg: Any) -> Any:

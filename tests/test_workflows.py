@@ -81,6 +81,8 @@ class Fakes:
     cited: list[int] = field(default_factory=lambda: [1, 3, 9])
     extract_fails: dict[str, ApplicationError] = field(default_factory=dict)
     embed_fails_once: bool = False
+    embed_rejects: set[int] = field(default_factory=set)  # batches (by start) the embedder refuses for good
+    index_seconds: float = 0  # how long a batch's write takes
     plan: Callable[[PlanInput], PlanOutput] | None = None
     side_step_seconds: float = 0.2
     ended: set[str] = field(default_factory=set)  # jobs ended_jobs reports as no longer running
@@ -126,12 +128,16 @@ class Fakes:
         self._end(call)
         if self.embed_fails_once and call.attempt == 1 and req.start == 0:
             raise ApplicationError("embedder busy", type="TransientError")
+        if req.start in self.embed_rejects:
+            await asyncio.sleep(0.3)  # while another batch is being written
+            raise ApplicationError("the provider refused this batch", type="ProviderRejectedError", non_retryable=True)
         return EmbedOutput(vectors_ref=f"vectors:{req.chunks_ref}:{req.start}", count=req.end - req.start,
                            model="fake", attempt=call.attempt)
 
     @activity.defn(name="index_chunks")
     async def index_chunks(self, req: IndexInput) -> IndexOutput:
         call = self._start("index_chunks", req)
+        await asyncio.sleep(self.index_seconds)
         self._end(call)
         return IndexOutput(points=req.end - req.start, attempt=call.attempt)
 
@@ -402,6 +408,42 @@ async def test_document_job_tolerates_a_server_without_ragline_search_attributes
         done, failed = await eventually(ended_or_stuck, timeout=20, what="the document job ending")
     assert WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_BAD_SEARCH_ATTRIBUTES not in failed
     assert done
+
+
+async def test_a_failed_document_removes_its_chunks_after_the_batches_in_flight_have_ended(env):
+    """Batch 2 of a document is refused while batch 0 is being written: the undo runs after that
+    write, not before it (a late write would leave a failed document's chunks searchable)."""
+    fakes = Fakes(embed_rejects={2}, index_seconds=1.0)
+    doc = document("a.txt", "settle")
+    async with fake_worker(env, fakes) as queue:
+        with pytest.raises(WorkflowFailureError) as failure:
+            await env.client.execute_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
+                                              id=document_workflow_id(doc.tenant, doc.document_id))
+        steps = {s.name: s for s in (await env.client.get_workflow_handle(
+            document_workflow_id(doc.tenant, doc.document_id)).query(IngestDocumentWorkflow.progress)).steps}
+    assert "the provider refused this batch" in str(failure.value.cause)
+    undo = fakes.one("remove_document_chunks")
+    writes = fakes.named("index_chunks")
+    assert writes and all(w.finished is not None and w.finished < undo.started for w in writes), fakes.calls
+    assert steps["embed_chunks"].status == "failed"
+
+
+async def test_a_cancelled_document_removes_its_chunks_after_the_write_in_flight_has_ended(env):
+    fakes = Fakes(index_seconds=1.0)
+    doc = document("a.txt", "settle2")
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
+                                                 id=document_workflow_id(doc.tenant, doc.document_id))
+        await eventually(lambda: _asyncify(fakes.named("index_chunks")), timeout=20, what="a batch being written")
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    undo = fakes.one("remove_document_chunks")
+    assert all(w.finished is not None and w.finished < undo.started for w in fakes.named("index_chunks")), fakes.calls
+
+
+async def _asyncify(value):
+    return value
 
 
 async def test_ingest_with_no_good_document_fails_with_every_reason(env):

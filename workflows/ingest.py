@@ -7,7 +7,8 @@ IngestWorkflow (one job per upload request)
 IngestDocumentWorkflow (one per document id = collection + content hash)
   extract_text -> chunk_text -> [embed_chunks -> index_chunks] per batch, batches in parallel
   -> prune_stale_chunks
-  on failure or cancel after indexing began: remove_document_chunks (undo the batches indexed)
+  on failure or cancel after indexing began: the batches in flight stop and end, then
+  remove_document_chunks (undo the batches indexed)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, WorkflowAlreadyStartedError
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities.ingest import IngestActivities
@@ -34,6 +36,8 @@ with workflow.unsafe.imports_passed_through():
 EMBED = policies.activity_name(IngestActivities.embed_chunks)
 # Histories of documents that failed before this replay without the undo.
 UNDO_PATCH = "failed-document-removes-its-chunks"
+# ... and without waiting for the batches still in flight before it.
+SETTLE_PATCH = "document-batches-settle-before-undo"
 INDEX = policies.activity_name(IngestActivities.index_chunks)
 
 
@@ -78,6 +82,11 @@ class IngestDocumentWorkflow(JobWorkflow):
 
     async def _embed_and_index(self, doc: DocumentInput, chunked: ChunkOutput) -> None:
         """embed_chunks -> index_chunks per batch; `parallelism` batches in flight; one step each in the view."""
+        # On a failure or a cancel, the batches still in flight end before the undo runs: a write landing
+        # after it would leave chunks of a failed document searchable. index_chunks does not heartbeat,
+        # so a cancel reaches it only when it ends: the job waits for that end, not for the request.
+        settle = workflow.patched(SETTLE_PATCH)
+        index_options = {"cancellation_type": ActivityCancellationType.WAIT_CANCELLATION_COMPLETED} if settle else {}
         size = max(1, chunked.batch_size)
         batches = [(start, min(start + size, chunked.chunks)) for start in range(0, chunked.chunks, size)]
         gate = asyncio.Semaphore(max(1, chunked.parallelism))
@@ -87,20 +96,41 @@ class IngestDocumentWorkflow(JobWorkflow):
             done[step] += 1
             self.steps.progress(step, attempts=attempt, detail=f"{done[step]}/{len(batches)} batches")
 
-        async def one_batch(start: int, end: int) -> None:
-            async with gate:
-                self.steps.start(EMBED, detail=f"{done[EMBED]}/{len(batches)} batches")
-                embedded = await self.call(IngestActivities.embed_chunks, EmbedInput(
-                    chunks_ref=chunked.chunks_ref, start=start, end=end), step=EMBED)
-                advance(EMBED, embedded.attempt)
-                self.steps.start(INDEX, detail=f"{done[INDEX]}/{len(batches)} batches")
-                indexed = await self.call(IngestActivities.index_chunks, IndexInput(
-                    tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, filename=doc.filename,
-                    chunks_ref=chunked.chunks_ref, vectors_ref=embedded.vectors_ref, start=start, end=end),
-                    step=INDEX)
-                advance(INDEX, indexed.attempt)
+        halted = False  # (with settle) a batch failed for good: the batches still waiting do not begin
 
-        await asyncio.gather(*(one_batch(s, e) for s, e in batches))
+        async def one_batch(start: int, end: int) -> None:
+            nonlocal halted
+            async with gate:
+                if halted:
+                    return
+                try:
+                    self.steps.start(EMBED, detail=f"{done[EMBED]}/{len(batches)} batches")
+                    embedded = await self.call(IngestActivities.embed_chunks, EmbedInput(
+                        chunks_ref=chunked.chunks_ref, start=start, end=end), step=EMBED)
+                    advance(EMBED, embedded.attempt)
+                    self.steps.start(INDEX, detail=f"{done[INDEX]}/{len(batches)} batches")
+                    indexed = await self.call(IngestActivities.index_chunks, IndexInput(
+                        tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection,
+                        filename=doc.filename, chunks_ref=chunked.chunks_ref, vectors_ref=embedded.vectors_ref,
+                        start=start, end=end), step=INDEX, **index_options)
+                    advance(INDEX, indexed.attempt)
+                except Exception:
+                    halted = settle  # set before the gate lets the next batch in
+                    raise
+
+        if not settle:
+            await asyncio.gather(*(one_batch(s, e) for s, e in batches))
+        else:
+            running = [asyncio.create_task(one_batch(s, e)) for s, e in batches]
+            try:
+                await asyncio.gather(*running)
+            except (Exception, asyncio.CancelledError):
+                # A batch failed for good, or the job was cancelled (gather gives up at the first batch
+                # cancelled): every batch stops, and ends, before the undo.
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
+                raise
         for step in (EMBED, INDEX):
             self.steps.complete(step)
 

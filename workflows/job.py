@@ -164,9 +164,10 @@ class JobWorkflow:
         return result
 
     async def call(self, activity: Callable[..., Any], arg: Any, *, step: str,
-                   on_exhausted: Callable[[], Awaitable[Any]] | None = None) -> Any:
+                   on_exhausted: Callable[[], Awaitable[Any]] | None = None, **options: Any) -> Any:
         """Run an activity under its policy; for steps whose bookkeeping the caller does (batches).
-        When the activity exhausts its retries the job parks until an operator retries or discards it."""
+        When the activity exhausts its retries the job parks until an operator retries or discards it.
+        `options` go to the activity's start beside its policy's (a cancellation type a patch decides)."""
         name = policies.activity_name(activity)
         while True:
             await self.slot.take_back()  # lent while a person decided
@@ -174,7 +175,7 @@ class JobWorkflow:
             self.waits.recheck()
             try:
                 try:
-                    return await policies.execute(activity, arg)
+                    return await policies.execute(activity, arg, **options)
                 finally:
                     self._calls_running -= 1
                     self.waits.recheck()

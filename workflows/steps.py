@@ -75,9 +75,11 @@ class StepLog:
         self._events.emit("ragline.step.failed", {"step": name, "error": error})
 
     def cancel(self, name: str) -> None:
-        """The job was cancelled while the step ran (its `ragline.job.cancelled` event says so)."""
+        """The job was cancelled while the step ran (its `ragline.job.cancelled` event says so), or
+        another call of it failed and this one was stopped (a batch): then the step stays failed."""
         step = self._steps.setdefault(name, StepState(name=name))
-        step.status, step.finished_at = "cancelled", workflow.now()
+        if step.status != "failed":
+            step.status, step.finished_at = "cancelled", workflow.now()
 
     def skip_pending(self) -> None:
         for step in self._steps.values():
