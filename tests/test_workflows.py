@@ -741,6 +741,33 @@ async def test_agent_that_delegates_once_runs_a_child_workflow(env):
     assert plans[1].finished < plans[2].started
 
 
+async def test_a_sub_agent_that_fails_still_counts_what_it_spent(env):
+    """The child plans twice (a search, 2,000 tokens each), then fails for good: its two model calls are
+    the tree's, in its budget and its result, as a finished child's are."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth == 1:
+            if len(req.observations) < 2:
+                return PlanOutput(calls=[ToolCall(name="search_documents", arguments={"query": "ships"})],
+                                  prompt_tokens=1990, completion_tokens=10)
+            raise ApplicationError("the model wrote no call it could read, twice", type="ModelReplyError",
+                                   non_retryable=True)
+        if not req.observations:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})],
+                              prompt_tokens=5, completion_tokens=5)
+        return finish("the north could not be counted", tokens=30)
+
+    fakes = Fakes(plan=plan)
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=2),
+                                                   id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    [node] = result.tree.children
+    assert node.status == "failed" and "twice" in node.answer
+    child_plans = [p for p in fakes.named("agent_plan") if p.arg.depth == 1]
+    assert len(child_plans) == 3  # two that planned a search, the one that failed
+    # The root's two plans and the child's two paid ones (the failed call returned no usage).
+    assert (result.llm_calls, result.tokens) == (2 + 2, 10 + 30 + 2 * 2000)
+
+
 @workflow.defn(sandboxed=False)
 class HoldsASlot:
     """A job reduced to its running slot."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -38,6 +39,16 @@ MAX_OBSERVATIONS = 8     # observations kept for the next plan (each is short)
 # A reply that tries to be a tool call and is malformed gets a corrective re-plan; under earlier code (a
 # plan step of a newer worker, a workflow task of an older one) it was taken for the final answer.
 REPLAN_MALFORMED_PATCH = "agent-replans-malformed-tool-call"
+# A sub-agent that fails says what it spent (its failure's details); earlier parents did not count it.
+FAILED_CHILD_SPEND_PATCH = "agent-counts-failed-child-spend"
+SPENT_DETAIL = "spent"
+
+
+def spent_before_failing(exc: ChildWorkflowError) -> Spend:
+    """What a failed sub-agent spent, from its failure (nothing, from a child of older code)."""
+    details = getattr(exc.cause, "details", None) or ()
+    spent = details[0].get(SPENT_DETAIL) if details and isinstance(details[0], dict) else None
+    return Spend.model_validate(spent) if isinstance(spent, dict) else Spend()
 
 
 def normalise_goal(goal: str) -> str:
@@ -69,6 +80,9 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.events.context = {"depth": inp.depth}
         return await self.run_job(self._agent, accepted={
             "goal": inp.goal, "depth": inp.depth, "max_depth": inp.max_depth})
+
+    def failure_details(self) -> dict[str, Any]:
+        return {SPENT_DETAIL: self.spent.model_dump()}
 
     async def _agent(self) -> AgentResult:
         self.begin()
@@ -185,6 +199,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         except ChildWorkflowError as exc:
             node.status, node.answer = "failed", failure_reason(exc)
             self.steps.fail(f"delegate {index}", node.answer)
+            if workflow.patched(FAILED_CHILD_SPEND_PATCH):  # what it spent before failing was paid for
+                self.spent.add(spent_before_failing(exc))
             return f"(failed: {node.answer})", False
         self.spent.add(Spend(llm_calls=result.llm_calls, tokens=result.tokens))
         self.child_decisions.extend(result.decisions)

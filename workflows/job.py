@@ -106,9 +106,16 @@ class JobWorkflow:
             # The step already exhausted its retry policy (or failed non-retryably): fail the job with
             # the reason, and do not retry the workflow itself.
             details = exc.details if isinstance(exc, ApplicationError) else ()
+            if extra := self.failure_details():
+                first = details[0] if details and isinstance(details[0], dict) else {}
+                details = ({**first, **extra}, *details[1:]) if first else (extra, *details)
             raise ApplicationError(reason, *details, type=failure_type(exc), non_retryable=True) from exc
         finally:
             await self.slot.release()
+
+    def failure_details(self) -> dict[str, Any]:
+        """What the job's failure carries for whoever started it, beside the reason (its first detail)."""
+        return {}
 
     def shown_result(self, result: Any) -> dict[str, Any]:
         """The result as `ragline.job.completed` carries it to every key of the tenant."""
