@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AwareDatetime, BaseModel, Field
 
 from models.inputs import STRICT_INPUT, Int
 
@@ -28,6 +28,9 @@ class ReviewDecision(BaseModel):
     extra_budget: dict[str, Extension] = {}
     # For held chat answers: the text to release instead of the model's.
     answer: str | None = Field(None, max_length=20_000)
+    # The review this decides, by its `requested_at` (GET /v1/reviews, the `review_request` query): a
+    # decision sent twice, or late, is refused instead of deciding a review the person has not seen.
+    requested_at: AwareDatetime | None = Field(None, strict=False)
 
 
 class ReviewRequest(BaseModel):

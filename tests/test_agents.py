@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from datetime import datetime, timedelta
 
 from devtools.devserver import temporal_binary
 from tests.conftest import running_stack
@@ -80,8 +81,15 @@ async def test_reject_finishes_with_a_partial_answer(stack):
         llm.script_fn("agent", delegate_until(leaf_depth=9, token=llm.token))
         job_id = await _start(stack, f"Summarise every ledger {llm.token}", max_depth=1)
         [review] = await waiting_reviews(stack, job_id)
+        # A decision naming another review (one decided before: a resent or late request) is refused.
+        earlier = (datetime.fromisoformat(review["requested_at"]) - timedelta(seconds=1)).isoformat()
         r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
-                                  json={"decision": "reject", "reviewer": "ana", "comment": "deep enough"})
+                                  json={"decision": "approve", "reviewer": "ana", "requested_at": earlier})
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "not_waiting_for_review"), r.text
+        assert "no longer waiting" in r.json()["error"]["message"]
+        r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
+                                  json={"decision": "reject", "reviewer": "ana", "comment": "deep enough",
+                                        "requested_at": review["requested_at"]})
         assert r.status_code == 200, r.text
         job = await stack.wait_done(job_id)
     stopped = _node_at(job["result"]["tree"], 1)

@@ -82,6 +82,10 @@ class Reviews:
     def validate(self, decision: ReviewDecision) -> None:
         if self.pending is None:
             raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
+        if decision.requested_at is not None and decision.requested_at != self.pending.requested_at:
+            raise ApplicationError(
+                f"the review requested at {decision.requested_at.isoformat()} is no longer waiting; this job now "
+                f"waits on the one requested at {self.pending.requested_at.isoformat()}", type="NotWaitingForReview")
         if decision.extra_depth < 0 or any(v < 0 for v in decision.extra_budget.values()):
             raise ApplicationError("extensions cannot be negative", type="InvalidReview")
         unknown = set(decision.extra_budget) - BUDGET_KEYS
