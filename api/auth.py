@@ -58,9 +58,15 @@ class Caller:
 
     @property
     def is_reviewer(self) -> bool:
-        """A reviewer key may decide reviews, operate dead-lettered jobs, use the codec endpoint and read
-        what a review withholds from members."""
-        return self.role == "reviewer"
+        """A reviewer key (an operator's too) may decide reviews, operate dead-lettered jobs and read what
+        a review withholds from members, all within its tenant."""
+        return self.role in ("reviewer", "operator")
+
+    @property
+    def is_operator(self) -> bool:
+        """An operator key may also use the codec endpoint: the payload keys are the deployment's, so it
+        reads every tenant's payloads."""
+        return self.role == "operator"
 
     @property
     def priority(self) -> Priority:
@@ -193,7 +199,7 @@ async def admit(request: Request, key: str) -> Caller:
 
 async def require_reviewer(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
     if not caller.is_reviewer:
-        raise ApiError(403, "forbidden", "this needs a reviewer key (role = \"reviewer\" in the keys file)")
+        raise ApiError(403, "forbidden", "this needs a reviewer key (role = \"reviewer\" or \"operator\" in the keys file)")
     return caller
 
 

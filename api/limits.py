@@ -33,7 +33,7 @@ class BodyLimit:
         self.guard = guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # /codec checks its reviewer key (in its path for the Web UI) before it reads a body, and its bodies
+        # /codec checks its operator key (in its path for the Web UI) before it reads a body, and its bodies
         # are whole histories: not for these limits.
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") or \
                 not scope["path"].startswith("/v1/"):

@@ -148,7 +148,7 @@ def dev_server_command(settings: Settings | None = None, ui_codec_endpoint: str 
 
 
 def _masked(argv: list[str]) -> str:
-    """The command line for the log, without the reviewer key of a codec endpoint in it."""
+    """The command line for the log, without the operator key of a codec endpoint in it."""
     return re.sub(r"/codec/k/[^/\s]+", "/codec/k/***", subprocess.list2cmdline(argv))
 
 

@@ -41,7 +41,7 @@ STOP_TIMEOUT = 10.0       # SIGTERM -> wait this long -> SIGKILL
 BACKOFF_FIRST = 1.0       # restart delays: 1, 2, 4, ... seconds
 BACKOFF_MAX = 30.0
 STABLE_AFTER = 60.0       # a process that ran this long restarts after BACKOFF_FIRST again
-WEBUI_CODEC_KEY = "webui-codec"  # name of the reviewer key the Web UI's codec endpoint carries
+WEBUI_CODEC_KEY = "webui-codec"  # name of the operator key the Web UI's codec endpoint carries
 
 ReadyCheck = Callable[[], Awaitable[bool]]
 Preflight = Callable[[], "str | None"]
@@ -560,10 +560,11 @@ class Supervisor:
             say(f"Payload encryption: on (key {codec_keys.current} in {s.effective_codec_keys_file})")
         path = s.effective_api_keys_file
         if not [k for k in api_keys.load(path).keys if k.name != WEBUI_CODEC_KEY]:
-            self.new_api_key = api_keys.create(path, "default", "reviewer", "default")
+            # Whoever runs `make run` runs the deployment: an operator key (a reviewer that may use /codec).
+            self.new_api_key = api_keys.create(path, "default", "operator", "default")
 
     def _ui_codec_endpoint(self) -> str | None:
-        """A reviewer key for the Web UI's codec endpoint, new at every start (the last one is removed):
+        """An operator key for the Web UI's codec endpoint, new at every start (the last one is removed):
         it lives only in the dev server's command line, which the log shows masked."""
         from ragline import keys as api_keys
 
@@ -572,7 +573,7 @@ class Supervisor:
             return None
         path = s.effective_api_keys_file
         api_keys.remove(path, WEBUI_CODEC_KEY)
-        key = api_keys.create(path, "default", "reviewer", WEBUI_CODEC_KEY, requests_per_minute=100_000)
+        key = api_keys.create(path, "default", "operator", WEBUI_CODEC_KEY, requests_per_minute=100_000)
         return f"{api_base_url(s)}/codec/k/{key}"
 
     async def _register_search_attributes(self) -> None:
@@ -623,7 +624,7 @@ class Supervisor:
         else:
             lines.append(f"  API keys:        {s.effective_api_keys_file} (.venv/bin/python -m ragline.keys create ...)")
         if s.encrypt_payloads:
-            lines.append(f"  Codec endpoint:  {api_base_url(s)}/codec (reviewer key; the Web UI uses it)")
+            lines.append(f"  Codec endpoint:  {api_base_url(s)}/codec (operator key; the Web UI uses it)")
         return lines
 
     # -- supervision -------------------------------------------------------------------------

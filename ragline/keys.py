@@ -4,8 +4,9 @@
     tenant = "acme"                # [a-z0-9][a-z0-9-]{0,31}
     sha256 = "<hex sha256 of the key>"   # the key itself is never stored
     name = "ci"                    # optional, shown in the audit log
-    role = "member"                # member | reviewer (a reviewer may also decide reviews and operate
-                                   # dead-lettered jobs, and use the codec endpoint)
+    role = "member"                # member | reviewer | operator (a reviewer may also decide reviews
+                                   # and operate dead-lettered jobs; an operator is a reviewer that may
+                                   # also use the codec endpoint, which reads every tenant's payloads)
     requests_per_minute = 120      # optional; RAGLINE_RATE_LIMIT_PER_MINUTE otherwise
 
     [tenants.acme]                 # optional per-tenant limits, each below the server's own
@@ -37,7 +38,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from models.tenancy import TENANT_PATTERN
 
-Role = Literal["member", "reviewer"]
+Role = Literal["member", "reviewer", "operator"]
 KEY_PREFIX = "rgl_"
 
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="create a key and print it once")
     c.add_argument("--tenant", required=True)
-    c.add_argument("--role", choices=["member", "reviewer"], default="member")
+    c.add_argument("--role", choices=["member", "reviewer", "operator"], default="member")
     c.add_argument("--name")
     c.add_argument("--rpm", type=int, help="requests per minute for this key")
     sub.add_parser("list", help="list keys (tenant, name, role; never the keys)")

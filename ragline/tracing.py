@@ -68,7 +68,7 @@ def instrument_app(app) -> None:
     from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
     # Scrapes and health checks are not requests anyone traces.
-    # /codec carries a reviewer key in its path (the Web UI's codec endpoint): never in a span.
+    # /codec carries an operator key in its path (the Web UI's codec endpoint): never in a span.
     FastAPIInstrumentor.instrument_app(app, excluded_urls="metrics,healthz,/codec/")
 
 

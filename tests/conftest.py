@@ -316,6 +316,7 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     api_port = settings.api_port
     keys_file = settings.effective_api_keys_file
     keys = {"reviewer": api_keys.create(keys_file, "acme", "reviewer", "acme-reviewer"),
+            "operator": api_keys.create(keys_file, "acme", "operator", "acme-operator"),
             "member": api_keys.create(keys_file, "acme", "member", "acme-member"),
             "other": api_keys.create(keys_file, "globex", "reviewer", "globex-reviewer")}
     client = await connect(settings, runtime=metrics_runtime())

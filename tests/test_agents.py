@@ -34,7 +34,7 @@ async def _cli(stack, *args: str) -> str:
     proc = await asyncio.create_subprocess_exec(
         temporal_binary(), *args, "--address", stack.settings.temporal_address,
         # Payloads are encrypted: the CLI encodes its input through the API's codec endpoint.
-        "--codec-endpoint", f"{stack.base_url}/codec", "--codec-auth", f"Bearer {stack.keys['reviewer']}",
+        "--codec-endpoint", f"{stack.base_url}/codec", "--codec-auth", f"Bearer {stack.keys['operator']}",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, out.decode()

@@ -534,7 +534,7 @@ async def test_histories_are_encrypted_and_readable_through_the_codec_endpoint(s
     assert question not in plain and "blue cabinet" not in plain and "vault" not in plain
     assert base64.b64encode(b"binary/encrypted").decode() in plain
     decoded = await _workflow_show(stack, turn["job_id"], "--codec-endpoint", f"{stack.base_url}/codec",
-                             "--codec-auth", f"Bearer {stack.keys['reviewer']}")
+                             "--codec-auth", f"Bearer {stack.keys['operator']}")
     assert question in decoded and "blue cabinet" in decoded
 
 
@@ -543,29 +543,34 @@ async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
     payload = {"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
                "data": base64.b64encode(b'{"hello": "world"}').decode()}
     async with _client(stack, None) as http:
-        pre = await http.options(f"/codec/k/{stack.keys['reviewer']}/decode", headers={
+        pre = await http.options(f"/codec/k/{stack.keys['operator']}/decode", headers={
             "Origin": origin, "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "content-type,x-namespace"})
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin
         assert "x-namespace" in pre.headers["access-control-allow-headers"].lower()
-        enc = await http.post(f"/codec/k/{stack.keys['reviewer']}/encode", json={"payloads": [payload]},
+        enc = await http.post(f"/codec/k/{stack.keys['operator']}/encode", json={"payloads": [payload]},
                               headers={"Origin": origin, "X-Namespace": "default"})
         assert enc.status_code == 200 and enc.headers["access-control-allow-origin"] == origin
         [sealed] = enc.json()["payloads"]
         assert base64.b64decode(sealed["metadata"]["encoding"]) == b"binary/encrypted"
         assert b"hello" not in base64.b64decode(sealed["data"])
         dec = await http.post("/codec/decode", json={"payloads": [sealed]},
-                              headers={"X-API-Key": stack.keys["reviewer"], "X-Namespace": "default"})
+                              headers={"X-API-Key": stack.keys["operator"], "X-Namespace": "default"})
         assert dec.json()["payloads"] == [payload]
         # A payload that is not encrypted (the tracing header in a history) is shown as it is, so the
         # Web UI and the CLI can show whole histories; the worker's own decoding refuses it as input.
         shown = await http.post("/codec/decode", json={"payloads": [payload]},
-                                headers={"X-API-Key": stack.keys["reviewer"]})
+                                headers={"X-API-Key": stack.keys["operator"]})
         assert shown.status_code == 200 and shown.json()["payloads"] == [payload]
         with pytest.raises(codec_mod.CodecError, match="not encrypted"):
             await stack.client.data_converter.payload_codec.decode([json_format.ParseDict(payload, Payload())])
-        # A member or no key gets nothing.
+        # A member or no key gets nothing, and neither does a tenant's reviewer: the payload keys are the
+        # deployment's, so the codec would show it every other tenant's prompts and answers.
         assert (await http.post(f"/codec/k/{stack.keys['member']}/decode", json={"payloads": [sealed]})).status_code == 403
+        for key in (stack.keys["reviewer"], stack.keys["other"]):
+            refused = await http.post("/codec/decode", json={"payloads": [sealed]}, headers={"X-API-Key": key})
+            assert (refused.status_code, refused.json()["error"]["code"]) == (403, "forbidden")
+            assert "operator key" in refused.json()["error"]["message"]
         assert (await http.post("/codec/decode", json={"payloads": [sealed]})).status_code == 401
         assert (await http.post("/codec/k/rgl_wrong/decode", json={"payloads": [sealed]})).status_code == 401
         evil = await http.options("/codec/decode", headers={"Origin": "http://evil.example",
@@ -573,7 +578,7 @@ async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
         assert evil.headers.get("access-control-allow-origin") != "http://evil.example"
     # The key in the Web UI's codec path is a secret: the API's traces do not record it.
     assert not [s for s in spans.get_finished_spans()
-                if s.kind == SpanKind.SERVER and stack.keys["reviewer"] in str(dict(s.attributes or {}))]
+                if s.kind == SpanKind.SERVER and stack.keys["operator"] in str(dict(s.attributes or {}))]
 
 
 async def test_a_job_encrypted_with_a_key_this_api_lacks_gets_a_clear_error(stack, tmp_path):

@@ -1,15 +1,15 @@
 """The codec server for the Temporal Web UI and CLI: POST /codec/encode and /codec/decode.
 
 The contract is Temporal's: a JSON body `{"payloads": [{"metadata": {...base64}, "data": "<base64>"}]}`,
-the same shape back; the callers send `X-Namespace`. Only reviewer keys may use it (it turns
-ciphertext into prompts, passages and answers).
+the same shape back; the callers send `X-Namespace`. Only operator keys may use it: it turns
+ciphertext into prompts, passages and answers, of every tenant (the payload keys are the deployment's).
 
 How the caller authenticates:
   - the CLI sends a header: `temporal workflow show --codec-endpoint http://API/codec
-    --codec-auth "Bearer <reviewer key>"` (or `--codec-header X-API-Key=<key>`);
+    --codec-auth "Bearer <operator key>"` (or `--codec-header X-API-Key=<key>`);
   - the Web UI cannot add headers (`temporal server start-dev` has no flag for it), so its endpoint
-    carries the key in the path: `--ui-codec-endpoint http://API/codec/k/<reviewer key>`. `make run`
-    creates a fresh reviewer key for this at every start (name `webui-codec`), so the key in the dev
+    carries the key in the path: `--ui-codec-endpoint http://API/codec/k/<operator key>`. `make run`
+    creates a fresh operator key for this at every start (name `webui-codec`), so the key in the dev
     server's command line dies with it; the API's access log shows that path as `/codec/k/***`.
 
 It is a sub-application mounted at /codec, so that CORS (for the Web UI's origin, with the
@@ -48,20 +48,21 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
                        allow_methods=["POST", "OPTIONS"], allow_credentials=True,
                        allow_headers=["Content-Type", "X-Namespace", "Authorization", "X-API-Key"])
 
-    async def reviewer(request: Request, path_key: str | None) -> None:
+    async def operator(request: Request, path_key: str | None) -> None:
         key = path_key or request.headers.get("x-api-key")
         auth = request.headers.get("authorization", "")
         if not key and auth.lower().startswith("bearer "):
             key = auth[7:].strip()
         if not key:
-            raise ApiError(401, "unauthenticated", "the codec endpoint needs a reviewer key",
+            raise ApiError(401, "unauthenticated", "the codec endpoint needs an operator key",
                            headers={"WWW-Authenticate": "Bearer"})
         caller = await admit(request, key)
-        if not caller.is_reviewer:
-            raise ApiError(403, "forbidden", "the codec endpoint needs a reviewer key")
+        if not caller.is_operator:  # a tenant's reviewer would read every other tenant's payloads
+            raise ApiError(403, "forbidden", "the codec endpoint needs an operator key (it reads every tenant's "
+                                             "payloads)")
 
     async def run(request: Request, action: str, path_key: str | None, namespace: str | None) -> Response:
-        await reviewer(request, path_key)
+        await operator(request, path_key)
         codec = get_codec()
         if codec is None:
             raise ApiError(404, "encryption_off", "payload encryption is off (RAGLINE_ENCRYPT_PAYLOADS)")
