@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 
 
+from ragline.blobstore import BlobStore
 from tests.conftest import shared_pdf
 from api.validators import display_name
 from tests.pdfgen import pdf_bytes
@@ -187,11 +189,13 @@ async def test_bad_uploads_are_refused_up_front(stack):
     missing = await stack.http.post("/v1/documents", data={"collection": "x"})
     assert missing.status_code == 422 and "files" in missing.json()["error"]["message"]
 
-    # A valid file next to a bad one: the whole request is refused and nothing starts.
+    # A valid file next to a bad one: the whole request is refused, nothing starts, and nothing of it is
+    # kept (refused requests would otherwise fill the disk every tenant shares).
     collection = f"mixed-{uuid.uuid4().hex[:8]}"
-    mixed = await post([("files", ("ok.txt", b"fine text here")), ("files", ("empty.txt", b""))],
-                       collection=collection)
+    fine = f"fine text here {uuid.uuid4().hex}".encode()
+    mixed = await post([("files", ("ok.txt", fine)), ("files", ("empty.txt", b""))], collection=collection)
     assert mixed.status_code == 400 and mixed.json()["error"]["code"] == "empty_file"
+    assert not BlobStore(stack.settings.blob_dir).exists("sha256:" + hashlib.sha256(fine).hexdigest())
     docs = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
     assert docs == []
     jobs = (await stack.http.get("/v1/jobs", params={"kind": "ingest", "limit": 1000})).json()["jobs"]

@@ -49,7 +49,14 @@ def ingest_job_id(tenant: str, collection: str, document_ids: list[str]) -> str:
     return workflow_id(tenant, "ingest-" + hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
-async def _store_upload(upload: UploadFile, blobs: BlobStore, max_mb: float) -> dict:
+def _too_large(name: str, max_mb: float) -> ApiError:
+    return ApiError(413, "file_too_large", f"{name}: larger than the upload limit of {max_mb:g} MB "
+                                           "(RAGLINE_MAX_UPLOAD_MB, or the tenant's max_upload_mb)", file=name)
+
+
+async def _check_upload(upload: UploadFile, max_mb: float) -> tuple[str, str]:
+    """The file's display name and kind, or the reason it is refused: every file of a request is
+    checked before any is stored, so a refused request leaves nothing in the blob store."""
     name = display_name(upload.filename)
     head = await upload.read(SNIFF_BYTES)
     if not head:
@@ -58,14 +65,18 @@ async def _store_upload(upload: UploadFile, blobs: BlobStore, max_mb: float) -> 
     if kind is None:
         raise ApiError(415, "unsupported_file_type",
                        f"{name}: not a PDF or UTF-8 text file (judged by its content, not its name)", file=name)
+    if upload.size is not None and upload.size > max_mb * 1024 * 1024:
+        raise _too_large(name, max_mb)
     await upload.seek(0)
+    return name, kind
+
+
+async def _store_upload(upload: UploadFile, name: str, kind: str, blobs: BlobStore, max_mb: float) -> dict:
     try:
         # Copying (and fsyncing) up to the limit: in a thread, not on the loop every other request shares.
         ref, size = await run_in_threadpool(blobs.put_stream, upload.file, limit=int(max_mb * 1024 * 1024))
-    except OverflowError:
-        raise ApiError(413, "file_too_large",
-                       f"{name}: larger than the upload limit of {max_mb:g} MB "
-                       "(RAGLINE_MAX_UPLOAD_MB, or the tenant's max_upload_mb)", file=name) from None
+    except OverflowError:  # a size the form did not tell
+        raise _too_large(name, max_mb) from None
     sha = ref.removeprefix("sha256:")
     return {"filename": name, "ref": ref, "sha256": sha, "size": size, "kind": kind}
 
@@ -91,7 +102,8 @@ async def upload_documents(
         raise ApiError(413, "too_many_files", f"at most {MAX_FILES_PER_REQUEST} files per request")
     limits = guard.limits(caller.tenant)
     max_mb = min(limits.max_upload_mb or settings.max_upload_mb, settings.max_upload_mb)
-    stored = [await _store_upload(f, blobs, max_mb) for f in files]
+    checked = [await _check_upload(f, max_mb) for f in files]
+    stored = [await _store_upload(f, name, kind, blobs, max_mb) for f, (name, kind) in zip(files, checked)]
 
     documents: dict[str, DocumentInput] = {}
     for item in stored:
