@@ -155,6 +155,7 @@ class Guard:
 
 KEY_REQUIRED = "an API key is required: `Authorization: Bearer <key>` or `X-API-Key: <key>`"
 UNKNOWN_KEY = "unknown API key"
+RATE_COUNTED = "ragline_rate_counted"  # request state: the body limit already counted this request's rate
 
 
 def unauthenticated(message: str) -> ApiError:
@@ -190,7 +191,8 @@ async def admit(request: Request, key: str) -> Caller:
     entry = guard.keys.find(key)
     if entry is None:
         raise unauthenticated(UNKNOWN_KEY)
-    await guard.check_rate(entry)
+    if not request.scope.get("state", {}).get(RATE_COUNTED):  # an upload is counted before its body is read
+        await guard.check_rate(entry)
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
                     key_id=entry.sha256[:8], fairness_weight=guard.keys.limits(entry.tenant, refresh=False).fairness_weight)
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)

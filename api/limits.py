@@ -4,7 +4,8 @@ FastAPI reads a route's whole body (and spools uploaded files to disk) before it
 dependencies, the API key check among them. So a body is read only for a known API key (401
 otherwise, also before a malformed body could be judged), a body over its route's limit is refused
 from its Content-Length alone (413), and one sent without a length is read only up to the limit.
-The route's own key check (api/auth.py) then applies the key's role and rate limit."""
+A body over SMALL_BODY_BYTES (an upload) is read only within the key's rate limit (429 first); the
+route's own key check (api/auth.py) then applies the key's role, and the rate limit to the others."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import KEY_REQUIRED, UNKNOWN_KEY, Guard, presented_key, unauthenticated
+from api.auth import KEY_REQUIRED, RATE_COUNTED, UNKNOWN_KEY, Guard, presented_key, unauthenticated
 from api.errors import ApiError, error_body
 
 # A JSON body (a chat message, an agent's goal, a review) fits in this many bytes with room to spare.
@@ -41,7 +42,8 @@ class BodyLimit:
             return
         headers = Headers(scope=scope)
         key = presented_key(headers)
-        if key is None or self.guard().keys.find(key) is None:
+        entry = self.guard().keys.find(key) if key is not None else None
+        if entry is None:
             await _refuse(unauthenticated(KEY_REQUIRED if key is None else UNKNOWN_KEY), scope, receive, send)
             return
         limit = self.limits.get(scope["path"], SMALL_BODY_BYTES)
@@ -52,6 +54,13 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > limit):
             await _refuse(_too_large(limit), scope, receive, send)
             return
+        # A key over its rate must not get a large body read and spooled to disk first, again and again.
+        try:
+            await self.guard().check_rate(entry)
+        except ApiError as exc:
+            await _refuse(exc, scope, receive, send)
+            return
+        scope.setdefault("state", {})[RATE_COUNTED] = True  # counted once: admit() does not count it again
         await self._counted(scope, receive, send, limit)
 
     async def _counted(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:

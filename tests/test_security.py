@@ -23,6 +23,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.app import create_app
 from api.auth import shown_address
+from api.limits import BodyLimit
 from devtools.devserver import temporal_binary
 from ragline import audit, keys as api_keys, logs
 from ragline.llm import ChatModel
@@ -198,6 +199,42 @@ async def test_a_key_over_its_rate_gets_429_with_retry_after(stack):
         assert 1 <= int(r.headers["retry-after"]) <= 60
     # Another key is not held back by it.
     assert (await stack.member_http.get("/v1/jobs?limit=1")).status_code == 200
+
+
+async def test_an_upload_counts_once_against_its_keys_rate_and_over_it_is_refused(stack):
+    """A body larger than a JSON request (an upload) is counted against the key's rate before it is read,
+    so a key over its rate gets 429 without the server taking in its megabytes, and only once."""
+    key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "uploader", requests_per_minute=3)
+    big = ("Lighthouse log. " * 80_000 + uuid.uuid4().hex).encode()  # ~1.3 MB: over the small-body limit
+    async with _client(stack, key) as http:
+        first = await http.post("/v1/documents", files=[("files", ("log.txt", big))], data={"collection": "rated"})
+        assert first.status_code == 202, first.text
+        assert [(await http.get("/v1/jobs?limit=1")).status_code for _ in range(2)] == [200, 200]
+        again = await http.post("/v1/documents", files=[("files", ("log2.txt", big + b"!"))],
+                                data={"collection": "rated"})
+        assert (again.status_code, again.json()["error"]["code"]) == (429, "rate_limited")
+    # Its thousands of chunks are not this test's business.
+    assert (await stack.http.post(f"/v1/jobs/{first.json()['job_id']}/cancel")).status_code == 202
+
+    # The refusal comes before the body is read: the app under the body limit never asks for it.
+    reads: list[dict] = []
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        reads.append({})
+        return {"type": "http.request", "body": b"x" * 65536, "more_body": True}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def route(scope, receive, send) -> None:  # noqa: ANN001 - what FastAPI would do: read it all
+        raise AssertionError("the route ran for a key over its rate")
+
+    limited = BodyLimit(route, limits={"/v1/documents": 100 * 1024 * 1024}, guard=lambda: stack.app.state.guard)
+    await limited({"type": "http", "method": "POST", "path": "/v1/documents", "headers": [
+        (b"x-api-key", key.encode()), (b"content-length", str(50 * 1024 * 1024).encode()),
+        (b"content-type", b"multipart/form-data; boundary=x")]}, receive, send)
+    assert sent[0]["status"] == 429 and reads == []
 
 
 async def test_api_processes_share_each_keys_rate_through_redis(stack, redis_server):
