@@ -311,6 +311,9 @@ async def test_the_gate_hands_out_every_slot_once_across_continue_as_new(stack):
                     assert len(holders) <= 3
                     return next((j for j in holders if j not in finished), None)
                 job_id = await eventually(next_holder, timeout=20, what=f"a slot holder after {len(finished)}")
+                # As a job does, it gives its slot back only after it heard it had one (a gate that is
+                # about to continue as new tells the holders it granted from its next run).
+                await asyncio.wait_for(waiters[jobs.index(job_id)].result(), 20)
                 await gate.signal(TenantGateWorkflow.release, SlotRequest(tenant="t", job_id=job_id))
                 finished.append(job_id)
             assert sorted(finished) == sorted(jobs)  # every job got a slot, none twice
