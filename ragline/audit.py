@@ -54,4 +54,7 @@ def read(data_dir: Path) -> list[dict]:
     path = Path(data_dir) / "audit.log"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # The part after the last line break is an entry still being written (a reader is not held off by
+    # an append in progress): it is read next time.
+    complete = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in complete if line.strip()]

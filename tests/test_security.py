@@ -727,3 +727,17 @@ async def test_an_unknown_route_or_method_has_a_stable_error_code(stack):
     r = await stack.http.delete("/v1/chats")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     assert r.headers["allow"] == "POST"
+
+
+def test_the_audit_log_reads_while_an_entry_is_being_appended(tmp_path):
+    """Another request's entry half written when a reader looks (an append does not hold readers off):
+    the entries before it are read, that one on the next read, once whole."""
+    first = audit.record(tmp_path, action="review", tenant="acme", key="k1", key_name="ci", job_id="acme.a",
+                         outcome="accepted")
+    line = (tmp_path / "audit.log").read_text()
+    with (tmp_path / "audit.log").open("a") as f:
+        f.write(line[: len(line) // 2])
+    assert audit.read(tmp_path) == [first]
+    with (tmp_path / "audit.log").open("a") as f:
+        f.write(line[len(line) // 2:])
+    assert audit.read(tmp_path) == [first, first]
