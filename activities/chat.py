@@ -22,7 +22,7 @@ from models.chat import (
     RetrieveInput, RetrieveOutput, SummaryOutput, TurnResult, Usage,
 )
 from models.ingest import SearchHit
-from ragline import answer_cache, prompts, relevance, tracing
+from ragline import answer_cache, lexical, prompts, relevance, tracing
 from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
@@ -328,16 +328,25 @@ def content_words(text: str) -> set[str]:
 
 
 def cited_passages(answer: str, passages: list[SearchHit]) -> list[int]:
-    """Passages the answer cites as [n]; for an answer without markers, those that share enough of its words."""
+    """Passages the answer cites as [n] and that bear it out; for an answer without such markers, those
+    that share enough of its words.
+
+    A marker alone is no proof: a small model cites [1] and says something else (the 0.5B default once
+    answered "45 seconds [1]", a prompt's example, for an expiry date). A cited passage in the answer's
+    own language must share one of the answer's content words; across languages words cannot be
+    compared, and the marker stands."""
+    words = content_words(_CITATION.sub(" ", answer))
     numbers = sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= len(passages)})
-    if numbers:
-        return numbers
-    words = content_words(answer)
-    if not words:
-        return []
+    credible = [n for n in numbers if _bears_out(answer, words, passages[n - 1].text)]
+    if credible or not words:
+        return credible
     supported = []
     for i, passage in enumerate(passages, 1):
         overlap = len(words & content_words(passage.text)) / len(words)
         if overlap >= SUPPORT_THRESHOLD:
             supported.append(i)
     return supported
+
+
+def _bears_out(answer: str, words: set[str], passage: str) -> bool:
+    return not words or lexical.language(answer) != lexical.language(passage) or bool(words & content_words(passage))

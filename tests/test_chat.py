@@ -105,7 +105,7 @@ async def test_question_is_answered_from_the_document_with_a_citation(stack, cha
 async def test_citations_follow_the_passages_the_model_cited_in_passage_order(stack, chat_docs):
     with stack.llm.scope() as llm:
         # Cites both documents, the paper one first in the text.
-        llm.script_fn("answer", citing("paper.txt", "zebra.txt", text="Both are in the documents"))
+        llm.script_fn("answer", citing("paper.txt", "zebra.txt", text="Paper cranes and zebra herds are both in the documents"))
         job = await stack.wait_job((await stack.chat(f"What is in the documents? {llm.token}",
                                                      collection="chat", top_k=2))["job_id"])
         [answer_call] = llm.calls("answer")

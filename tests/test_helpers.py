@@ -83,12 +83,25 @@ PASSAGES = [
 
 @pytest.mark.parametrize("answer, cited", [
     ("Rangers count from the air [3], in July [1].", [1, 3]),          # numbered, sorted, each once
-    ("See [2][2] and again [2].", [2]),
-    ("[1] says so, and [4] and [0] and [12] do not exist.", [1]),     # out of range: ignored
+    ("Folded paper, see [2][2] and again [2].", [2]),
+    ("[1] says the river, and [4] and [0] and [12] do not exist.", [1]),  # out of range: ignored
     # No valid marker: the answer is attributed by its words instead.
     ("Zebras cross the Mara river every July [9].", [1]),
 ])
 def test_cited_passages_reads_the_markers(answer, cited):
+    assert cited_passages(answer, PASSAGES) == cited
+
+
+@pytest.mark.parametrize("answer, cited", [
+    # A marker on words its passage does not have (a small model copying a prompt's example): no citation,
+    # so the answer is not "supported".
+    ("45 seconds [2]", []),
+    # The wrong number: the passage the words come from is the one cited.
+    ("Cranes are folded from square sheets of paper [1].", [2]),
+    # Across languages words cannot be compared: the marker stands.
+    ("斑马每年七月渡过马拉河[1]。", [1]),
+])
+def test_a_marker_counts_only_where_its_passage_bears_the_answer_out(answer, cited):
     assert cited_passages(answer, PASSAGES) == cited
 
 
