@@ -254,6 +254,8 @@ async def test_tool_calls_a_model_writes_as_its_text_are_run(stack):
     assert len(plans) == 3
     assert "unknown tool 'compare'" in plans[1].user_message  # an invented tool is a tool error, not an answer
     assert [s["name"] for s in job["steps"]] == ["plan 1", "plan 2", "search 2", "plan 3"]
+    # The job's view says what went wrong in a plan, not only that it completed.
+    assert "tool error: unknown tool 'compare'" in job["steps"][0]["detail"]
     assert "search_documents('tide tables')" in plans[2].user_message  # the search's outcome went back
 
 
@@ -267,6 +269,7 @@ async def test_a_malformed_tool_call_is_no_answer_the_agent_plans_again(stack):
         plans = llm.calls("agent")
     assert job["status"] == "completed" and job["result"]["answer"] == "High tide at Vell is at noon."
     assert [s["name"] for s in job["steps"]] == ["plan 1", "plan 2"]
+    assert job["steps"][0]["detail"].startswith("malformed tool call: the tool call was not valid JSON")
     assert len(plans) == 2 and job["result"]["llm_calls"] == 2  # the re-plan is a model call of the budget
     assert "not a valid tool call: the tool call was not valid JSON" in plans[1].user_message
 

@@ -122,6 +122,10 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 depth=inp.depth, max_depth=self.max_depth, correction=correction), name=f"plan {turn}")
             self.spent.add(Spend(llm_calls=1, tokens=plan.prompt_tokens + plan.completion_tokens))
             correction = None
+            problems = ([f"malformed tool call: {plan.malformed}"] if plan.malformed else []) + [
+                f"tool error: {call.error}" for call in plan.calls if call.error]
+            if problems:  # else the step's view says only "completed", and the reason is in the history alone
+                self.steps.note(f"plan {turn}", "; ".join(problems))
             if plan.malformed and workflow.patched(REPLAN_MALFORMED_PATCH):
                 correction = PlanCorrection(reply=plan.text, problem=plan.malformed)
                 continue

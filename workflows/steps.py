@@ -48,6 +48,11 @@ class StepLog:
             step.detail = detail
         self._events.emit("ragline.step.completed", {"step": name, "attempts": step.attempts, "detail": step.detail})
 
+    def note(self, name: str, detail: str) -> None:
+        """What a completed step came to, for whoever reads the job (a plan whose tool call went wrong)."""
+        if name in self._steps:
+            self._steps[name].detail = detail[:500]
+
     def failed_attempts(self, name: str, *, attempts: int, error: str) -> None:
         """The step's retries are used up; it waits (dead-lettered) rather than failing."""
         step = self._steps.get(name)
