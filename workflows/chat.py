@@ -48,6 +48,8 @@ SUMMARY_SHOWN_PATCH = "summary-first-shows-steps"
 # An answer its step warns about (the model looped, it was cut) is not cached. Earlier code cached it,
 # and a turn whose step ran on a newer worker than its workflow task did must replay so.
 WARNED_ANSWER_NOT_CACHED_PATCH = "warned-answer-not-cached"
+# A turn whose answer a reviewer may hold shows its steps as they happen; earlier, with the answer.
+HELD_ANSWER_SHOWS_STEPS_PATCH = "held-answer-shows-steps"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
 MAX_SEEN = 1000             # job ids remembered per session, to skip a resent request
@@ -94,6 +96,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     async def _answer(self, turn: TurnInput) -> TurnResult:
         self._answer_held = (turn.question.require_review or turn.review_unsupported) and \
             workflow.patched(REVIEW_HOLDS_ANSWER_PATCH)
+        if self._answer_held and workflow.patched(HELD_ANSWER_SHOWS_STEPS_PATCH):
+            # No answer delta will carry the step events along (a held answer is not streamed): each goes
+            # out as it happens, or the person would see nothing until the review, minutes on a local model.
+            self.events.hold_steps = False
+            self.events.release()
         result = await self._chain(turn)
         if self._needs_review(turn, result):
             result = await self._hold_for_review(turn, result)
