@@ -109,6 +109,8 @@ class AcceptedDocument(BaseModel):
     document_id: str
     filename: str
     sha256: str
+    same_content: list[str] = Field([], description="Other files of the request with the very same bytes: one "
+                                                    "document, listed under the first file's name")
 
 
 class DocumentsAccepted(Accepted):

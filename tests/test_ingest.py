@@ -114,6 +114,12 @@ async def test_same_bytes_same_collection_is_not_ingested_twice(stack):
                    bodies[0]["job_id"]):
         runs = [w async for w in stack.client.list_workflows(f"WorkflowId = '{job_id}'")]
         assert len(runs) == 1, f"{job_id} ran {len(runs)} times"
+    # The same bytes under two names in one request: one document, and the response says which file
+    # it stands for as well (a person counting what was accepted is not left to wonder).
+    twins = await stack.upload(("hello-world.pdf", fresh + b"\n"), ("multilang.pdf", fresh + b"\n"),
+                               collection="ingest-idem")
+    assert [(d["filename"], d["same_content"]) for d in twins["documents"]] == [("hello-world.pdf", ["multilang.pdf"])]
+    await stack.wait_job(twins["job_id"])
     # Another collection is another document.
     other = await stack.upload(("outline.pdf", data), collection="ingest-idem2")
     assert other["documents"][0]["document_id"] != first["documents"][0]["document_id"]

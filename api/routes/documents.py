@@ -106,8 +106,11 @@ async def upload_documents(
     stored = [await _store_upload(f, name, kind, blobs, max_mb) for f, (name, kind) in zip(files, checked)]
 
     documents: dict[str, DocumentInput] = {}
+    same_content: dict[str, list[str]] = {}  # a document's other file names in this request
     for item in stored:
         doc_id = document_id(caller.tenant, collection, item["sha256"])
+        if doc_id in documents:
+            same_content.setdefault(doc_id, []).append(item["filename"])
         documents.setdefault(doc_id, DocumentInput(
             tenant=caller.tenant, document_id=doc_id, collection=collection, filename=item["filename"],
             blob_ref=item["ref"], sha256=item["sha256"], size=item["size"], kind=item["kind"],
@@ -132,7 +135,8 @@ async def upload_documents(
             rpc_timeout=timeout)
         observability.job_accepted("ingest")
     return DocumentsAccepted.for_job(request, job_id, duplicate=duplicate, documents=[
-        AcceptedDocument(document_id=d.document_id, filename=d.filename, sha256=d.sha256)
+        AcceptedDocument(document_id=d.document_id, filename=d.filename, sha256=d.sha256,
+                         same_content=same_content.get(d.document_id, []))
         for d in documents.values()])
 
 
