@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import contextvars
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from temporalio import activity
@@ -34,3 +36,26 @@ async def heartbeating(details: Callable[[], Any] | None = None) -> AsyncIterato
         yield
     finally:
         beats.cancel()
+
+
+@contextlib.contextmanager
+def heartbeating_in_thread(*details: Any) -> Iterator[None]:
+    """For a sync activity (it runs in a worker thread): heartbeat from a thread of its own while the
+    block runs, so that a long CPU step, or a wait for the one embedding engine, is not taken for a dead
+    worker. Without it, four batches queued on a busy machine timed out one after another, were
+    retried, and timed out again."""
+    every = policies.heartbeat_every().total_seconds()
+    done = threading.Event()
+    context = contextvars.copy_context()  # the activity's: heartbeat() finds it there
+
+    def beat() -> None:
+        while not done.wait(every):
+            context.run(activity.heartbeat, *details)
+
+    beats = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    beats.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beats.join()

@@ -7,6 +7,7 @@ import time
 import numpy as np
 from temporalio import activity
 
+from activities.heartbeats import heartbeating_in_thread
 from models.ingest import (
     ChunkInput, ChunkOutput, EmbedInput, EmbedOutput, ExtractInput, ExtractOutput, IndexInput, IndexOutput,
     PruneInput, PruneOutput, RemoveInput,
@@ -58,7 +59,8 @@ class IngestActivities:
         chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
         activity.heartbeat({"embedding": len(chunks)})
         started = time.monotonic()
-        vectors = np.asarray(self.embedder.passages([c["text"] for c in chunks]), dtype=np.float32)
+        with heartbeating_in_thread({"embedding": len(chunks)}):  # waits for the one embedding engine, then runs it: seconds, or more
+            vectors = np.asarray(self.embedder.passages([c["text"] for c in chunks]), dtype=np.float32)
         metrics.passages_embedded(self.embedder.name, len(chunks), time.monotonic() - started)
         return EmbedOutput(vectors_ref=self.blobs.put(vectors.tobytes()), count=len(chunks),
                            model=self.embedder.name, attempt=_attempt())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import uuid
 
 
@@ -301,3 +302,32 @@ async def test_search_an_empty_or_unknown_collection(stack):
     assert await stack.search("anything", collection="ingest-never-used") == []
     r = await stack.http.post("/v1/search", json={"query": "", "collection": "default"})
     assert r.status_code == 422
+
+
+def test_an_embedding_batch_queued_for_the_engine_keeps_heartbeating(tmp_path, restore_policies):
+    """The one embedding engine is busy with other batches for longer than a heartbeat timeout: the
+    waiting batch keeps beating, so Temporal does not take it for a dead worker, cancel it and run it
+    again (on a loaded machine, four queued batches did that to each other over and over)."""
+    from temporalio.testing import ActivityEnvironment
+
+    import worker
+    from activities.ingest import IngestActivities
+    from models.ingest import EmbedInput
+    from ragline.embeddings import LocalE5Embedder
+    from ragline.settings import Settings
+    from temporal import policies
+    from tests.conftest import FIXTURES
+
+    policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())  # a beat every 500 ms
+    embedder = LocalE5Embedder()
+    blobs = BlobStore(tmp_path / "blobs")
+    chunks = blobs.put_json([{"i": 0, "page": 1, "text": "Keepers light the lighthouses at dusk."}])
+    activities = IngestActivities(Settings(data_dir=tmp_path), blobs, embedder, index=None)
+    env = ActivityEnvironment()
+    beats: list[tuple] = []
+    env.on_heartbeat = lambda *details: beats.append(details)
+    embedder._lock.acquire()  # another batch is being embedded, for 2 s
+    threading.Timer(2.0, embedder._lock.release).start()
+    out = env.run(activities.embed_chunks, EmbedInput(chunks_ref=chunks, start=0, end=1))
+    assert out.count == 1
+    assert len(beats) >= 4, beats  # the first, then one every 500 ms while it waited
