@@ -53,7 +53,10 @@ class IngestActivities:
         return ChunkOutput(chunks_ref=chunks_ref, chunks=len(chunks), batch_size=self.settings.embed_batch_size,
                            parallelism=self.settings.embed_parallelism, attempt=_attempt())
 
-    @activity.defn
+    # Its heartbeats now tell it of a cancel while it runs; a batch takes seconds and writes nothing, so it
+    # ends on its own rather than take an exception raised into its thread (which the engine's C code
+    # defers to wherever the thread runs Python next).
+    @activity.defn(no_thread_cancel_exception=True)
     @translate_errors
     def embed_chunks(self, req: EmbedInput) -> EmbedOutput:
         chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
