@@ -54,6 +54,7 @@ class GateState(BaseModel):
     holders: list[str] = []
     waiting: list[str] = []
     tickets: dict[str, int] = {}  # the request each holder or waiting job is answered for
+    owed: list[str] = []  # jobs whose standing changed while the last run was ending: this run tells them
     rotate_after: int = 2000  # continue-as-new past this history length (or when the server suggests it)
 
 

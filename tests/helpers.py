@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from temporalio import workflow
+from temporalio.worker import (Interceptor, SignalExternalWorkflowInput, WorkflowInboundInterceptor,
+                               WorkflowInterceptorClassInput, WorkflowOutboundInterceptor)
 
 from ragline.vectorstore import open_index
 
@@ -151,3 +153,25 @@ class WaitsForSlot:
     async def run(self, grants: int = 1) -> list[dict]:
         await workflow.wait_condition(lambda: sum(s["granted"] for s in self.heard) >= grants)
         return self.heard
+
+
+class SlowSignals(Interceptor):
+    """Every signal a workflow sends another goes out `delay` seconds late (a workflow timer first): a
+    server too busy to deliver them at once, so that sends overlap however fast the machine is."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor]:
+        delay = self.delay
+
+        class Outbound(WorkflowOutboundInterceptor):
+            async def signal_external_workflow(self, input: SignalExternalWorkflowInput) -> None:
+                await workflow.sleep(delay)
+                await super().signal_external_workflow(input)
+
+        class Inbound(WorkflowInboundInterceptor):
+            def init(self, outbound: WorkflowOutboundInterceptor) -> None:
+                super().init(Outbound(outbound))
+
+        return Inbound

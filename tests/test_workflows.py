@@ -45,7 +45,7 @@ from ragline.settings import Settings
 from temporal import policies, queues
 from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
-from tests.helpers import WaitsForSlot, eventually, time_skipping_server_binary
+from tests.helpers import SlowSignals, WaitsForSlot, eventually, time_skipping_server_binary
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import JobEvents
@@ -657,6 +657,36 @@ async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended
         assert fakes.named("ended_jobs") and all(len(c.arg.job_ids) >= 2 for c in fakes.named("ended_jobs"))
         assert await waiters[jobs[5]].query(WaitsForSlot.standings) == []
         await gate.terminate("test over")
+
+
+async def test_the_gate_of_a_busy_tenant_still_continues_as_new(env):
+    """A tenant's requests keep coming while the gate's history is past its bound, and each answer the
+    gate sends takes 1 s to go out (SlowSignals: a busy server), so its sends always overlap. The run
+    still ends within about one send's time, and what it owed jobs when it ended is told by the next
+    run. Before, a run ended only once every send had been answered, and a steady stream of requests
+    kept one run going until its history was full."""
+    queue = f"gate-{uuid.uuid4().hex[:8]}"
+    jobs = [f"t.job-{n}-{uuid.uuid4().hex[:6]}" for n in range(80)]
+    async with Worker(env.client, task_queue=queue, workflows=[TenantGateWorkflow, WaitsForSlot],
+                      interceptors=[SlowSignals(1.0)]):
+        waiters = [await env.client.start_workflow(WaitsForSlot.run, id=j, task_queue=queue) for j in jobs]
+        started = await env.client.start_workflow(TenantGateWorkflow.run,
+                                                  GateState(tenant="t", limit=1000, rotate_after=40),
+                                                  id=f"t.gate.{queue}", task_queue=queue)
+        gate = env.client.get_workflow_handle(started.id)
+        try:
+            for job_id in jobs:  # one request every 0.1 s for 8 s
+                await gate.signal(TenantGateWorkflow.acquire, SlotRequest(tenant="t", job_id=job_id))
+                await asyncio.sleep(0.1)
+            with env.auto_time_skipping_disabled():  # the answers' delays are part of the test
+                for waiter in waiters:  # every job hears it runs, whichever run owed it the answer
+                    assert (await waiter.result())[-1]["granted"]
+            first = await env.client.get_workflow_handle(started.id, run_id=started.result_run_id).fetch_history()
+            heard = sum(e.HasField("workflow_execution_signaled_event_attributes") for e in first.events)
+            assert heard < len(jobs) // 2, f"the first run took {heard} of {len(jobs)} requests ({len(first.events)} events)"
+            assert first.events[-1].HasField("workflow_execution_continued_as_new_event_attributes")
+        finally:
+            await gate.terminate("test over")
 
 
 async def test_a_holder_that_asks_again_without_releasing_passes_its_slot_to_the_line(env):

@@ -10,7 +10,8 @@ tenant's jobs costs it a few workflow tasks, however many jobs there are:
   release the job ended, or waits for a person: the next in line hears it may run
   sweep   while anyone waits and every slot is taken: drop holders that ended without releasing
           (terminated by hand), found through the worker's client, every `[running_slots] sweep`
-  continue-as-new when the history grows long, carrying holders, the line and their tickets
+  continue-as-new when the history grows long, carrying holders, the line and their tickets; what
+          jobs must hear meanwhile is told by the next run
 
 Jobs hold a slot only while they run: see workflows/slot.py for the job's side.
 """
@@ -29,6 +30,8 @@ with workflow.unsafe.imports_passed_through():
 
 
 FREED_SLOT_PATCH = "gate-grants-a-reasked-slot"  # histories from before replay without the grant
+# Histories from before told jobs while ending, and could not end while a steady stream kept them telling.
+OWED_PATCH = "gate-ends-without-new-signals"
 
 
 @workflow.defn
@@ -37,9 +40,14 @@ class TenantGateWorkflow:
     def __init__(self, state: GateState) -> None:
         self.state = state
         self._notifying = 0
+        self._ending = False
 
     @workflow.run
     async def run(self, state: GateState) -> None:
+        owed, self.state.owed = self.state.owed, []
+        for job_id in owed:
+            if job_id in self.state.holders or job_id in self.state.waiting:
+                self._tell(job_id)
         while not self._rotate():
             if self._stuck():
                 try:
@@ -49,6 +57,9 @@ class TenantGateWorkflow:
                     await self._sweep()
             else:
                 await workflow.wait_condition(lambda: self._rotate() or self._stuck())
+        # From here on, what jobs must hear waits for the next run: signals sent meanwhile would keep a
+        # busy tenant's gate from ever ending (each send must be answered first), until its history is full.
+        self._ending = True
         await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._notifying)
         workflow.continue_as_new(self.state)
 
@@ -105,6 +116,10 @@ class TenantGateWorkflow:
     def _tell(self, job_id: str) -> None:
         """Signal the job its standing: granted, or its place in line."""
         state = self.state
+        if self._ending and workflow.patched(OWED_PATCH):
+            if job_id not in state.owed:
+                state.owed.append(job_id)
+            return
         standing = SlotGrant(ticket=state.tickets.get(job_id, 1), granted=job_id in state.holders,
                              running=len(state.holders), limit=state.limit,
                              position=state.waiting.index(job_id) + 1 if job_id in state.waiting else 0)
