@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from temporalio.client import Client
 
+from api.cursors import CursorSigner
 from api.job_views import RecentlyAccepted
 from api.streams import JobStreams
 from ragline.blobstore import BlobStore
@@ -43,6 +44,13 @@ async def get_streams(request: Request) -> JobStreams:
 
 
 StreamsDep = Annotated[JobStreams, Depends(get_streams)]
+
+
+async def get_cursors(request: Request) -> CursorSigner:
+    return request.app.state.cursors
+
+
+CursorsDep = Annotated[CursorSigner, Depends(get_cursors)]
 
 
 async def get_rpc_timeout(settings: SettingsDep) -> timedelta:

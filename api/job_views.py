@@ -9,10 +9,7 @@ query carries `RaglineTenant = '<tenant>'`. Another tenant's job is "not found" 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import hashlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
@@ -27,6 +24,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
+from api.cursors import CursorSigner, invalid_cursor
 from api.errors import ApiError
 from api.schemas import JobError, JobSummary, JobView, TurnAhead
 from models.chat import TurnInput, session_of_turn, session_workflow_id
@@ -137,45 +135,23 @@ def _latest_runs(executions) -> list[WorkflowExecution]:  # noqa: ANN001
     return list(seen.values())
 
 
-def _cursor_tag(query: str) -> bytes:
-    return hashlib.sha256(query.encode()).digest()[:8]
-
-
-def _invalid_cursor() -> ApiError:
-    return ApiError(422, "invalid_cursor", "cursor is not a next_cursor this listing gave (with the same filters)")
-
-
-def encode_cursor(query: str, token: bytes) -> str:
-    """Temporal's page token, opaque, tied to the listing's query: with other filters it is refused."""
-    return base64.urlsafe_b64encode(_cursor_tag(query) + token).decode().rstrip("=")
-
-
-def decode_cursor(query: str, cursor: str) -> bytes:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-    except (ValueError, binascii.Error):
-        raise _invalid_cursor() from None
-    if len(raw) <= 8 or raw[:8] != _cursor_tag(query):
-        raise _invalid_cursor()
-    return raw[8:]
-
-
-async def list_page(client: Client, query: str, limit: int, cursor: str | None,
+async def list_page(client: Client, cursors: CursorSigner, query: str, limit: int, cursor: str | None,
                     rpc_timeout: timedelta) -> tuple[list[WorkflowExecution], str | None]:
     """One page of the executions matching `query`, in the visibility store's order (running ones
     first, newest started first; then ended ones, newest ended first), and the cursor of the next page
-    (None when there is none)."""
-    pages = client.list_workflows(query, page_size=limit,
-                                  next_page_token=decode_cursor(query, cursor) if cursor else None,
-                                  rpc_timeout=rpc_timeout)
+    (None when there is none). A cursor this deployment did not sign for `query` is refused (422) before
+    anything is asked of Temporal."""
+    token = cursors.decode(query, cursor) if cursor else None
+    pages = client.list_workflows(query, page_size=limit, next_page_token=token, rpc_timeout=rpc_timeout)
     try:
         await pages.fetch_next_page()
     except RPCError as exc:
+        # A token we signed that the server no longer takes (e.g. after a change of its visibility store).
         if cursor and exc.status == RPCStatusCode.INVALID_ARGUMENT:
-            raise _invalid_cursor() from None
+            raise invalid_cursor() from None
         raise
     token = pages.next_page_token
-    return _latest_runs(pages.current_page or []), encode_cursor(query, token) if token else None
+    return _latest_runs(pages.current_page or []), cursors.encode(query, token) if token else None
 
 
 async def list_jobs(client: Client, query: str, limit: int, rpc_timeout: timedelta) -> list[WorkflowExecution]:

@@ -1,9 +1,20 @@
 """Listings page through Temporal visibility with an opaque cursor: every item once, none of another
-tenant's, and a cursor that is not this listing's (other filters, another tenant, made up) is refused."""
+tenant's, on any API process of the deployment, and a cursor that is not this listing's (other filters,
+another tenant, made up, forged) is refused before Temporal is asked."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import os
 import uuid
+
+import httpx
+
+from api import job_views
+from api.app import create_app
+from temporal import search_attributes as sa
+from tests.conftest import serving_api
 
 
 async def _pages(http, path: str, params: dict) -> list[list[dict]]:  # noqa: ANN001
@@ -40,6 +51,22 @@ async def test_documents_and_jobs_page_through_with_a_cursor(stack):
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_cursor", r.text
     r = await stack.http.get("/v1/jobs", params={"kind": "ingest", "cursor": "not a cursor!"})
     assert r.status_code == 422
+    # A real cursor with its page token altered is not this listing's any more.
+    raw = _unbase64(cursor)
+    tampered = base64.urlsafe_b64encode(raw[:-1] + bytes([raw[-1] ^ 1])).decode().rstrip("=")
+    r = await stack.http.get("/v1/documents", params={"collection": collection, "limit": 2, "cursor": tampered})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_cursor"), r.text
+
+    # Behind a load balancer the next page may be asked of another API process of the deployment: it
+    # shares the payload keys the cursor's signature derives from, so it takes the cursor.
+    second_page = (await stack.http.get("/v1/documents", params={"collection": collection, "limit": 2,
+                                                                "cursor": cursor})).json()
+    async with serving_api(create_app(stack.settings)) as url, \
+            httpx.AsyncClient(base_url=url, headers=stack.http.headers) as other_process:
+        r = await other_process.get("/v1/documents", params={"collection": collection, "limit": 2, "cursor": cursor})
+        assert r.status_code == 200, r.text
+        assert [d["document_id"] for d in r.json()["documents"]] == \
+            [d["document_id"] for d in second_page["documents"]]
 
     # Jobs too: this tenant's document jobs (of every test so far), a few at a time. (A document ingested
     # again under its id, after it failed, has a run of its own, and a page shows each run.)
@@ -47,3 +74,32 @@ async def test_documents_and_jobs_page_through_with_a_cursor(stack):
             for j in page]
     assert {d["job_id"] for page in pages for d in page} <= set(jobs)
     assert all(j.startswith(f"{stack.tenant}.") for j in jobs)
+
+
+def _unbase64(cursor: str) -> bytes:
+    return base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+
+
+def _forged(query: str) -> str:
+    """A cursor as anyone could build one: the query (GET /v1/jobs shows it; the tenant clause is easy to
+    guess) hashed into the tag the cursor once had, then bytes of their choosing as Temporal's page token."""
+    return base64.urlsafe_b64encode(hashlib.sha256(query.encode()).digest()[:8] + os.urandom(48)).decode().rstrip("=")
+
+
+async def test_a_forged_cursor_is_refused_at_once_and_never_reaches_temporal(stack, monkeypatch):
+    """Temporal fails slowly on a page token it did not make (errors the client retries until its RPC
+    timeout): a cursor the API did not sign is refused with 422 before any listing is asked of it."""
+    jobs_query = (await stack.http.get("/v1/jobs", params={"kind": "ingest", "limit": 1})).json()["query"]
+    documents_query = job_views.list_query(stack.tenant, kind="ingest_document", extra={sa.COLLECTION.name: "default"})
+    asked: list[str] = []
+
+    def list_workflows(query: str, **kwargs):  # noqa: ANN003, ANN202 - stands in for the API's Temporal client
+        asked.append(query)
+        raise AssertionError("a forged cursor reached Temporal")
+
+    monkeypatch.setattr(stack.app.state.client, "list_workflows", list_workflows)
+    for path, params, query in (("/v1/jobs", {"kind": "ingest"}, jobs_query),
+                                ("/v1/documents", {"collection": "default"}, documents_query)):
+        r = await stack.http.get(path, params={**params, "limit": 1, "cursor": _forged(query)})
+        assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_cursor"), r.text
+    assert asked == []

@@ -17,7 +17,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api import job_views, observability
 from api.auth import CallerDep, GuardDep
-from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import BlobsDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentsAccepted, DocumentStatus,
@@ -160,12 +160,12 @@ async def _already_done_or_running(client: Client, job_id: str, timeout: timedel
 @router.get("", summary="Documents of a collection with their status and chunk counts",
             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_cursor",
                                        503: TEMPORAL_DOWN}))
-async def list_documents(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep,
+async def list_documents(client: ClientDep, cursors: CursorsDep, caller: CallerDep, timeout: RpcTimeoutDep,
                          collection: Annotated[str | None, Query(pattern=COLLECTION_PATTERN)] = None,
                          limit: Annotated[int, Query(ge=1, le=1000)] = 200, cursor: CursorDep = None) -> DocumentList:
     extra = {sa.COLLECTION.name: validate_collection(collection)} if collection else None
     query = job_views.list_query(caller.tenant, kind="ingest_document", extra=extra)
-    executions, next_cursor = await job_views.list_page(client, query, limit, cursor, timeout)
+    executions, next_cursor = await job_views.list_page(client, cursors, query, limit, cursor, timeout)
     views = [_document_view(e) for e in executions]
     # Why a document failed, or waits for an operator (dead-lettered), without opening its job.
     stuck = [(view, e) for view, e in zip(views, executions) if view.status in ("failed", "dead_lettered")]

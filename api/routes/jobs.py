@@ -13,7 +13,7 @@ from temporalio.client import Client
 
 from api import job_views
 from api.auth import Caller, CallerDep, ReviewerDep
-from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import AcceptedDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, decision_id
 from api.schemas import (
@@ -36,11 +36,11 @@ OPERATOR_ERRORS = error_responses({403: "forbidden", 404: "job_not_found", 409: 
 
 @router.get("", summary="List the tenant's jobs (Temporal visibility)",
             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_cursor", 503: TEMPORAL_DOWN}))
-async def list_jobs(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep, status: JobStatus | None = None,
-                    kind: JobKind | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-                    cursor: CursorDep = None) -> JobList:
+async def list_jobs(client: ClientDep, cursors: CursorsDep, caller: CallerDep, timeout: RpcTimeoutDep,
+                    status: JobStatus | None = None, kind: JobKind | None = None,
+                    limit: Annotated[int, Query(ge=1, le=1000)] = 50, cursor: CursorDep = None) -> JobList:
     query = job_views.list_query(caller.tenant, status=status, kind=kind)
-    executions, next_cursor = await job_views.list_page(client, query, limit, cursor, timeout)
+    executions, next_cursor = await job_views.list_page(client, cursors, query, limit, cursor, timeout)
     return JobList(jobs=[job_views.summary(e) for e in executions], next_cursor=next_cursor, query=query)
 
 

@@ -1,0 +1,80 @@
+"""Listing cursors (`next_cursor`): Temporal's page token, signed, so that only a cursor this deployment
+gave, for the same query, ever reaches Temporal.
+
+A cursor is base64url(tag + token), tag = HMAC-SHA256(cursor key, query, token) cut to TAG_BYTES. The
+query holds the tenant and the filters, so a cursor of another listing or tenant is refused like a
+made-up one: 422 `invalid_cursor`, without a call to Temporal (which fails slowly on a token it did not
+make, with errors the client retries until its RPC timeout).
+
+The cursor key is derived from the payload keys (temporal/codec.py): every API process of a deployment
+already shares that file, so a cursor one process gave works on any other behind the load balancer. The
+file is read for this even with RAGLINE_ENCRYPT_PAYLOADS=false (created like the codec creates it, when
+missing). The derivation is an HMAC of a fixed label under the payload key, so the payload key itself
+never signs anything. New cursors are signed with the current key's derivative and every key's is
+accepted: a cursor given just before a rotation still pages after it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+from collections.abc import Sequence
+from pathlib import Path
+
+from api.errors import ApiError
+from temporal.codec import CodecKeys, load_or_create
+
+# Names this use of the payload keys: another use derives with its own label and gets another key.
+LABEL = b"ragline/listing-cursor/v1"
+# 128 bits: no guessing, and a cursor stays short (22 base64 characters besides the token).
+TAG_BYTES = 16
+
+
+def cursor_key(payload_key: bytes) -> bytes:
+    return hmac.new(payload_key, LABEL, hashlib.sha256).digest()
+
+
+def invalid_cursor() -> ApiError:
+    return ApiError(422, "invalid_cursor", "cursor is not a next_cursor this listing gave (with the same filters)")
+
+
+class CursorSigner:
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        """`keys`: cursor keys, the one that signs first; any of them verifies."""
+        if not keys:
+            raise ValueError("a cursor signer needs at least one key")
+        self._keys = list(keys)
+
+    @classmethod
+    def from_codec_keys(cls, codec_keys: CodecKeys) -> CursorSigner:
+        current = codec_keys.keys[codec_keys.current]
+        others = [raw for key_id, raw in codec_keys.keys.items() if key_id != codec_keys.current]
+        return cls([cursor_key(raw) for raw in (current, *others)])
+
+    @classmethod
+    def for_deployment(cls, codec_keys_file: Path) -> CursorSigner:
+        return cls.from_codec_keys(load_or_create(codec_keys_file))
+
+    def encode(self, query: str, token: bytes) -> str:
+        """Opaque to the client; valid only with the same query (tenant and filters)."""
+        return base64.urlsafe_b64encode(_tag(self._keys[0], query, token) + token).decode().rstrip("=")
+
+    def decode(self, query: str, cursor: str) -> bytes:
+        """Temporal's page token, or 422 invalid_cursor for anything this deployment did not sign for `query`."""
+        try:
+            raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        except (ValueError, binascii.Error):
+            raise invalid_cursor() from None
+        tag, token = raw[:TAG_BYTES], raw[TAG_BYTES:]
+        if not token or not any(hmac.compare_digest(tag, _tag(key, query, token)) for key in self._keys):
+            raise invalid_cursor()
+        return token
+
+
+def _tag(key: bytes, query: str, token: bytes) -> bytes:
+    # The query's length first: (query, token) pairs that concatenate alike must not share a tag.
+    encoded = query.encode()
+    message = len(encoded).to_bytes(4, "big") + encoded + token
+    return hmac.new(key, message, hashlib.sha256).digest()[:TAG_BYTES]
