@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from contextlib import asynccontextmanager
@@ -12,7 +13,7 @@ from api import errors, observability
 from api.auth import Guard, authenticate
 from api.cursors import CursorSigner
 from api.job_views import RecentlyAccepted
-from api.limits import SMALL_BODY_BYTES, BodyLimit
+from api.limits import BodyLimit
 from api.streams import JobStreams
 from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from api.routes.codec import HideCodecKey, create_codec_app
@@ -58,9 +59,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))
-    # Multipart framing adds a little to the files themselves.
+    # An upload's bound is the key's tenant's (its max_upload_mb), known once BodyLimit has found the key.
     app.add_middleware(BodyLimit, guard=lambda: app.state.guard, limits={
-        "/v1/documents": documents.MAX_FILES_PER_REQUEST * settings.max_upload_bytes + SMALL_BODY_BYTES,
+        "/v1/documents": functools.partial(documents.body_cap, settings),
         "/v1/evaluations": evaluations.MAX_BODY_BYTES})
     # Outside the body limit: its refusals are counted, traced and carry X-Trace-Id like any answer.
     observability.install(app)

@@ -10,6 +10,7 @@ route's own key check (api/auth.py) then applies the key's role, and the rate li
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
@@ -17,9 +18,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.auth import KEY_REQUIRED, RATE_COUNTED, UNKNOWN_KEY, Guard, presented_key, unauthenticated
 from api.errors import ApiError, error_body
+from ragline.keys import TenantLimits
 
 # A JSON body (a chat message, an agent's goal, a review) fits in this many bytes with room to spare.
 SMALL_BODY_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Cap:
+    """A body limit in bytes, and what sets it (the 413 says so)."""
+    bytes: int
+    source: str
+
+
+# A limit that depends on the key's tenant (its `[tenants.<name>]` table in the keys file).
+TenantCap = Callable[[TenantLimits], Cap]
 
 
 class _TooLarge(Exception):
@@ -27,11 +40,19 @@ class _TooLarge(Exception):
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, *, limits: Mapping[str, int], guard: Callable[[], Guard]) -> None:
-        """`limits`: the body limit of a path (POST), where it is not SMALL_BODY_BYTES."""
+    def __init__(self, app: ASGIApp, *, limits: Mapping[str, int | TenantCap], guard: Callable[[], Guard]) -> None:
+        """`limits`: the body limit of a path (POST), where it is not SMALL_BODY_BYTES: bytes, or a
+        function of the tenant's limits."""
         self.app = app
         self.limits = limits
         self.guard = guard
+
+    def _cap(self, path: str, tenant: str) -> Cap:
+        limit = self.limits.get(path, SMALL_BODY_BYTES)
+        if callable(limit):
+            # As of the key's lookup a moment ago, which re-read the keys file if it had changed.
+            return limit(self.guard().keys.limits(tenant, refresh=False))
+        return Cap(limit, "this route's limit")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # /codec checks its operator key (in its path for the Web UI) before it reads a body, and its bodies
@@ -46,13 +67,13 @@ class BodyLimit:
         if entry is None:
             await _refuse(unauthenticated(KEY_REQUIRED if key is None else UNKNOWN_KEY), scope, receive, send)
             return
-        limit = self.limits.get(scope["path"], SMALL_BODY_BYTES)
+        cap = self._cap(scope["path"], entry.tenant)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES:
             await self.app(scope, receive, send)  # the server reads no more than the length says
             return
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            await _refuse(_too_large(limit), scope, receive, send)
+        if length is not None and (not length.isdigit() or int(length) > cap.bytes):
+            await _refuse(_too_large(cap), scope, receive, send)
             return
         # A key over its rate must not get a large body read and spooled to disk first, again and again.
         try:
@@ -61,9 +82,9 @@ class BodyLimit:
             await _refuse(exc, scope, receive, send)
             return
         scope.setdefault("state", {})[RATE_COUNTED] = True  # counted once: admit() does not count it again
-        await self._counted(scope, receive, send, limit)
+        await self._counted(scope, receive, send, cap)
 
-    async def _counted(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, cap: Cap) -> None:
         """A body without a length (chunked) is cut off at the limit: the route's answer is replaced by 413."""
         received = 0
         over = False
@@ -74,7 +95,7 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > limit:
+                if received > cap.bytes:
                     over = True
                     raise _TooLarge
             return message
@@ -91,11 +112,11 @@ class BodyLimit:
         except _TooLarge:
             pass
         if over and not started:
-            await _refuse(_too_large(limit), scope, receive, send)
+            await _refuse(_too_large(cap), scope, receive, send)
 
 
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, "body_too_large", f"the request body is over {limit} bytes")
+def _too_large(cap: Cap) -> ApiError:
+    return ApiError(413, "body_too_large", f"the request body is over {cap.bytes} bytes ({cap.source})")
 
 
 async def _refuse(error: ApiError, scope: Scope, receive: Receive, send: Send) -> None:

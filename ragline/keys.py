@@ -11,7 +11,7 @@
 
     [tenants.acme]                 # optional per-tenant limits, each below the server's own
     max_running_jobs = 4           # RAGLINE_TENANT_MAX_RUNNING_JOBS
-    max_upload_mb = 10             # RAGLINE_MAX_UPLOAD_MB
+    max_upload_mb = 10             # RAGLINE_MAX_UPLOAD_MB, per file; bounds an upload's body too
     max_pages = 100                # RAGLINE_MAX_PAGES
     fairness_weight = 3            # this tenant's share of busy task queues against the others' (default 1)
 

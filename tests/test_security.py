@@ -472,6 +472,55 @@ async def test_a_tenant_upload_limit_from_the_keys_file(stack):
     assert (await stack.wait_done(body["job_id"]))["status"] == "completed"
 
 
+async def test_a_tenants_upload_limit_bounds_the_body_before_it_is_read(stack):
+    """A tenant limited to 1 MB a file may send at most 50 files of 1 MB (and the form around them): a
+    longer body is refused from its Content-Length, not read and spooled up to the deployment's limit
+    first. Another tenant's limit stays the deployment's."""
+    tenant = f"small-{uuid.uuid4().hex[:8]}"
+    path = stack.settings.effective_api_keys_file
+    key = api_keys.create(path, tenant, "member", f"{tenant}-member")
+    with path.open("a") as f:
+        f.write(f"\n[tenants.{tenant}]\nmax_upload_mb = 1\n")
+    length = 100 * 1024 * 1024  # over 50 x 1 MB, far under 50 x RAGLINE_MAX_UPLOAD_MB
+    assert length < 50 * stack.settings.max_upload_mb * 1024 * 1024
+    reads: list[dict] = []
+    routed: list[str] = []
+
+    async def receive() -> dict:
+        reads.append({})
+        return {"type": "http.request", "body": b"x" * 65536, "more_body": True}
+
+    async def route(scope, receive, send) -> None:  # noqa: ANN001 - stands in for FastAPI, which reads it all
+        routed.append(scope["path"])
+        await send({"type": "http.response.start", "status": 202, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def post(api_key: str) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        # The body limit as the app configures it (api/app.py), before the route.
+        [configured] = [m for m in stack.app.user_middleware if m.cls is BodyLimit]
+        limited = BodyLimit(route, **configured.kwargs)
+        await limited({"type": "http", "method": "POST", "path": "/v1/documents", "headers": [
+            (b"x-api-key", api_key.encode()), (b"content-length", str(length).encode()),
+            (b"content-type", b"multipart/form-data; boundary=x")]}, receive, send)
+        return sent
+
+    sent = await post(key)
+    assert sent[0]["status"] == 413 and (reads, routed) == ([], [])
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["code"] == "body_too_large" and "the tenant's max_upload_mb" in error["message"], error
+    assert (await post(stack.keys["member"]))[0]["status"] == 202 and routed == ["/v1/documents"]
+
+    # Over HTTP: the answer comes from the request's head alone (no body is sent at all).
+    status, body = await _raw(stack, f"POST /v1/documents HTTP/1.1\nHost: x\nContent-Type: multipart/form-data; "
+                                     f"boundary=b\nContent-Length: {length}\nX-API-Key: {key}\n")
+    assert (status, body["error"]["code"]) == (413, "body_too_large")
+
+
 async def test_a_tenant_page_limit_from_the_keys_file(stack):
     """`max_pages` in a tenant's table of the keys file caps the pages of its PDFs below the server's
     RAGLINE_MAX_PAGES: its PDF over the cap fails at extract_text with the reason, at once (no retries),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from datetime import timedelta
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
@@ -19,6 +19,7 @@ from api import job_views, observability
 from api.auth import CallerDep, GuardDep
 from api.deps import BlobsDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
+from api.limits import SMALL_BODY_BYTES, Cap
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentsAccepted, DocumentStatus,
     DocumentView, JobError, error_responses,
@@ -28,6 +29,7 @@ from models.ingest import DocumentInput, IngestInput, IngestResult
 from models.jobs import JobStatus
 from models.tenancy import workflow_id
 from ragline.blobstore import BlobStore
+from ragline.keys import TenantLimits
 from ragline.settings import Settings
 from ragline.text import sniff_kind
 from temporal import search_attributes as sa
@@ -49,12 +51,39 @@ def ingest_job_id(tenant: str, collection: str, document_ids: list[str]) -> str:
     return workflow_id(tenant, "ingest-" + hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
-def _too_large(name: str, max_mb: float) -> ApiError:
-    return ApiError(413, "file_too_large", f"{name}: larger than the upload limit of {max_mb:g} MB "
-                                           "(RAGLINE_MAX_UPLOAD_MB, or the tenant's max_upload_mb)", file=name)
+class UploadLimit(NamedTuple):
+    """The largest file a tenant may upload, and what sets it (a 413 says so)."""
+    mb: float
+    source: str
+
+    @property
+    def bytes(self) -> int:
+        return int(self.mb * 1024 * 1024)
 
 
-async def _check_upload(upload: UploadFile, max_mb: float) -> tuple[str, str]:
+def upload_limit(settings: Settings, limits: TenantLimits) -> UploadLimit:
+    """The tenant's max_upload_mb where it is below the deployment's, else the deployment's."""
+    if limits.max_upload_mb is not None and limits.max_upload_mb < settings.max_upload_mb:
+        return UploadLimit(limits.max_upload_mb, "the tenant's max_upload_mb")
+    return UploadLimit(settings.max_upload_mb, "RAGLINE_MAX_UPLOAD_MB")
+
+
+def body_cap(settings: Settings, limits: TenantLimits) -> Cap:
+    """The largest upload body of a tenant, refused from its Content-Length (api/limits.py): the most
+    files a request may carry, each at the tenant's limit, and room for the form around them. Without
+    it, a tenant limited to 1 MB could still have the API read and spool every file up to the
+    deployment's limit before the route refuses them."""
+    per_file = upload_limit(settings, limits)
+    return Cap(MAX_FILES_PER_REQUEST * per_file.bytes + SMALL_BODY_BYTES, f"{MAX_FILES_PER_REQUEST} files of at "
+               f"most {per_file.mb:g} MB each, {per_file.source}, and the form around them")
+
+
+def _too_large(name: str, limit: UploadLimit) -> ApiError:
+    return ApiError(413, "file_too_large", f"{name}: larger than the upload limit of {limit.mb:g} MB ({limit.source})",
+                    file=name)
+
+
+async def _check_upload(upload: UploadFile, limit: UploadLimit) -> tuple[str, str]:
     """The file's display name and kind, or the reason it is refused: every file of a request is
     checked before any is stored, so a refused request leaves nothing in the blob store."""
     name = display_name(upload.filename)
@@ -65,18 +94,18 @@ async def _check_upload(upload: UploadFile, max_mb: float) -> tuple[str, str]:
     if kind is None:
         raise ApiError(415, "unsupported_file_type",
                        f"{name}: not a PDF or UTF-8 text file (judged by its content, not its name)", file=name)
-    if upload.size is not None and upload.size > max_mb * 1024 * 1024:
-        raise _too_large(name, max_mb)
+    if upload.size is not None and upload.size > limit.bytes:
+        raise _too_large(name, limit)
     await upload.seek(0)
     return name, kind
 
 
-async def _store_upload(upload: UploadFile, name: str, kind: str, blobs: BlobStore, max_mb: float) -> dict:
+async def _store_upload(upload: UploadFile, name: str, kind: str, blobs: BlobStore, limit: UploadLimit) -> dict:
     try:
         # Copying (and fsyncing) up to the limit: in a thread, not on the loop every other request shares.
-        ref, size = await run_in_threadpool(blobs.put_stream, upload.file, limit=int(max_mb * 1024 * 1024))
+        ref, size = await run_in_threadpool(blobs.put_stream, upload.file, limit=limit.bytes)
     except OverflowError:  # a size the form did not tell
-        raise _too_large(name, max_mb) from None
+        raise _too_large(name, limit) from None
     sha = ref.removeprefix("sha256:")
     return {"filename": name, "ref": ref, "sha256": sha, "size": size, "kind": kind}
 
@@ -101,9 +130,9 @@ async def upload_documents(
     if len(files) > MAX_FILES_PER_REQUEST:
         raise ApiError(413, "too_many_files", f"at most {MAX_FILES_PER_REQUEST} files per request")
     limits = guard.limits(caller.tenant)
-    max_mb = min(limits.max_upload_mb or settings.max_upload_mb, settings.max_upload_mb)
-    checked = [await _check_upload(f, max_mb) for f in files]
-    stored = [await _store_upload(f, name, kind, blobs, max_mb) for f, (name, kind) in zip(files, checked)]
+    per_file = upload_limit(settings, limits)
+    checked = [await _check_upload(f, per_file) for f in files]
+    stored = [await _store_upload(f, name, kind, blobs, per_file) for f, (name, kind) in zip(files, checked)]
 
     documents: dict[str, DocumentInput] = {}
     same_content: dict[str, list[str]] = {}  # a document's other file names in this request
