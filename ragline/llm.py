@@ -75,6 +75,15 @@ def tool_calls_in_text(text: str) -> list[ToolChoice]:
     return calls
 
 
+def tool_call_format(tools: list[dict]) -> dict:
+    """llama.cpp's `response_format` for a reply that is exactly one call of one of `tools`: its name one
+    of theirs, its arguments valid for that tool's parameters (the server turns the schema into a grammar)."""
+    return {"type": "json_object", "schema": {"anyOf": [
+        {"type": "object", "required": ["name", "arguments"],
+         "properties": {"name": {"const": t["function"]["name"]}, "arguments": t["function"]["parameters"]}}
+        for t in tools]}}
+
+
 @dataclass
 class ToolPlan:
     text: str
@@ -195,6 +204,7 @@ class ChatModel:
     def __init__(self, settings: Settings) -> None:
         self.model = settings.llm_model
         self.max_tokens = settings.llm_max_tokens
+        self.constrained_tool_calls = settings.effective_llm_tool_calls == "schema"
         # RAGLINE_REDACT_PII with a model that is not local: what leaves the machine is masked.
         self._mask = redact_messages if settings.redact_pii and not settings.llm_is_local else (lambda m: m)
         self._client = AsyncOpenAI(base_url=settings.effective_llm_base_url, api_key=settings.llm_api_key or "unused",
@@ -242,10 +252,13 @@ class ChatModel:
 
     async def plan(self, messages: list[dict], tools: list[dict], *, step: str) -> ToolPlan:
         """One tool-calling turn: the model picks tools from `tools` (or answers in text)."""
+        # Constrained, the reply is one call as JSON text, which tool_calls_in_text reads below.
+        held_to = {"response_format": tool_call_format(tools)} if self.constrained_tool_calls else \
+            {"tools": tools, "tool_choice": "auto"}
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
-                model=self.model, messages=self._mask(messages), tools=tools, tool_choice="auto", temperature=0.0,
-                max_tokens=self.max_tokens, extra_headers=observed.headers)
+                model=self.model, messages=self._mask(messages), temperature=0.0, max_tokens=self.max_tokens,
+                extra_headers=observed.headers, **held_to)
             observed.take(response.usage)
         if not response.choices:
             raise TransientError(f"{step}: the model returned no choices")

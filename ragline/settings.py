@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -71,6 +72,11 @@ class Settings(BaseSettings):
     local_model: str = "qwen2.5-coder-0.5b"
     # Port of the local llama.cpp server; used only when llm_base_url is unset.
     llm_port: int = 8081
+    # How an agent's model is held to its tools. "native": OpenAI `tools` (hosted APIs, vLLM with a tool
+    # parser). "schema": a JSON reply constrained to the tools' schemas (llama.cpp's `response_format` with
+    # a `schema`), so a small model can neither invent a tool nor write broken JSON. Unset: "schema" for
+    # the local llama.cpp server `make run` starts, "native" for RAGLINE_LLM_BASE_URL.
+    llm_tool_calls: Literal["native", "schema"] | None = None
 
     max_upload_mb: float = 50
     max_pages: int = 500
@@ -265,6 +271,10 @@ class Settings(BaseSettings):
         if self.llm_concurrency is not None:
             return self.llm_concurrency
         return 64 if self.llm_base_url else 2
+
+    @property
+    def effective_llm_tool_calls(self) -> str:
+        return self.llm_tool_calls or ("native" if self.llm_base_url else "schema")
 
     @property
     def effective_llm_base_url(self) -> str:

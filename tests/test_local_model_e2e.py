@@ -1,10 +1,17 @@
 """End to end with the real local model (llama.cpp + Qwen2.5-Coder-0.5B, the `make run` default):
-ingest a short document, ask a question whose answer is in it, get an answer that cites it."""
+ingest a short document, ask a question whose answer is in it, get an answer that cites it; and an
+agent's plan steps are calls of its tools."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from activities.agent import checked_call
+from ragline import prompts
+from ragline.llm import ChatModel
+from ragline.settings import Settings
 from tests.conftest import running_stack
 from tests.local_llm import local_llm_unavailable, model_dir, start_local_llm
 
@@ -13,25 +20,55 @@ DOCUMENT = ("Brightwater Lighthouse stands on the northern cape of the island of
             "The lamp is lit every evening at dusk and can be seen from 30 kilometres away.")
 
 
-async def test_real_local_model_answers_from_an_ingested_document(temporal_env, scripted_llm, tmp_path):
+@pytest.fixture(scope="module")
+def local_llm() -> str:
     reason = local_llm_unavailable()
     if reason:
         pytest.fail(f"`make test` installs the local model; {reason}")
     base_url, stop = start_local_llm(model_dir())
-    try:
-        address = temporal_env.client.service_client.config.target_host
-        async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-local-llm",
-                                 llm_base_url=base_url, llm_model="local", llm_timeout=240,
-                                 llm_max_tokens=96) as stack:
-            body = await stack.upload(("lighthouse.txt", DOCUMENT.encode()), collection="e2e")
-            assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
-            accepted = await stack.chat("Who is the keeper of Brightwater Lighthouse?", collection="e2e")
-            job = await stack.wait_job(accepted["job_id"], timeout=600)
-    finally:
-        stop()
+    yield base_url
+    stop()
+
+
+async def test_real_local_model_answers_from_an_ingested_document(temporal_env, scripted_llm, local_llm, tmp_path):
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-local-llm",
+                             llm_base_url=local_llm, llm_model="local", llm_timeout=240,
+                             llm_max_tokens=96) as stack:
+        body = await stack.upload(("lighthouse.txt", DOCUMENT.encode()), collection="e2e")
+        assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+        accepted = await stack.chat("Who is the keeper of Brightwater Lighthouse?", collection="e2e")
+        job = await stack.wait_job(accepted["job_id"], timeout=600)
     assert job["status"] == "completed", job
     result = job["result"]
     assert result["answer"].strip()
     assert result["citations"], f"the answer cites nothing: {result['answer']!r}"
     assert result["citations"][0]["document_id"] == body["documents"][0]["document_id"]
     assert result["model"] and result["usage"]["completion_tokens"] > 0
+
+
+# Goals the shipped model, given OpenAI `tools`, answered with tools it made up (`compare_hotel_limit`,
+# `list_steps_to_reset_password`), and one in Chinese.
+AGENT_GOALS = ["Compare the travel policy's hotel limit with the onboarding guide's laptop budget.",
+               "List the steps to reset a password described in the product FAQ.",
+               "总结事故复盘中的根本原因"]
+
+
+async def test_real_local_model_plans_only_calls_of_its_tools(local_llm):
+    """As `make run` drives it (RAGLINE_LLM_TOOL_CALLS unset: its replies held to the tools' schemas), the
+    shipped model's every plan step is one call of an allowed tool with valid arguments: an agent on it
+    searches, delegates or finishes, instead of spending its budget on corrections."""
+    model = ChatModel(Settings(llm_base_url=local_llm, llm_tool_calls="schema", llm_model="local",
+                               llm_timeout=240, llm_max_tokens=256))
+    tools = prompts.agent_tools()
+    allowed = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    try:
+        for goal in AGENT_GOALS:
+            plan = await model.plan(prompts.messages("agent", goal=goal, instructions="(none)", depth="0",
+                                                     max_depth="2", observations="(none)"), tools, step="agent")
+            assert len(plan.calls) == 1, (goal, plan.text)
+            [call] = plan.calls
+            checked = checked_call(call.name, call.arguments, allowed)
+            assert checked.error is None, (goal, checked.error, json.loads(call.arguments))
+    finally:
+        await model.close()
