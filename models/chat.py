@@ -230,6 +230,9 @@ class GenerateOutput(StreamedStepResult):
     citations: list[Citation] = []
     # False when the answer cites no passage and no passage supports its content.
     grounded: bool = True
+    # False when the model's reply had no words of its own ("[1] [2]", ""): `answer` is then the turn's
+    # notice of that (prompts.no_answer) and a warning says what the model gave.
+    answered: bool = True
     model: str
     usage: Usage = Usage()
     # What the turn should tell about this answer (the model looped and the answer was cut).

@@ -29,8 +29,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.chat import ChatActivities
     from activities.jobs import JobActivities
     from models.chat import (
-        AwaitTurnInput, CacheInput, ContextInput, GenerateInput, HistoryItem, RetrieveInput, SessionState,
-        SummaryOutput, TurnContext, TurnInput, TurnResult, Usage,
+        AwaitTurnInput, CacheInput, ContextInput, GenerateInput, GenerateOutput, HistoryItem, RetrieveInput,
+        SessionState, SummaryOutput, TurnContext, TurnInput, TurnResult, Usage,
     )
     from models.jobs import REQUEST_MEMO
     from models.review import without
@@ -50,6 +50,10 @@ SUMMARY_SHOWN_PATCH = "summary-first-shows-steps"
 WARNED_ANSWER_NOT_CACHED_PATCH = "warned-answer-not-cached"
 # A turn whose answer a reviewer may hold shows its steps as they happen; earlier, with the answer.
 HELD_ANSWER_SHOWS_STEPS_PATCH = "held-answer-shows-steps"
+# A model reply with no words ("[1] [2]") is told by its own warning, not also as "unverified". Earlier
+# turns warned both.
+NO_ANSWER_NOT_UNVERIFIED_PATCH = "no-answer-not-unverified"
+UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
 MAX_SEEN = 1000             # job ids remembered per session, to skip a resent request
@@ -172,8 +176,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         else:
             entities = await self.step(ChatActivities.extract_entities, context)
         warnings = list(answer.warnings) + list(entities.warnings)
-        if not answer.grounded:
-            warnings.append("the answer cites no passage and no passage supports it: treat it as unverified")
+        if not answer.grounded and not self._gave_no_answer(answer):
+            warnings.append(UNVERIFIED_WARNING)
         if fallback_model:
             warnings.append(f"the configured model kept failing; answered by the fallback model {fallback_model}")
         result = TurnResult(
@@ -188,6 +192,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._answer_held and self._needs_review(turn, result):
             return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)
+
+    @staticmethod
+    def _gave_no_answer(answer: GenerateOutput) -> bool:
+        """The model's reply had no words: its step's warning says so, and there is no answer to call unverified."""
+        return not answer.answered and workflow.patched(NO_ANSWER_NOT_UNVERIFIED_PATCH)
 
     async def _summary_shown_while_it_runs(self, context: ContextInput) -> SummaryOutput:
         """The summary the answer waits for (passages too long for the model; tens of seconds on a local
