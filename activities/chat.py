@@ -339,7 +339,7 @@ def cited_passages(answer: str, passages: list[SearchHit]) -> list[int]:
     own language must share one of the answer's content words; across languages words cannot be
     compared, and the marker stands."""
     words = content_words(_CITATION.sub(" ", answer))
-    numbers = sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= len(passages)})
+    numbers = marked_passages(answer, len(passages))
     credible = [n for n in numbers if _bears_out(answer, words, passages[n - 1].text)]
     if credible or not words:
         return credible
@@ -349,6 +349,12 @@ def cited_passages(answer: str, passages: list[SearchHit]) -> list[int]:
         if overlap >= SUPPORT_THRESHOLD:
             supported.append(i)
     return supported
+
+
+def marked_passages(answer: str, count: int) -> list[int]:
+    """The 1-based passage numbers the answer's [n] markers name, each once, smallest first; a number beyond
+    the `count` passages names none."""
+    return sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= count})
 
 
 def no_answer_warning(reply: str) -> str | None:

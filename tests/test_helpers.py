@@ -11,7 +11,7 @@ from temporalio.exceptions import (
 
 from activities.agent import checked_call
 from activities.chat import (
-    NO_ANSWER_SHOWN_CHARS, cited_passages, estimate_tokens, no_answer_warning, parse_entities,
+    NO_ANSWER_SHOWN_CHARS, cited_passages, estimate_tokens, marked_passages, no_answer_warning, parse_entities,
 )
 from models.chat import Entity, session_of_turn, turn_job_id
 from models.ingest import SearchHit
@@ -135,6 +135,15 @@ def test_short_chinese_phrases_are_attributed():
 ])
 def test_cited_passages_finds_nothing(answer, passages):
     assert cited_passages(answer, passages) == []
+
+
+@pytest.mark.parametrize("answer, count, marked", [
+    ("Lit at dusk [2], high tide at noon [1] [2].", 2, [1, 2]),
+    ("Only [3] and [0] and [12], none of them there.", 2, []),
+    ("No marker at all.", 2, []),
+])
+def test_marked_passages_are_the_numbers_of_passages_that_exist(answer, count, marked):
+    assert marked_passages(answer, count) == marked
 
 
 # -- activities.chat.no_answer_warning -------------------------------------------------------------------
