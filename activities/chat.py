@@ -48,6 +48,8 @@ SUPPORT_THRESHOLD = 0.35
 # Room kept in the model's context for the prompt's own text, history and question.
 PROMPT_OVERHEAD_TOKENS = 600
 DELTA_FLUSH = timedelta(milliseconds=150)
+# A reply of citation markers only is quoted in its warning up to this length.
+NO_ANSWER_SHOWN_CHARS = 40
 REPETITION_WARNING = "the model repeated itself: its answer was cut where the repetition began"
 
 
@@ -143,10 +145,11 @@ class ChatActivities:
         warnings = [REPETITION_WARNING] if result.repetition_cut else []
         usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
         answer = result.text.strip()
-        if not _NOT_WORDS.sub("", _CITATION_MARK.sub("", answer)):  # "", "[1] [2]", "[1": no answer at all
+        if (no_answer := no_answer_warning(answer)) is not None:
             log.warning("the model's answer has no words of its own", reply=answer[:200])
-            return GenerateOutput(answer=prompts.no_answer(req.question), cited=[], grounded=False, model=result.model,
-                                  usage=usage, warnings=warnings, unsent_events=deltas.unsent, attempt=attempt)
+            return GenerateOutput(answer=prompts.no_answer(req.question), cited=[], grounded=False, answered=False,
+                                  model=result.model, usage=usage, warnings=[*warnings, no_answer],
+                                  unsent_events=deltas.unsent, attempt=attempt)
         cited = cited_passages(answer, passages)
         return GenerateOutput(answer=answer, cited=cited, grounded=bool(cited),
                               citations=[citation(passages[i - 1], quote_for(answer, passages[i - 1].text))
@@ -336,7 +339,7 @@ def cited_passages(answer: str, passages: list[SearchHit]) -> list[int]:
     own language must share one of the answer's content words; across languages words cannot be
     compared, and the marker stands."""
     words = content_words(_CITATION.sub(" ", answer))
-    numbers = sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= len(passages)})
+    numbers = marked_passages(answer, len(passages))
     credible = [n for n in numbers if _bears_out(answer, words, passages[n - 1].text)]
     if credible or not words:
         return credible
@@ -346,6 +349,24 @@ def cited_passages(answer: str, passages: list[SearchHit]) -> list[int]:
         if overlap >= SUPPORT_THRESHOLD:
             supported.append(i)
     return supported
+
+
+def marked_passages(answer: str, count: int) -> list[int]:
+    """The 1-based passage numbers the answer's [n] markers name, each once, smallest first; a number beyond
+    the `count` passages names none."""
+    return sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= count})
+
+
+def no_answer_warning(reply: str) -> str | None:
+    """The warning for a reply with no words of its own ("", "[1] [2]", "[1"), which is no answer: it
+    says what the model gave instead, since "unverified" would suggest there was an answer to check.
+    None for a reply with words."""
+    if _NOT_WORDS.sub("", _CITATION_MARK.sub("", reply)):
+        return None
+    if _CITATION_MARK.search(reply):
+        shown = reply if len(reply) <= NO_ANSWER_SHOWN_CHARS else reply[:NO_ANSWER_SHOWN_CHARS] + "…"
+        return prompts.text("no_answer", "markers_warning").format(reply=shown)
+    return prompts.text("no_answer", "no_words_warning")
 
 
 def _bears_out(answer: str, words: set[str], passage: str) -> bool:

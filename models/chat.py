@@ -121,8 +121,12 @@ class TurnResult(BaseModel):
     warnings: list[str] = []
     review: ReviewRecord | None = None
     # False when no passage was relevant enough (the answer says the documents do not cover it, and no
-    # model was called) or when the model's answer cites no passage and none supports it.
+    # model was called) or when the model's answer cites no passage and none supports it; for a
+    # reviewer's answer, when its [n] markers name none of the turn's passages.
     supported: bool = True
+    # A reviewer replaced the model's answer with this text (`review` names them; the model's text stays
+    # in `review.proposed_action`, for reviewers): `citations` and `supported` are those of this text.
+    written_by_reviewer: bool = False
     # Served from the answer cache (same question, same collection version): no model call.
     cached: bool = False
     # Set when the configured model kept failing and the fallback model answered.
@@ -230,6 +234,9 @@ class GenerateOutput(StreamedStepResult):
     citations: list[Citation] = []
     # False when the answer cites no passage and no passage supports its content.
     grounded: bool = True
+    # False when the model's reply had no words of its own ("[1] [2]", ""): `answer` is then the turn's
+    # notice of that (prompts.no_answer) and a warning says what the model gave.
+    answered: bool = True
     model: str
     usage: Usage = Usage()
     # What the turn should tell about this answer (the model looped and the answer was cut).

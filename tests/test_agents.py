@@ -12,6 +12,7 @@ import uuid
 from datetime import datetime, timedelta
 
 from devtools.devserver import temporal_binary
+from devtools.scripted_llm import parse_prompt
 from tests.conftest import running_stack
 from tests.helpers import (
     delegate_until, eventually, fresh_plan, plan_depth, plan_goal, read_events, waiting_reviews,
@@ -349,6 +350,73 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
     [(index, shown)] = [(i, d) for i, (t, d) in enumerate(types) if t == "ragline.answer.completed"]
     assert shown["answer"] == "High tide is at noon [1]."
     assert index > [t for t, _ in types].index("ragline.review.decided")
+
+
+TIDES = ("harbour-tides.txt", b"High tide at Vell harbour is at noon.")
+LAMPS = ("harbour-lamps.txt", b"The harbour lamps of Vell are lit at dusk by the keeper.")
+
+
+def passage_number(user_message: str, filename: str) -> int:
+    """The [n] the answer prompt gave the passage of `filename` (numbers follow the retrieval's ranking)."""
+    passages, _ = parse_prompt(user_message)
+    [number] = [p.number for p in passages if p.source.startswith(filename)]
+    return number
+
+
+async def _held_answer(stack, llm, question: str, collection: str) -> tuple[str, str]:
+    """A turn whose answer waits for a reviewer: its job id and the answer prompt the model saw."""
+    r = await stack.http.post("/v1/chats", json={"message": f"{question} {llm.token}", "collection": collection,
+                                                 "require_review": True})
+    job_id = r.json()["job_id"]
+    await waiting_reviews(stack, job_id)
+    [answer_call] = llm.calls("answer")
+    return job_id, answer_call.user_message
+
+
+async def test_a_reviewers_answer_is_released_with_its_own_citations_not_the_models(stack):
+    """The model cites the tide passage; the reviewer writes about the lamps and cites theirs. The turn shows
+    the reviewer's text with the lamp passage, not the model's citation of a text nobody sees."""
+    seed = await stack.upload(TIDES, LAMPS, collection="replaced")
+    await stack.wait_job(seed["job_id"])
+    with stack.llm.scope() as llm:
+        llm.script_fn("answer", lambda body: "High tide at Vell harbour is at noon "
+                      f"[{passage_number(body['messages'][-1]['content'], TIDES[0])}].")
+        job_id, prompt = await _held_answer(stack, llm, "When is high tide at Vell harbour?", "replaced")
+    model_answer = f"High tide at Vell harbour is at noon [{passage_number(prompt, TIDES[0])}]."
+    replacement = f"The harbour lamps are lit at dusk [{passage_number(prompt, LAMPS[0])}]."
+    await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "revise", "reviewer": "editor",
+                                                            "answer": replacement})
+    job = await stack.wait_done(job_id)
+    result = job["result"]
+    assert result["answer"] == replacement
+    assert [(c["filename"], c["quote"]) for c in result["citations"]] == [(LAMPS[0], LAMPS[1].decode())]
+    assert result["supported"] is True and result["written_by_reviewer"] is True
+    # The model's answer stays on record, for reviewers only.
+    assert result["review"]["proposed_action"]["answer"] == model_answer
+    as_member = (await stack.member_http.get(f"/v1/jobs/{job_id}")).json()
+    assert model_answer not in json.dumps(as_member) and as_member["result"]["citations"] == result["citations"]
+    # The event a watching person gets says the same.
+    [shown] = [e["data"] for _, e in await read_events(stack, job_id) if e["type"] == "ragline.answer.completed"]
+    assert (shown["answer"], shown["citations"], shown["written_by_reviewer"]) == \
+        (replacement, result["citations"], True)
+
+
+async def test_a_reviewers_answer_without_markers_cites_nothing_and_drops_the_models_warnings(stack):
+    """What the turn told about the model's answer ("unverified") is not said of the reviewer's text; a text
+    without [n] markers is not backed by a passage (`supported: false`)."""
+    seed = await stack.upload(TIDES, collection="replaced-uncited")
+    await stack.wait_job(seed["job_id"])
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["Nobody could possibly know that."])
+        job_id, _ = await _held_answer(stack, llm, "When is high tide at Vell harbour?", "replaced-uncited")
+    held = [r for r in (await stack.http.get("/v1/reviews")).json()["reviews"] if r["job_id"] == job_id]
+    assert held[0]["proposed_action"]["answer"] == "Nobody could possibly know that."
+    await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "editor",
+                                                            "answer": "At noon."})
+    result = (await stack.wait_done(job_id))["result"]
+    assert (result["answer"], result["citations"], result["supported"]) == ("At noon.", [], False)
+    assert not [w for w in result["warnings"] if "unverified" in w]
+    assert result["written_by_reviewer"] is True
 
 
 async def test_unsupported_answers_are_held_when_configured(temporal_env, scripted_llm, tmp_path):

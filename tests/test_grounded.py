@@ -145,15 +145,21 @@ async def test_an_uncited_answer_nothing_supports_is_flagged(trusted):
     assert any("unverified" in w for w in result["warnings"])
 
 
-@pytest.mark.parametrize("reply", ["[1] [2]", "[1", ""])
-async def test_an_answer_with_no_words_of_its_own_is_not_passed_on_as_one(trusted, reply):
-    """What a small local model sometimes returns: citation marks, a cut-off mark, nothing."""
+@pytest.mark.parametrize("reply, told", [
+    ("[1] [2]", 'the model replied with citation markers only ("[1] [2]") and no words'),
+    ("[1", 'the model replied with citation markers only ("[1") and no words'),
+    ("", "the model's reply had no words"),
+])
+async def test_an_answer_with_no_words_of_its_own_is_not_passed_on_as_one(trusted, reply, told):
+    """What a small local model sometimes returns: citation marks, a cut-off mark, nothing. The warning
+    says what came instead of an answer; "unverified" would suggest there was an answer to check."""
     trusted.llm.script("answer", [reply])
     question = f"What was the root cause of incident 4711? ({len(reply)})"
     result = (await ask(trusted, question))["result"]
     assert result["supported"] is False and result["citations"] == []
     assert result["answer"].startswith("The model gave no usable answer")
-    assert any("unverified" in w for w in result["warnings"])
+    [warning] = result["warnings"]
+    assert warning.startswith(told) and "unverified" not in warning
     # Not kept for the next asker: the same question goes to the model again.
     calls = trusted.llm.count("answer")
     trusted.llm.script("answer", ["An expired TLS certificate [1]."])

@@ -10,7 +10,9 @@ from temporalio.exceptions import (
 )
 
 from activities.agent import checked_call
-from activities.chat import cited_passages, estimate_tokens, parse_entities
+from activities.chat import (
+    NO_ANSWER_SHOWN_CHARS, cited_passages, estimate_tokens, marked_passages, no_answer_warning, parse_entities,
+)
 from models.chat import Entity, session_of_turn, turn_job_id
 from models.ingest import SearchHit
 from ragline import prompts
@@ -133,6 +135,41 @@ def test_short_chinese_phrases_are_attributed():
 ])
 def test_cited_passages_finds_nothing(answer, passages):
     assert cited_passages(answer, passages) == []
+
+
+@pytest.mark.parametrize("answer, count, marked", [
+    ("Lit at dusk [2], high tide at noon [1] [2].", 2, [1, 2]),
+    ("Only [3] and [0] and [12], none of them there.", 2, []),
+    ("No marker at all.", 2, []),
+])
+def test_marked_passages_are_the_numbers_of_passages_that_exist(answer, count, marked):
+    assert marked_passages(answer, count) == marked
+
+
+# -- activities.chat.no_answer_warning -------------------------------------------------------------------
+
+@pytest.mark.parametrize("reply, told", [
+    ("[1] [2]", 'citation markers only ("[1] [2]")'),  # what the 0.5B local model replied
+    ("[1][3]", 'citation markers only ("[1][3]")'),
+    ("[1", 'citation markers only ("[1")'),            # a marker cut off
+    ("", "reply had no words"),
+    ("?! ...", "reply had no words"),
+])
+def test_a_reply_without_words_is_told_for_what_it_was(reply, told):
+    warning = no_answer_warning(reply)
+    assert warning is not None and told in warning and "no answer" in warning
+    assert "unverified" not in warning  # nothing was answered that could be checked
+
+
+def test_a_long_run_of_markers_is_quoted_shortened():
+    reply = "[1] [2] [3] " * 20
+    warning = no_answer_warning(reply)
+    assert f'("{reply[:NO_ANSWER_SHOWN_CHARS]}…")' in warning
+
+
+@pytest.mark.parametrize("reply", ["45", "An expired TLS certificate [1].", "斑马[1]", "[1] 45"])
+def test_a_reply_with_words_of_its_own_is_an_answer(reply):
+    assert no_answer_warning(reply) is None
 
 
 # -- activities.chat.estimate_tokens -------------------------------------------------------------------

@@ -26,11 +26,11 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.exceptions import ApplicationError, ChildWorkflowError, FailureError, WorkflowAlreadyStartedError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.chat import ChatActivities
+    from activities.chat import ChatActivities, marked_passages, quote_for
     from activities.jobs import JobActivities
     from models.chat import (
-        AwaitTurnInput, CacheInput, ContextInput, GenerateInput, HistoryItem, RetrieveInput, SessionState,
-        SummaryOutput, TurnContext, TurnInput, TurnResult, Usage,
+        AwaitTurnInput, CacheInput, Citation, ContextInput, GenerateInput, GenerateOutput, HistoryItem, RetrieveInput,
+        SessionState, SummaryOutput, TurnContext, TurnInput, TurnResult, Usage,
     )
     from models.jobs import REQUEST_MEMO
     from models.review import without
@@ -50,6 +50,14 @@ SUMMARY_SHOWN_PATCH = "summary-first-shows-steps"
 WARNED_ANSWER_NOT_CACHED_PATCH = "warned-answer-not-cached"
 # A turn whose answer a reviewer may hold shows its steps as they happen; earlier, with the answer.
 HELD_ANSWER_SHOWS_STEPS_PATCH = "held-answer-shows-steps"
+# A model reply with no words ("[1] [2]") is told by its own warning, not also as "unverified". Earlier
+# turns warned both.
+NO_ANSWER_NOT_UNVERIFIED_PATCH = "no-answer-not-unverified"
+# A reviewer's replacement text is released with the citations of its own [n] markers and without what the
+# turn told about the model's answer. Earlier turns released it with the model answer's citations,
+# `supported` and warnings.
+REVIEWER_ANSWER_PATCH = "reviewer-answer-cites-its-own-markers"
+UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
 MAX_SEEN = 1000             # job ids remembered per session, to skip a resent request
@@ -68,6 +76,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         # released. What `answer.completed` will carry waits here meanwhile.
         self._answer_held = False
         self._held_answer: dict | None = None
+        # The turn's retrieved passages as citations, numbered as the model saw them ([1] first), and what
+        # the turn tells about the model's answer: a reviewer's replacement text is cited against the
+        # former and does not carry the latter.
+        self._passages: list[Citation] = []
+        self._model_answer_warnings: list[str] = []
         self.reviews.revise_needs_answer = True  # a chat turn is revised by giving the text to release
 
     @workflow.signal
@@ -105,8 +118,16 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._needs_review(turn, result):
             result = await self._hold_for_review(turn, result)
         if self._held_answer is not None:  # released (or never held after all): the person sees it now
-            self.events.emit("ragline.answer.completed", {**self._held_answer, "answer": result.answer})
+            self.events.emit("ragline.answer.completed", self._released(result))
         return result
+
+    def _released(self, result: TurnResult) -> dict:
+        """`ragline.answer.completed` of a held answer: a reviewer's text comes with its own citations."""
+        shown = {**self._held_answer, "answer": result.answer}
+        if result.written_by_reviewer:  # set from REVIEWER_ANSWER_PATCH on only: older turns replay as they ran
+            shown.update(citations=[c.model_dump(mode="json") for c in result.citations], supported=result.supported,
+                         written_by_reviewer=True)
+        return shown
 
     def shown_result(self, result: TurnResult) -> dict:
         """A reviewed answer's review as every key of the tenant may read it: without what it withheld."""
@@ -134,6 +155,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         retrieved = await self.step(ChatActivities.retrieve_context, RetrieveInput(
             tenant=turn.tenant, question=question.message, collection=question.collection, top_k=question.top_k,
             use_cache=use_cache, follows=self.context.history[-1].question if self.context.history else None))
+        self._passages = retrieved.citations
         if retrieved.cached is not None:
             result = retrieved.cached.model_copy(update={
                 "session_id": turn.session_id, "turn": turn.turn, "question": question.message, "cached": True,
@@ -171,11 +193,13 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                                      self.step(ChatActivities.extract_entities, context))
         else:
             entities = await self.step(ChatActivities.extract_entities, context)
-        warnings = list(answer.warnings) + list(entities.warnings)
-        if not answer.grounded:
-            warnings.append("the answer cites no passage and no passage supports it: treat it as unverified")
+        told = []  # what the turn tells about the model's answer, besides what its step warned
+        if not answer.grounded and not self._gave_no_answer(answer):
+            told.append(UNVERIFIED_WARNING)
         if fallback_model:
-            warnings.append(f"the configured model kept failing; answered by the fallback model {fallback_model}")
+            told.append(f"the configured model kept failing; answered by the fallback model {fallback_model}")
+        self._model_answer_warnings = [*answer.warnings, *told]
+        warnings = [*answer.warnings, *entities.warnings, *told]
         result = TurnResult(
             session_id=turn.session_id, turn=turn.turn, question=question.message, answer=answer.answer,
             citations=citations, summary=summary.summary, entities=entities.entities, model=answer.model,
@@ -188,6 +212,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._answer_held and self._needs_review(turn, result):
             return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)
+
+    @staticmethod
+    def _gave_no_answer(answer: GenerateOutput) -> bool:
+        """The model's reply had no words: its step's warning says so, and there is no answer to call unverified."""
+        return not answer.answered and workflow.patched(NO_ANSWER_NOT_UNVERIFIED_PATCH)
 
     async def _summary_shown_while_it_runs(self, context: ContextInput) -> SummaryOutput:
         """The summary the answer waits for (passages too long for the model; tens of seconds on a local
@@ -221,8 +250,20 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if decision.decision == "reject":
             raise ApplicationError(f"answer rejected by {decision.reviewer}: {decision.comment or 'no comment'}",
                                    type="AnswerRejected", non_retryable=True)
-        return result.model_copy(update={"answer": decision.answer or result.answer,
-                                         "review": self.reviews.history[-1]})
+        review = self.reviews.history[-1]
+        if decision.answer and decision.answer != result.answer and workflow.patched(REVIEWER_ANSWER_PATCH):
+            return self._reviewers_answer(result, decision.answer).model_copy(update={"review": review})
+        return result.model_copy(update={"answer": decision.answer or result.answer, "review": review})
+
+    def _reviewers_answer(self, result: TurnResult, text: str) -> TurnResult:
+        """A reviewer's text in place of the model's answer. Its citations are the turn's passages its own [n]
+        markers name (numbered as the model saw them), each quoting the sentence of the passage's opening it
+        draws on; the model's citations, and what the turn told about the model's answer, went with that answer."""
+        cited = [self._passages[n - 1] for n in marked_passages(text, len(self._passages))]
+        citations = [c.model_copy(update={"quote": quote_for(text, c.quote)}) for c in cited]
+        warnings = [w for w in result.warnings if w not in self._model_answer_warnings]
+        return result.model_copy(update={"answer": text, "citations": citations, "supported": bool(citations),
+                                         "warnings": warnings, "written_by_reviewer": True})
 
 
 @workflow.defn
