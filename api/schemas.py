@@ -258,12 +258,15 @@ class TurnView(BaseModel):
     citations: list[Citation]
     error: str | None
     model: str | None = Field(None, description="Completed turns only: the model that answered")
+    written_by_reviewer: bool = Field(False, description="Completed turns only: a reviewer replaced the model's "
+                                      "answer with this text (`model` names the model whose answer it replaced)")
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler):
         data = handler(self)
         if self.status != "completed":
             data.pop("model", None)
+            data.pop("written_by_reviewer", None)
         return data
 
 

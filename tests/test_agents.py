@@ -399,6 +399,10 @@ async def test_a_reviewers_answer_is_released_with_its_own_citations_not_the_mod
     [shown] = [e["data"] for _, e in await read_events(stack, job_id) if e["type"] == "ragline.answer.completed"]
     assert (shown["answer"], shown["citations"], shown["written_by_reviewer"]) == \
         (replacement, result["citations"], True)
+    # So does the session's list of turns.
+    [turn] = (await stack.http.get(f"/v1/chats/{result['session_id']}")).json()["turns"]
+    assert (turn["answer"], [c["filename"] for c in turn["citations"]], turn["written_by_reviewer"]) == \
+        (replacement, [LAMPS[0]], True)
 
 
 async def test_a_reviewers_answer_without_markers_cites_nothing_and_drops_the_models_warnings(stack):

@@ -55,9 +55,10 @@ AGENT_GOALS = ["Compare the travel policy's hotel limit with the onboarding guid
 
 
 async def test_real_local_model_plans_only_calls_of_its_tools(local_llm):
-    """As `make run` drives it (RAGLINE_LLM_TOOL_CALLS unset: its replies held to the tools' schemas), the
-    shipped model's every plan step is one call of an allowed tool with valid arguments: an agent on it
-    searches, delegates or finishes, instead of spending its budget on corrections."""
+    """As `make run` drives it (its replies held to the tools' schemas: test_localmodel.py checks that
+    `make run` gives its worker RAGLINE_LLM_TOOL_CALLS=schema), the shipped model's every plan step is one
+    call of an allowed tool with valid arguments: an agent on it searches, delegates or finishes, instead
+    of spending its budget on corrections."""
     model = ChatModel(Settings(llm_base_url=local_llm, llm_tool_calls="schema", llm_model="local",
                                llm_timeout=240, llm_max_tokens=256))
     tools = prompts.agent_tools()

@@ -215,6 +215,12 @@ def test_process_specs_start_the_local_llm_first_unless_a_base_url_is_set(tmp_pa
     assert llm.ready_timeout == 300 and llm.preflight is not None
     for spec in local[1:]:
         assert spec.env["RAGLINE_LLM_BASE_URL"] == "http://127.0.0.1:9124/v1"
+        # What the worker and the API make of their environment: the local server's defaults still.
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in spec.env.items():
+                env.setenv(name, value)
+            seen = Settings(data_dir=tmp_path)
+        assert (seen.effective_llm_concurrency, seen.effective_llm_tool_calls) == (2, "schema")
     assert files_in(tmp_path) == []  # building the specs assembles nothing
 
     hosted = process_specs(Settings(data_dir=tmp_path, llm_base_url="https://x.example/v1"))

@@ -122,7 +122,8 @@ async def _turn_view(client: Client, execution, timeout: timedelta) -> TurnView:
     handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
     if execution.status == WorkflowExecutionStatus.COMPLETED:
         result = await handle.result(rpc_timeout=timeout)
-        outcome.update(answer=result["answer"], citations=result["citations"], model=result.get("model"))
+        outcome.update(answer=result["answer"], citations=result["citations"], model=result.get("model"),
+                       written_by_reviewer=result.get("written_by_reviewer", False))
     elif status == "failed":
         outcome["error"] = (await job_views.failure_of(handle, execution, timeout)).message
     return TurnView(turn=memo.get("turn"), job_id=execution.id, message=memo.get("message"), status=status,
