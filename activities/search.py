@@ -14,17 +14,29 @@ from temporal.errors import translate_errors
 RERANK_CANDIDATES = 10
 
 
+def candidates(embedder: Embedder, index: VectorIndex, tenant: str, collection: str, query: str,
+               limit: int = RERANK_CANDIDATES) -> list[tuple[SearchHit, list[float]]]:
+    """The fused candidates for a query in fused order, each with its relevance features (ragline/relevance.py;
+    bench.calibrate fits on these) and no relevance yet."""
+    found = []
+    for h in index.search(tenant, collection, embedder.query(query), limit, text=query):
+        text = h.payload.get("text", "")
+        found.append((SearchHit(text=text, document_id=h.payload.get("document_id", ""),
+                                filename=h.payload.get("filename", ""), page=int(h.payload.get("page", 0)),
+                                chunk=int(h.payload.get("chunk", 0)), score=round(float(h.cosine), 4)),
+                      relevance.features(query, text, h.cosine, relevance.hubness(embedder, query, h.vector))))
+    return found
+
+
 def find_passages(embedder: Embedder, index: VectorIndex, tenant: str, collection: str, query: str,
                   top_k: int) -> list[SearchHit]:
     """The tenant's best chunks in the collection for a query, best first: the one retrieval every
     feature uses. Hybrid (e5 dense per language group + BM25, fused); each hit has its cosine as `score`
     and its calibrated `relevance` (ragline/relevance.py)."""
-    hits = index.search(tenant, collection, embedder.query(query), max(top_k, RERANK_CANDIDATES), text=query)
-    found = [SearchHit(text=h.payload.get("text", ""), document_id=h.payload.get("document_id", ""),
-                      filename=h.payload.get("filename", ""), page=int(h.payload.get("page", 0)),
-                      chunk=int(h.payload.get("chunk", 0)), score=round(float(h.cosine), 4),
-                      relevance=relevance.score(query, h.payload.get("text", ""), h.cosine))
-            for h in hits]
+    found = []
+    for hit, feats in candidates(embedder, index, tenant, collection, query, max(top_k, RERANK_CANDIDATES)):
+        hit.relevance = round(relevance.probability(feats), 4)
+        found.append(hit)
     # Rerank the fused candidates by calibrated relevance (ties keep the fused order).
     return sorted(found, key=lambda h: -h.relevance)[:top_k]
 

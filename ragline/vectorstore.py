@@ -69,6 +69,7 @@ class Hit:
     score: float            # the fused rank score (hybrid) or the cosine (dense-only collections)
     payload: dict
     cosine: float = 0.0     # cosine similarity of the query and the passage (e5)
+    vector: list[float] | None = None  # the passage's dense vector (its hubness, ragline/relevance.py)
 
 
 class VectorIndex:
@@ -188,11 +189,14 @@ class VectorIndex:
             if text is None or not self._hybrid(name):
                 using = DENSE if self._hybrid(name) else None
                 result = self.client.query_points(name, query=vector, using=using, limit=top_k, with_payload=True,
+                                                  with_vectors=[using] if using else True,
                                                   query_filter=models.Filter(must=[mine]))
-                return [Hit(score=p.score, payload=p.payload or {}, cosine=p.score) for p in result.points]
+                return [Hit(score=p.score, payload=p.payload or {}, cosine=p.score, vector=_dense(p))
+                        for p in result.points]
             ids, values = lexical.query_vector(text)
             requests = [models.QueryRequest(
-                query=vector, using=DENSE, limit=CANDIDATES, with_payload=True, filter=models.Filter(must=[
+                query=vector, using=DENSE, limit=CANDIDATES, with_payload=True, with_vector=[DENSE],
+                filter=models.Filter(must=[
                     mine, models.FieldCondition(key="lang", match=models.MatchValue(value=lang))]))
                 for lang in LANGUAGES]
             weights = [DENSE_WEIGHT] * len(LANGUAGES)
@@ -212,11 +216,11 @@ class VectorIndex:
                 points.setdefault(key, p)
                 if i < len(LANGUAGES):
                     cosines[key] = p.score
-                elif key not in cosines and isinstance(p.vector, dict) and DENSE in p.vector:
-                    v = p.vector[DENSE]
+                elif key not in cosines and (v := _dense(p)):
                     cosines[key] = sum(a * b for a, b in zip(vector, v)) / (_norm(vector) * _norm(v) or 1.0)
         best = sorted(fused, key=lambda k: -fused[k])[:top_k]
-        return [Hit(score=fused[k], payload=points[k].payload or {}, cosine=cosines.get(k, 0.0)) for k in best]
+        return [Hit(score=fused[k], payload=points[k].payload or {}, cosine=cosines.get(k, 0.0),
+                    vector=_dense(points[k])) for k in best]
 
     def close(self) -> None:
         with self._lock:
@@ -231,6 +235,12 @@ def _tenant(tenant: str) -> models.FieldCondition:
 
 def _meta_id(tenant: str, collection: str) -> str:
     return str(uuid.uuid5(_POINT_NAMESPACE, f"meta:{tenant}:{collection}"))
+
+
+def _dense(point: models.ScoredPoint) -> list[float] | None:
+    """A point's dense vector: named in hybrid collections, the only one in older dense-only ones."""
+    v = point.vector
+    return v.get(DENSE) if isinstance(v, dict) else v
 
 
 def _norm(v: list[float]) -> float:

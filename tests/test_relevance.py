@@ -1,0 +1,41 @@
+"""The calibrated relevance gate (ragline/relevance.py) as shipped, with the real e5 embedder and hybrid
+retrieval over real English PDFs: a question in Chinese about them is answered from the passage that
+answers it, and one they do not answer is refused ("the documents do not cover it")."""
+
+from __future__ import annotations
+
+import pytest
+
+from activities.search import find_passages
+from bench.quality import COLLECTION, TENANT, index_documents
+from ragline import relevance
+from ragline.embeddings import LocalE5Embedder
+from ragline.settings import Settings
+from ragline.vectorstore import open_index
+from tests.conftest import shared_pdf
+
+
+@pytest.fixture(scope="module")
+def search(tmp_path_factory):
+    settings = Settings(data_dir=tmp_path_factory.mktemp("relevance"))
+    embedder = LocalE5Embedder()
+    index = open_index(settings)
+    index_documents(settings, embedder, index, [shared_pdf(name) for name in (
+        "SF424_page2.pdf", "Seige_of_Vicksburg_Sample_OCR.pdf", "crazyones.pdf")])
+    yield lambda question: find_passages(embedder, index, TENANT, COLLECTION, question, 5)
+    index.close()
+
+
+@pytest.mark.parametrize("question, filename, answer", [
+    ("这张申请表的有效期截止到哪天？", "SF424_page2.pdf", "Expiration Date: 01/31/2009"),  # until when is the form valid?
+    ("士兵一个月的军饷是多少？", "Seige_of_Vicksburg_Sample_OCR.pdf", "thirteen dollars a month"),  # a soldier's pay
+])
+def test_a_chinese_question_about_an_english_document_is_answered_from_it(search, question, filename, answer):
+    best = search(question)[0]
+    assert best.filename == filename and answer in best.text
+    assert best.relevance >= relevance.threshold(), best
+
+
+def test_a_chinese_question_the_documents_do_not_answer_is_refused(search):
+    hits = search("明天上海会下雨吗？")  # will it rain in Shanghai tomorrow?
+    assert hits and all(h.relevance < relevance.threshold() for h in hits), hits
