@@ -320,9 +320,12 @@ async def test_chat_with_require_review_releases_the_answer_only_after_approval(
     assert review["job_id"] == job_id and review["reason"] == "review requested"
     # The reviewer sees the answer the model gave, held back from the user; a member key sees that it waits.
     model_answer = answer_call.reply.strip()
-    assert review["proposed_action"] == {"action": "release_answer", "answer": model_answer}
+    passages = [{"n": 1, "filename": "tides.txt", "page": 1,
+                 "opening": "High tide at Vell harbour is at noon. Low tide follows at six."}]
+    assert review["proposed_action"] == {"action": "release_answer", "answer": model_answer, "passages": passages}
     members_view = [r for r in (await stack.member_http.get("/v1/reviews")).json()["reviews"] if r["job_id"] == job_id]
-    assert [(r["proposed_action"], r["withheld"]) for r in members_view] == [({"action": "release_answer"}, ["answer"])]
+    assert [(r["proposed_action"], r["withheld"]) for r in members_view] == \
+        [({"action": "release_answer", "passages": passages}, ["answer"])]
     held = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
     assert held["status"] == "waiting_review" and held["result"] is None
     session = (await stack.http.get(f"/v1/chats/{r.json()['session_id']}")).json()
@@ -384,6 +387,10 @@ async def test_a_reviewers_answer_is_released_with_its_own_citations_not_the_mod
         job_id, prompt = await _held_answer(stack, llm, "When is high tide at Vell harbour?", "replaced")
     model_answer = f"High tide at Vell harbour is at noon [{passage_number(prompt, TIDES[0])}]."
     replacement = f"The harbour lamps are lit at dusk [{passage_number(prompt, LAMPS[0])}]."
+    # The review shows the passages numbered as the model saw them: what the reviewer's [n] will name.
+    [held] = [r for r in (await stack.http.get("/v1/reviews")).json()["reviews"] if r["job_id"] == job_id]
+    numbered = {p["filename"]: p["n"] for p in held["proposed_action"]["passages"]}
+    assert numbered == {f: passage_number(prompt, f) for f in (TIDES[0], LAMPS[0])}
     await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "revise", "reviewer": "editor",
                                                             "answer": replacement})
     job = await stack.wait_done(job_id)

@@ -57,6 +57,9 @@ NO_ANSWER_NOT_UNVERIFIED_PATCH = "no-answer-not-unverified"
 # turn told about the model's answer. Earlier turns released it with the model answer's citations,
 # `supported` and warnings.
 REVIEWER_ANSWER_PATCH = "reviewer-answer-cites-its-own-markers"
+# A held answer's review lists the turn's passages numbered as the model saw them, so a reviewer's own [n]
+# markers can name them. Earlier reviews showed the answer alone.
+REVIEW_PASSAGES_PATCH = "review-lists-numbered-passages"
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -244,7 +247,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         reason = "review requested" if turn.question.require_review else "answer without a supporting citation"
         decision = await self.reviews.ask(
             reason=reason, detail=f"answer to {turn.question.message[:200]!r} is held until a reviewer releases it",
-            proposed_action={"action": "release_answer", "answer": result.answer[:2000]},
+            proposed_action={"action": "release_answer", "answer": result.answer[:2000], **self._numbered_passages()},
             goal=turn.question.message, depth=0, timeout=timedelta(seconds=turn.review_timeout_seconds),
             withheld=("answer",))
         if decision.decision == "reject":
@@ -254,6 +257,13 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if decision.answer and decision.answer != result.answer and workflow.patched(REVIEWER_ANSWER_PATCH):
             return self._reviewers_answer(result, decision.answer).model_copy(update={"review": review})
         return result.model_copy(update={"answer": decision.answer or result.answer, "review": review})
+
+    def _numbered_passages(self) -> dict:
+        """What a reviewer's [n] would cite: the turn's passages, numbered as the model saw them."""
+        if not workflow.patched(REVIEW_PASSAGES_PATCH):
+            return {}
+        return {"passages": [{"n": n, "filename": c.filename, "page": c.page, "opening": c.quote}
+                             for n, c in enumerate(self._passages, 1)]}
 
     def _reviewers_answer(self, result: TurnResult, text: str) -> TurnResult:
         """A reviewer's text in place of the model's answer. Its citations are the turn's passages its own [n]
