@@ -33,10 +33,10 @@ from activities.gate import GateActivities
 from activities.ingest import IngestActivities
 from activities.jobs import JobActivities
 from activities.search import SearchActivities
-from ragline import logs, tracing
+from ragline import logs, relevance, tracing
 from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
-from ragline.embeddings import build_embedder
+from ragline.embeddings import Embedder, build_embedder
 from ragline.errors import StoreUnavailableError
 from ragline.llm import ChatModel
 from ragline.settings import Settings, get_settings
@@ -252,6 +252,22 @@ def _pollers(settings: Settings) -> dict[str, Any]:
     return {"workflow_task_poller_behavior": behavior, "activity_task_poller_behavior": behavior}
 
 
+def _prepare_relevance(embedder: Embedder, executor: concurrent.futures.ThreadPoolExecutor) -> None:
+    """The relevance gate's everyday questions are embedded in the background at start, so no question
+    waits for them; a gate fitted for another embedding model is said once, here."""
+    if not relevance.fitted_for(embedder):
+        log.warning("the relevance gate was fitted for another embedding model: its hubness feature is off, and "
+                    "its threshold may refuse more than it should (README: Grounded answers)",
+                    embeddings_model=embedder.name, fitted_for=relevance.FITTED_MODEL)
+        return
+
+    def warmed(future: concurrent.futures.Future) -> None:
+        if (exc := future.exception()) is not None:  # the first questions embed them instead
+            log.warning("could not embed the relevance gate's everyday questions at start", error=repr(exc))
+
+    executor.submit(relevance.warm, embedder).add_done_callback(warmed)
+
+
 def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
                  executor: concurrent.futures.ThreadPoolExecutor, role: str = "all") -> RaglineWorker:
     """One place that wires workflows and activities for a role; used by `main()` and by the tests.
@@ -265,6 +281,8 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
         raise RoleError(f"role {role!r} runs activities that need the vector store, and none was given")
     blobs = BlobStore(settings.blob_dir)
     embedder = build_embedder(settings) if "embedder" in needs else _Unavailable("embedding model", role)
+    if "embedder" in needs:
+        _prepare_relevance(embedder, executor)
     store = index if index is not None else _Unavailable("vector store", role)
     model = ChatModel(settings)
     activities = [

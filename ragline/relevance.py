@@ -11,8 +11,9 @@ is a logistic model over four features of a (question, passage) pair:
   cross     1 when question and passage are in different language groups (en / zh)
   coverage  the share of the question's lexical terms (ragline/lexical.py) found in the passage
   hubness   the passage's mean cosine to everyday questions in the question's language that no document
-            answers (GENERIC_QUESTIONS), centred on 0.75 and scaled by 10: the correction of
-            cross-lingual retrieval known as CSLS, with a fixed set of questions as the neighbourhood
+            answers (GENERIC_QUESTIONS), centred on 0.75 and scaled by 10: the correction of cross-lingual
+            retrieval known as CSLS, with a fixed set of questions as the neighbourhood (neutral for an
+            embedding model the gate was not fitted with)
 
 fitted by `python -m bench.calibrate` on the labelled set bench/eval/golden.jsonl (in-corpus questions:
 their first passage from the expected document is a positive, every other passage a negative;
@@ -26,12 +27,15 @@ from __future__ import annotations
 
 import math
 import tomllib
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
 from ragline import lexical
 
 MODEL_FILE = Path(__file__).with_name("relevance.toml")
+FITTED_MODEL = "multilingual-e5-small"
+NEUTRAL_HUBNESS = 0.75  # the centre of the feature: (hub - 0.75) * 10 = 0
 
 # Questions about everyday things, none of which any document of a deployment is expected to answer.
 # Changing them changes the hubness feature: refit (`python -m bench.calibrate --write`) afterwards.
@@ -59,18 +63,42 @@ def _unit(v: list[float]) -> list[float]:
     return [x / norm for x in v]
 
 
-@lru_cache(maxsize=8)
+# Per embedder (weakly held: a worker's embedder, a test's) and language.
+_centroids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _generic_centroid(embedder, language: str) -> list[float]:  # noqa: ANN001
     """The mean of the generic questions' unit vectors: its dot product with a passage's unit vector is the
     passage's mean cosine to them. Embedded once per embedder and language."""
-    vectors = [_unit(embedder.query(q)) for q in GENERIC_QUESTIONS[language]]
-    return [sum(column) / len(vectors) for column in zip(*vectors)]
+    known = _centroids.setdefault(embedder, {})
+    if language not in known:
+        vectors = [_unit(embedder.query(q)) for q in GENERIC_QUESTIONS[language]]
+        known[language] = [sum(column) / len(vectors) for column in zip(*vectors)]
+    return known[language]
 
 
-def hubness(embedder, question: str, passage_vector: list[float]) -> float:  # noqa: ANN001
-    """The passage's mean cosine to everyday questions in the question's language."""
+def fitted_for(embedder) -> bool:  # noqa: ANN001
+    """The coefficients hold for the embedding model they were fitted with: multilingual-e5-small (in-process,
+    or served by an embeddings endpoint under that name)."""
+    return FITTED_MODEL in embedder.name.lower()
+
+
+def hubness(embedder, question: str, passage_vector: list[float] | None) -> float:  # noqa: ANN001
+    """The passage's mean cosine to everyday questions in the question's language. Neutral (it moves no
+    probability) for another embedding model, whose cosines sit elsewhere: there this feature, with the
+    largest weight, would wave every passage through, where the cosine's own weight only makes the gate
+    stricter (README: a refit, or RAGLINE_RELEVANCE_THRESHOLD); and for a point stored without its vector."""
+    if passage_vector is None or not fitted_for(embedder):
+        return NEUTRAL_HUBNESS
     centroid = _generic_centroid(embedder, lexical.language(question))
-    return sum(a * b for a, b in zip(centroid, _unit(passage_vector)))
+    return sum(a * b for a, b in zip(centroid, _unit(passage_vector), strict=True))
+
+
+def warm(embedder) -> None:  # noqa: ANN001
+    """Embed the everyday questions now (a worker's start), not inside the first question of each language."""
+    if fitted_for(embedder):
+        for language in GENERIC_QUESTIONS:
+            _generic_centroid(embedder, language)
 
 
 def features(question: str, passage: str, cosine: float, hub: float) -> list[float]:

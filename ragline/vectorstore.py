@@ -194,8 +194,10 @@ class VectorIndex:
                 return [Hit(score=p.score, payload=p.payload or {}, cosine=p.score, vector=_dense(p))
                         for p in result.points]
             ids, values = lexical.query_vector(text)
+            # The dense lists' points come without vectors: only the fused best need one (their hubness,
+            # ragline/relevance.py), fetched below, where a server would send every candidate's.
             requests = [models.QueryRequest(
-                query=vector, using=DENSE, limit=CANDIDATES, with_payload=True, with_vector=[DENSE],
+                query=vector, using=DENSE, limit=CANDIDATES, with_payload=True,
                 filter=models.Filter(must=[
                     mine, models.FieldCondition(key="lang", match=models.MatchValue(value=lang))]))
                 for lang in LANGUAGES]
@@ -206,21 +208,27 @@ class VectorIndex:
                                                     with_vector=[DENSE], filter=models.Filter(must=[mine])))
                 weights.append(LEXICAL_WEIGHT)
             responses = self.client.query_batch_points(name, requests=requests)
-        fused: dict[str, float] = {}
-        points: dict[str, models.ScoredPoint] = {}
-        cosines: dict[str, float] = {}
-        for i, (response, weight) in enumerate(zip(responses, weights)):
-            for rank, p in enumerate(response.points):
-                key = str(p.id)
-                fused[key] = fused.get(key, 0.0) + weight / (RRF_K + rank + 1)
-                points.setdefault(key, p)
-                if i < len(LANGUAGES):
-                    cosines[key] = p.score
-                elif key not in cosines and (v := _dense(p)):
-                    cosines[key] = sum(a * b for a, b in zip(vector, v)) / (_norm(vector) * _norm(v) or 1.0)
-        best = sorted(fused, key=lambda k: -fused[k])[:top_k]
+            fused: dict[str, float] = {}
+            points: dict[str, models.ScoredPoint] = {}
+            cosines: dict[str, float] = {}
+            vectors: dict[str, list[float]] = {}
+            for i, (response, weight) in enumerate(zip(responses, weights)):
+                for rank, p in enumerate(response.points):
+                    key = str(p.id)
+                    fused[key] = fused.get(key, 0.0) + weight / (RRF_K + rank + 1)
+                    points.setdefault(key, p)
+                    if i < len(LANGUAGES):
+                        cosines[key] = p.score
+                    elif (v := _dense(p)) is not None:
+                        vectors[key] = v
+                        if key not in cosines:
+                            cosines[key] = sum(a * b for a, b in zip(vector, v)) / (_norm(vector) * _norm(v) or 1.0)
+            best = sorted(fused, key=lambda k: -fused[k])[:top_k]
+            if missing := [points[k].id for k in best if k not in vectors]:
+                for record in self.client.retrieve(name, ids=missing, with_payload=False, with_vectors=[DENSE]):
+                    vectors[str(record.id)] = _dense(record)
         return [Hit(score=fused[k], payload=points[k].payload or {}, cosine=cosines.get(k, 0.0),
-                    vector=_dense(points[k])) for k in best]
+                    vector=vectors.get(k)) for k in best]
 
     def close(self) -> None:
         with self._lock:
@@ -237,7 +245,7 @@ def _meta_id(tenant: str, collection: str) -> str:
     return str(uuid.uuid5(_POINT_NAMESPACE, f"meta:{tenant}:{collection}"))
 
 
-def _dense(point: models.ScoredPoint) -> list[float] | None:
+def _dense(point: models.ScoredPoint | models.Record) -> list[float] | None:
     """A point's dense vector: named in hybrid collections, the only one in older dense-only ones."""
     v = point.vector
     return v.get(DENSE) if isinstance(v, dict) else v

@@ -39,3 +39,20 @@ def test_a_chinese_question_about_an_english_document_is_answered_from_it(search
 def test_a_chinese_question_the_documents_do_not_answer_is_refused(search):
     hits = search("明天上海会下雨吗？")  # will it rain in Shanghai tomorrow?
     assert hits and all(h.relevance < relevance.threshold() for h in hits), hits
+
+
+class _OtherModel:
+    """An embeddings endpoint serving another model: its cosines sit elsewhere than e5's."""
+    name = "text-embedding-3-small"
+
+    def query(self, text: str) -> list[float]:
+        raise AssertionError("the gate embeds nothing for a model it was not fitted with")
+
+
+def test_the_hubness_feature_is_neutral_for_a_model_the_gate_was_not_fitted_with():
+    """Its weight is the gate's largest: with another model's low cosines it would let every passage through
+    (an unrelated passage at cosine 0.25 scored 1.0). Neutral, the gate is only stricter with such a model."""
+    unrelated = relevance.features("What is the capital of Peru?", "Quarterly revenue rose.", 0.25,
+                                   relevance.hubness(_OtherModel(), "What is the capital of Peru?", [0.1] * 384))
+    assert relevance.probability(unrelated) < relevance.threshold()
+    assert relevance.hubness(LocalE5Embedder(), "a question", None) == relevance.NEUTRAL_HUBNESS  # no vector stored
