@@ -20,7 +20,7 @@ from ragline.llm import ChatModel, tool_calls_in_text
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
 
-OBSERVATION_CHARS = 600
+OBSERVATION_CHARS = 900  # a search's observation, shared by its hits (3 by default)
 
 
 class AgentActivities:
@@ -57,8 +57,11 @@ class AgentActivities:
         if not hits:
             text = f"search_documents({req.query!r}): nothing found"
         else:
-            text = " | ".join(f"[{h.filename}, p.{h.page}] {h.text}" for h in hits)
-        return SearchDocumentsOutput(observation=text[:OBSERVATION_CHARS], attempt=activity.info().attempt)
+            # Each hit gets its share: cut as a whole, the first passage filled the observation alone, and the
+            # agent saw one passage whatever it searched.
+            share = OBSERVATION_CHARS // len(hits)
+            text = " | ".join(f"[{h.filename}, p.{h.page}] {h.text[:share]}" for h in hits)
+        return SearchDocumentsOutput(observation=text, attempt=activity.info().attempt)
 
 
 def checked_call(name: str, arguments: str, allowed: dict[str, dict]) -> ToolCall:

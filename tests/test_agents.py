@@ -180,6 +180,34 @@ async def test_loop_guard_trips_on_a_repeated_goal(stack):
     assert job["result"]["tree"]["children"] == []
 
 
+async def test_a_revise_on_a_spent_budget_brings_its_extra_budget(stack):
+    """A reviewer tells an agent that spent its budget what to do instead, and gives it two more model calls
+    for that: the agent uses them (it searched once more, then finished). Before, a revise dropped its
+    extension: the agent planned one call over its budget and asked for a review again."""
+    def plan(body: dict) -> dict:
+        observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
+        searches = observed.count("\n- ") + observed.startswith("- ")
+        if searches < 2:
+            query = ("tide tables", "lamp schedule")[searches]
+            return {"tool_calls": [{"name": "search_documents", "arguments": {"query": query}}]}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "the lamps follow the tides"}}]}
+
+    with stack.llm.scope() as llm:
+        llm.script_fn("agent", plan)
+        job_id = await _start(stack, f"Relate the lamps to the tides {llm.token}",
+                              budget={"max_llm_calls": 1, "max_tokens": 100000, "max_seconds": 600})
+        [review] = await waiting_reviews(stack, job_id)
+        assert review["reason"] == "budget"
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "revise", "reviewer": "cy", "instructions": "search the lamp schedule, then finish",
+            "extra_budget": {"max_llm_calls": 2}})
+        assert r.status_code == 200
+        job = await stack.wait_done(job_id)
+    assert job["status"] == "completed", job
+    result = job["result"]
+    assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the lamps follow the tides", 3)
+
+
 async def test_signal_reviews_record_bad_input_and_accept_good_input(stack):
     with stack.llm.scope() as llm:
         llm.script_fn("agent", delegate_until(leaf_depth=9, token=llm.token))

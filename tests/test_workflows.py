@@ -723,6 +723,31 @@ async def test_a_holder_that_asks_again_without_releasing_passes_its_slot_to_the
 
 # -- agents --------------------------------------------------------------------------------------------
 
+async def test_an_agent_that_searches_the_same_words_again_is_told_so_and_finishes(bare_env):
+    """A small model pastes what it found back in as its next query, round after round, until its budget is
+    spent. A query searched before is not run again: the agent is told to search for something else or to
+    finish, and does. Each plan and search step says what was called."""
+    env = bare_env
+
+    def plan(req: PlanInput) -> PlanOutput:
+        if any("searched before" in o for o in req.observations):
+            return finish(f"done after {len(req.observations)} observations")
+        return PlanOutput(calls=[ToolCall(name="search_documents", arguments={"query": "Siege of Vicksburg."})],
+                          prompt_tokens=10, completion_tokens=5)
+
+    fakes = Fakes(plan=plan)
+    async with fake_worker(env, fakes) as queue:
+        job_id = f"agent-{uuid.uuid4().hex[:8]}"
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="How did the siege end?"),
+                                                   id=job_id, task_queue=queue)
+        progress = await env.client.get_workflow_handle(job_id).query(AgentWorkflow.progress)
+    assert (result.status, result.answer, result.llm_calls) == ("finished", "done after 2 observations", 3)
+    assert [c.arg.query for c in fakes.named("search_documents")] == ["Siege of Vicksburg."]
+    details = {s.name: s.detail for s in progress.steps}
+    assert details["plan 1"] == details["plan 2"] == "search_documents(query='Siege of Vicksburg.')"
+    assert details["search 1"] == "query: 'Siege of Vicksburg.'"
+
+
 async def test_agent_that_finishes_at_once(bare_env):
     env = bare_env
     fakes = Fakes(plan=lambda req: finish(f"done: {req.goal}", tokens=15))

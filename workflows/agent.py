@@ -3,12 +3,12 @@
 AgentWorkflow (id agent-<uuid>, children <parent id>.<n>)
   loop: guard the budget -> agent_plan (tool calling) -> a malformed call written as text: plan once more,
         told what was wrong (agent_plan fails the job if that reply is malformed too) -> for each tool call:
-          search_documents -> observation
+          search_documents -> observation (a query searched before is not run again: the agent is told so)
           delegate(subgoal) -> guards (depth, loop, budget) -> child AgentWorkflow, in parallel
           finish(answer) -> done
   A tripped guard does not start more work: the agent waits for a person's `review`
   (approve: go on, with extensions; reject: stop and finish with what it has; revise: go on with new
-  instructions), or rejects itself when the review times out. A rejection sticks for the whole tree:
+  instructions, and extensions), or rejects itself when the review times out. A rejection sticks for the whole tree:
   the rejected sub-goal is never delegated again, and every ancestor finishes with what it has.
 """
 
@@ -42,6 +42,13 @@ REPLAN_MALFORMED_PATCH = "agent-replans-malformed-tool-call"
 # A sub-agent that fails says what it spent (its failure's details); earlier parents did not count it.
 FAILED_CHILD_SPEND_PATCH = "agent-counts-failed-child-spend"
 SPENT_DETAIL = "spent"
+# A search the agent already ran is not run again: the agent is told to search for something else or to
+# finish, and each plan and search step's detail names the calls and the query. Earlier agents searched the
+# same words round after round (a small model pastes the passage it got back in as its next query) until
+# their budget ran out.
+SEARCH_PROGRESS_PATCH = "agent-search-makes-progress"
+# A `revise` brings its extensions (extra_depth, extra_budget) as an `approve` does; earlier ones dropped them.
+REVISE_EXTENDS_PATCH = "agent-revise-extends"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -53,6 +60,12 @@ def spent_before_failing(exc: ChildWorkflowError) -> Spend:
 
 def normalise_goal(goal: str) -> str:
     return " ".join(goal.lower().split()).strip(" .?!")
+
+
+def described(name: str, arguments: dict) -> str:
+    """A tool call as a person reads it in the plan step's detail: search_documents(query='…')."""
+    shown = ", ".join(f"{k}={str(v)[:120]!r}" for k, v in arguments.items())
+    return f"{name}({shown})"
 
 
 class Stop(Exception):
@@ -69,6 +82,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.observations: list[str] = []
         # Sub-goals a reviewer rejected, in this agent, below it, or above it (from its input).
         self.rejected: list[str] = []
+        self._searched: set[str] = set()  # queries searched, normalised
 
     @workflow.run
     async def run(self, inp: AgentInput) -> AgentResult:
@@ -126,6 +140,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 f"tool error: {call.error}" for call in plan.calls if call.error]
             if problems:  # else the step's view says only "completed", and the reason is in the history alone
                 self.steps.note(f"plan {turn}", "; ".join(problems))
+            elif plan.calls and workflow.patched(SEARCH_PROGRESS_PATCH):
+                self.steps.note(f"plan {turn}", "; ".join(described(c.name, c.arguments) for c in plan.calls))
             if plan.malformed and workflow.patched(REPLAN_MALFORMED_PATCH):
                 correction = PlanCorrection(reply=plan.text, problem=plan.malformed)
                 continue
@@ -138,15 +154,32 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 elif call.name == TOOL_FINISH:
                     return call.arguments["answer"]
                 elif call.name == TOOL_SEARCH:
-                    found = await self.step(AgentActivities.search_documents, SearchDocumentsInput(
-                        tenant=inp.tenant, query=call.arguments["query"], collection=inp.collection),
-                        name=f"search {turn}")
-                    self.observations.append(found.observation)
+                    await self._search(call.arguments["query"], turn)
                 elif call.name == TOOL_DELEGATE:
                     subgoals.append(call.arguments["subgoal"])
             if subgoals:
                 await self._delegate(subgoals)
         return None
+
+    async def _search(self, query: str, turn: int) -> None:
+        """search_documents, unless the agent searched the same words before: then it is told so, and no
+        search runs (it found what it will find)."""
+        inp = self.inp
+        progress = workflow.patched(SEARCH_PROGRESS_PATCH)
+        if progress and normalise_goal(query) in self._searched:
+            self.observations.append(f"search_documents({query!r}) was searched before and found what is above: "
+                                     "search for something else, or call finish with what the observations show")
+            return
+        self._searched.add(normalise_goal(query))
+        found = await self.step(AgentActivities.search_documents, SearchDocumentsInput(
+            tenant=inp.tenant, query=query, collection=inp.collection), name=f"search {turn}")
+        if progress:
+            self.steps.note(f"search {turn}", f"query: {query!r}")
+            if found.observation in self.observations:
+                self.observations.append(f"search_documents({query!r}) found the same passages as an earlier "
+                                         "search: search for something else, or call finish")
+                return
+        self.observations.append(found.observation)
 
     async def _delegate(self, subgoals: list[str]) -> None:
         """Child agents for `subgoals`, in parallel, once every guard passes (or a person approves)."""
@@ -243,7 +276,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         decision = await self.reviews.ask(
             reason=reason, detail=detail, proposed_action=proposed, goal=self.inp.goal, depth=self.inp.depth,
             timeout=timedelta(seconds=self.inp.review_timeout_seconds))
-        if decision.decision == "approve":
+        if decision.decision == "approve" or (decision.decision == "revise" and workflow.patched(REVISE_EXTENDS_PATCH)):
             self.max_depth += decision.extra_depth
             extra = decision.extra_budget
             self.budget.max_llm_calls += int(extra.get("max_llm_calls", 0))
