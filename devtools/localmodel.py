@@ -300,4 +300,6 @@ def llama_server_argv(settings: Settings, model_path: Path | str) -> list[str]:
             "--host", "127.0.0.1",
             "--port", str(settings.llm_port),
             # llama.cpp's loading log is ~1,700 lines (every tensor, the chat template) per start
-            "--verbose", "False"]
+            "--verbose", "False",
+            # Its default ends a streaming reply, as if finished, as soon as another request comes in.
+            "--interrupt_requests", "False"]

@@ -66,6 +66,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 FAULT_KINDS: tuple[str, ...] = ("429", "503", "drop", "hang", "malformed")
+# Faults only a script asks for (random faults keep to FAULT_KINDS): "cut" ends a stream after its first
+# piece with [DONE] and no finish_reason, as llama-cpp-python's server does to a stream when another request
+# arrives (its interrupt_requests, on by default).
+SCRIPTED_FAULTS: tuple[str, ...] = ("cut",)
 EMBED_DIM = 384
 MODEL_ID = "scripted"
 EMBEDDINGS_TASK = "embeddings"
@@ -235,7 +239,8 @@ def _forced_tool_call(body: dict, question: str) -> dict | None:
 
 
 def is_fault(item: Any) -> bool:
-    return isinstance(item, str) and (item in FAULT_KINDS or bool(_STATUS_FAULT.fullmatch(item)))
+    return isinstance(item, str) and (item in FAULT_KINDS or item in SCRIPTED_FAULTS
+                                      or bool(_STATUS_FAULT.fullmatch(item)))
 
 
 @dataclass
@@ -569,8 +574,8 @@ class ScriptedLLM:
 
     def script(self, task: str, replies: list | tuple | str | dict, *, when: str | None = None) -> None:
         """Queue replies for `task` ("*" = any chat task), consumed in order before the default script.
-        Each item: a content string; a fault name ("429", "503", "drop", "hang", "malformed", or any 4xx/5xx
-        code); or a dict `{"content": ...}`, `{"tool_calls": [{"name": ..., "arguments": {...}}]}`,
+        Each item: a content string; a fault name ("429", "503", "drop", "hang", "malformed", "cut" (a stream
+        ended early, see SCRIPTED_FAULTS), or any 4xx/5xx code); or a dict `{"content": ...}`, `{"tool_calls": [{"name": ..., "arguments": {...}}]}`,
         `{"fault": ...}`, optionally with `"delay": seconds`. Calling again appends.
         With `when`, only requests whose messages contain that token consume them (see `scope`); such
         requests take their scope's replies before the unscoped ones."""
@@ -886,6 +891,9 @@ class ScriptedLLM:
                 rec.client_disconnected = True
                 return _NoResponse()
             return await self._drop(request)  # server stopping, or hang_seconds elapsed
+        if fault == "cut":
+            rec.status = 200
+            return StreamingResponse(_cut_stream(rec), media_type="text/event-stream")
         if fault == "malformed":
             rec.status = 200
             if stream:
@@ -1082,6 +1090,15 @@ async def _until_disconnect(receive) -> None:  # noqa: ANN001
 
 def _sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _cut_stream(rec: CallRecord):
+    try:
+        yield _sse({"id": "chatcmpl-cut", "object": "chat.completion.chunk", "created": _CREATED, "model": MODEL_ID,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Acc"}, "finish_reason": None}]})
+        yield b"data: [DONE]\n\n"
+    finally:
+        rec.finished_at = time.monotonic()
 
 
 async def _malformed_stream(rec: CallRecord):

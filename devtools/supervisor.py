@@ -211,7 +211,7 @@ def process_specs(settings: Settings) -> list[ProcessSpec]:
         # No hosted model configured: serve the local one and point the worker and API at it.
         specs.append(llm_spec(settings))
         llm_env = {"RAGLINE_LLM_BASE_URL": settings.effective_llm_base_url}
-        # The worker now sees a base URL: keep what the local server wants (2 calls on 2 cores; plan
+        # The worker now sees a base URL: keep what the local server wants (1 call at a time, as it runs them; plan
         # steps held to the tools' schemas, which llama.cpp turns into a grammar).
         llm_env["RAGLINE_LLM_CONCURRENCY"] = str(settings.effective_llm_concurrency)
         llm_env["RAGLINE_LLM_TOOL_CALLS"] = settings.effective_llm_tool_calls

@@ -279,6 +279,7 @@ class ChatModel:
         loop (`cut_repetition`) is not read further: its stream is closed, so the model stops generating,
         and `result` keeps the text up to the loop's first occurrence, with `repetition_cut` set."""
         streamed_chars = 0
+        finished = False
         guard = LoopGuard()
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
@@ -293,6 +294,7 @@ class ChatModel:
                         result.completion_tokens = chunk.usage.completion_tokens
                         observed.take(chunk.usage)
                     for choice in chunk.choices:
+                        finished = finished or choice.finish_reason is not None
                         piece = choice.delta.content if choice.delta else None
                         if not piece:
                             continue
@@ -306,6 +308,12 @@ class ChatModel:
                         yield piece
                     if result.repetition_cut:
                         break
+            if not finished and not result.repetition_cut:
+                # Ended, cleanly, before the model finished: a server that cut the stream (llama-cpp-python
+                # does when another request arrives, unless started with --interrupt_requests False) or a
+                # proxy. Taken as the answer, it would be a fragment shown as complete; retried, it is whole.
+                raise TransientError(f"{step}: the reply's stream ended before the model finished it "
+                                     f"({streamed_chars} characters in, no finish_reason)")
             if not result.completion_tokens:  # no usage came (the stream was cut): estimated, and counted so
                 result.prompt_tokens = result.prompt_tokens or estimate_tokens(" ".join(str(m.get("content") or "") for m in messages))
                 result.completion_tokens = max(1, streamed_chars // CHARS_PER_TOKEN)

@@ -63,8 +63,9 @@ class Settings(BaseSettings):
     llm_max_tokens: int = 512
     # Tokens the model's context holds (prompt + answer); passages beyond it are summarized first.
     llm_context_tokens: int = 4096
-    # Model calls in flight, per model endpoint: the `llm` task queue's slots. Unset: 2 for the local
-    # llama.cpp server (2 cores), 64 for a remote endpoint.
+    # Model calls in flight, per model endpoint: the `llm` task queue's slots. Unset: 1 for the local
+    # llama.cpp server (it runs one request at a time: a second would wait inside it, its timeout running),
+    # 64 for a remote endpoint.
     llm_concurrency: int | None = None
     # Optional cap on model calls started per second across all workers (the task queue's rate limit).
     llm_requests_per_second: float | None = None
@@ -270,7 +271,7 @@ class Settings(BaseSettings):
     def effective_llm_concurrency(self) -> int:
         if self.llm_concurrency is not None:
             return self.llm_concurrency
-        return 64 if self.llm_base_url else 2
+        return 64 if self.llm_base_url else 1
 
     @property
     def effective_llm_tool_calls(self) -> str:

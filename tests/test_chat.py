@@ -358,6 +358,21 @@ async def test_unknown_session_and_bad_requests(stack):
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated", r.text
 
 
+async def test_an_answer_stream_cut_short_is_retried_not_taken_for_the_answer(stack, chat_docs):
+    """The model server ends the stream cleanly after its first piece, without a finish_reason (what
+    llama-cpp-python does to a stream when another request arrives). That fragment is no answer: the step
+    is retried, and the job's answer is the retry's whole one. Before, "Acc" was the turn's answer."""
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["cut"])
+        accepted = await stack.chat(f"Who counts the herds? {llm.token}", collection="chat")
+        job = await stack.wait_job(accepted["job_id"])
+        cut, answered = llm.calls("answer")
+    assert cut.fault == "cut" and answered.ok
+    assert job["status"] == "completed" and job["result"]["answer"] == answered.reply.strip()
+    [step] = [s for s in job["steps"] if s["name"] == "generate_answer"]
+    assert step["attempts"] == 2
+
+
 async def test_a_retried_answer_streams_again_under_its_new_attempt(stack, chat_docs):
     """The model's stream breaks after its first piece: that piece has gone out, as attempt 1's; the retry
     streams the whole answer again under attempt 2, and the job's answer is the retry's."""

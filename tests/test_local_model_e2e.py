@@ -4,13 +4,14 @@ agent's plan steps are calls of its tools."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from activities.agent import checked_call
 from ragline import prompts
-from ragline.llm import ChatModel
+from ragline.llm import ChatModel, StreamedCompletion
 from ragline.settings import Settings
 from tests.conftest import running_stack
 from tests.local_llm import local_llm_unavailable, model_dir, start_local_llm
@@ -73,3 +74,23 @@ async def test_real_local_model_plans_only_calls_of_its_tools(local_llm):
             assert checked.error is None, (goal, checked.error, json.loads(call.arguments))
     finally:
         await model.close()
+
+
+async def test_real_local_models_answer_stream_is_not_cut_by_another_call(local_llm):
+    """llama-cpp-python's server ends a streaming reply as soon as another request arrives, unless started
+    with --interrupt_requests False (devtools/localmodel.py): with answers, summaries and agent plans of
+    several jobs in flight, answers were cut to their first words."""
+    model = ChatModel(Settings(llm_base_url=local_llm, llm_model="local", llm_timeout=240, llm_max_tokens=160))
+    reply = StreamedCompletion(model="local")
+    other = None
+    try:
+        async for _ in model.stream([{"role": "user", "content": "Count from 1 to 40, separated by commas."}],
+                                    reply, step="generate"):
+            if other is None:  # another call while the answer streams
+                other = asyncio.create_task(model.complete([{"role": "user", "content": "Say hi."}], step="entities",
+                                                           max_tokens=5))
+        assert (await other).text
+    finally:
+        await model.close()
+    # Cut, the stream would have ended after its first pieces ("1, 2") and raised (no finish_reason).
+    assert "10, 11, 12" in reply.text, reply.text

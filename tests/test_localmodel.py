@@ -197,7 +197,8 @@ def test_llama_server_argv() -> None:
     assert argv[:3] == [sys.executable, "-m", "llama_cpp.server"]
     pairs = dict(zip(argv[3::2], argv[4::2]))
     assert pairs == {"--model": "/m/model.gguf", "--n_ctx": "4096", "--n_threads": str(os.cpu_count() or 2),
-                     "--model_alias": "local", "--host": "127.0.0.1", "--port": "9123", "--verbose": "False"}
+                     "--model_alias": "local", "--host": "127.0.0.1", "--port": "9123", "--verbose": "False",
+                     "--interrupt_requests": "False"}
 
 
 def test_settings_effective_llm_base_url() -> None:
@@ -220,7 +221,7 @@ def test_process_specs_start_the_local_llm_first_unless_a_base_url_is_set(tmp_pa
             for name, value in spec.env.items():
                 env.setenv(name, value)
             seen = Settings(data_dir=tmp_path)
-        assert (seen.effective_llm_concurrency, seen.effective_llm_tool_calls) == (2, "schema")
+        assert (seen.effective_llm_concurrency, seen.effective_llm_tool_calls) == (1, "schema")
     assert files_in(tmp_path) == []  # building the specs assembles nothing
 
     hosted = process_specs(Settings(data_dir=tmp_path, llm_base_url="https://x.example/v1"))
