@@ -152,8 +152,8 @@ class ChatActivities:
                                   unsent_events=deltas.unsent, attempt=attempt)
         cited = cited_passages(answer, passages)
         return GenerateOutput(answer=answer, cited=cited, grounded=bool(cited),
-                              citations=[citation(passages[i - 1], quote_for(answer, passages[i - 1].text))
-                                         for i in cited],
+                              citations=distinct([citation(passages[i - 1], quote_for(answer, passages[i - 1].text))
+                                                  for i in cited]),
                               model=result.model, usage=usage, warnings=warnings, unsent_events=deltas.unsent,
                               attempt=attempt)
 
@@ -270,6 +270,18 @@ class AnswerDeltas:
                 return
             log.info("answer deltas dropped: the job has ended", error=str(exc))
             self._job_ended = True
+
+
+def distinct(citations: list[Citation]) -> list[Citation]:
+    """One citation per quoted sentence of a document: adjacent chunks overlap (RAGLINE_CHUNK_OVERLAP), and an
+    answer citing both showed the same sentence twice."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for c in citations:
+        if not c.quote or (c.document_id, c.quote) not in seen:
+            seen.add((c.document_id, c.quote))
+            kept.append(c)
+    return kept
 
 
 def citation(hit: SearchHit, quote: str = "") -> Citation:

@@ -11,7 +11,8 @@ from temporalio.exceptions import (
 
 from activities.agent import checked_call
 from activities.chat import (
-    NO_ANSWER_SHOWN_CHARS, cited_passages, estimate_tokens, marked_passages, no_answer_warning, parse_entities,
+    NO_ANSWER_SHOWN_CHARS, citation, cited_passages, distinct, estimate_tokens, marked_passages, no_answer_warning,
+    parse_entities, quote_for,
 )
 from models.chat import Entity, session_of_turn, turn_job_id
 from models.ingest import SearchHit
@@ -318,3 +319,15 @@ def test_checked_call_accepts_allowlisted_tools_and_trims_arguments():
 def test_checked_call_turns_bad_calls_into_tool_errors(name, arguments, error):
     call = checked_call(name, arguments, ALLOWED)
     assert call.error == error and call.arguments == {} and call.name == name
+
+
+def test_an_answer_citing_two_overlapping_chunks_shows_their_shared_sentence_once():
+    """Adjacent chunks share RAGLINE_CHUNK_OVERLAP characters: an answer citing [1] and [2] for a sentence in
+    that overlap showed it twice (found by the walkthrough). Another sentence, or another document, stays."""
+    shared = "Synchronous calls block a worker for the whole model call."
+    answer = "Synchronous calls block a worker for the whole model call [1][2]."
+    hits = [SearchHit(text=f"Intro. {shared}", document_id="d1", filename="a.txt", page=1, chunk=0, score=0.9),
+            SearchHit(text=f"{shared} Then more.", document_id="d1", filename="a.txt", page=1, chunk=1, score=0.8),
+            SearchHit(text=f"Elsewhere: {shared}", document_id="d2", filename="b.txt", page=1, chunk=0, score=0.7)]
+    kept = distinct([citation(h, quote_for(answer, h.text)) for h in hits])
+    assert [(c.document_id, c.chunk_id) for c in kept] == [("d1", "d1:0"), ("d2", "d2:0")]
