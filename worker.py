@@ -252,9 +252,10 @@ def _pollers(settings: Settings) -> dict[str, Any]:
     return {"workflow_task_poller_behavior": behavior, "activity_task_poller_behavior": behavior}
 
 
-def _prepare_relevance(embedder: Embedder, executor: concurrent.futures.ThreadPoolExecutor) -> None:
+def _prepare_relevance(embedder: Embedder, executor: concurrent.futures.ThreadPoolExecutor, *, remote: bool) -> None:
     """The relevance gate's everyday questions are embedded in the background at start, so no question
-    waits for them; a gate fitted for another embedding model is said once, here."""
+    waits for them (in-process only: a remote endpoint that hangs would hold the worker's stop for its
+    timeout); a gate fitted for another embedding model is said once, here."""
     if not relevance.fitted_for(embedder):
         log.warning("the relevance gate was fitted for another embedding model: its hubness feature is off, and "
                     "its threshold may refuse more than it should (README: Grounded answers)",
@@ -265,7 +266,8 @@ def _prepare_relevance(embedder: Embedder, executor: concurrent.futures.ThreadPo
         if (exc := future.exception()) is not None:  # the first questions embed them instead
             log.warning("could not embed the relevance gate's everyday questions at start", error=repr(exc))
 
-    executor.submit(relevance.warm, embedder).add_done_callback(warmed)
+    if not remote:
+        executor.submit(relevance.warm, embedder).add_done_callback(warmed)
 
 
 def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
@@ -282,7 +284,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
     blobs = BlobStore(settings.blob_dir)
     embedder = build_embedder(settings) if "embedder" in needs else _Unavailable("embedding model", role)
     if "embedder" in needs:
-        _prepare_relevance(embedder, executor)
+        _prepare_relevance(embedder, executor, remote=bool(settings.embeddings_base_url))
     store = index if index is not None else _Unavailable("vector store", role)
     model = ChatModel(settings)
     activities = [

@@ -20,7 +20,7 @@ from ragline.llm import ChatModel, tool_calls_in_text
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
 
-OBSERVATION_CHARS = 900  # a search's observation, shared by its hits (3 by default)
+OBSERVATION_CHARS = 600  # a search's observation, shared by its hits (3 by default)
 
 
 class AgentActivities:
@@ -61,7 +61,8 @@ class AgentActivities:
             # agent saw one passage whatever it searched.
             share = OBSERVATION_CHARS // len(hits)
             text = " | ".join(f"[{h.filename}, p.{h.page}] {h.text[:share]}" for h in hits)
-        return SearchDocumentsOutput(observation=text, attempt=activity.info().attempt)
+        # Up to 8 of these go into every plan: in Chinese (a token a character) that fills a 4,096-token context.
+        return SearchDocumentsOutput(observation=text[:OBSERVATION_CHARS], attempt=activity.info().attempt)
 
 
 def checked_call(name: str, arguments: str, allowed: dict[str, dict]) -> ToolCall:

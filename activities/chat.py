@@ -273,13 +273,13 @@ class AnswerDeltas:
 
 
 def distinct(citations: list[Citation]) -> list[Citation]:
-    """One citation per quoted sentence of a document: adjacent chunks overlap (RAGLINE_CHUNK_OVERLAP), and an
-    answer citing both showed the same sentence twice."""
-    seen: set[tuple[str, str]] = set()
+    """One citation per quoted sentence of a document's page: adjacent chunks overlap (RAGLINE_CHUNK_OVERLAP),
+    and an answer citing both showed the same sentence twice. (A header repeated on other pages stays.)"""
+    seen: set[tuple[str, int, str]] = set()
     kept = []
     for c in citations:
-        if not c.quote or (c.document_id, c.quote) not in seen:
-            seen.add((c.document_id, c.quote))
+        if not c.quote or (c.document_id, c.page, c.quote) not in seen:
+            seen.add((c.document_id, c.page, c.quote))
             kept.append(c)
     return kept
 

@@ -36,6 +36,9 @@ from ragline import lexical
 MODEL_FILE = Path(__file__).with_name("relevance.toml")
 FITTED_MODEL = "multilingual-e5-small"
 NEUTRAL_HUBNESS = 0.75  # the centre of the feature: (hub - 0.75) * 10 = 0
+# For a passage stored without its vector: as hub-like as e5 passages get (their hubness is about 0.76-0.80),
+# so that the missing feature never favours it.
+MISSING_VECTOR_HUBNESS = 0.80
 
 # Questions about everyday things, none of which any document of a deployment is expected to answer.
 # Changing them changes the hubness feature: refit (`python -m bench.calibrate --write`) afterwards.
@@ -87,9 +90,12 @@ def hubness(embedder, question: str, passage_vector: list[float] | None) -> floa
     """The passage's mean cosine to everyday questions in the question's language. Neutral (it moves no
     probability) for another embedding model, whose cosines sit elsewhere: there this feature, with the
     largest weight, would wave every passage through, where the cosine's own weight only makes the gate
-    stricter (README: a refit, or RAGLINE_RELEVANCE_THRESHOLD); and for a point stored without its vector."""
-    if passage_vector is None or not fitted_for(embedder):
+    stricter (README: a refit, or RAGLINE_RELEVANCE_THRESHOLD). A point stored without its vector counts as
+    a hub: the missing feature must not let it through."""
+    if not fitted_for(embedder):
         return NEUTRAL_HUBNESS
+    if passage_vector is None:
+        return MISSING_VECTOR_HUBNESS
     centroid = _generic_centroid(embedder, lexical.language(question))
     return sum(a * b for a, b in zip(centroid, _unit(passage_vector), strict=True))
 

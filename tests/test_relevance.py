@@ -55,4 +55,4 @@ def test_the_hubness_feature_is_neutral_for_a_model_the_gate_was_not_fitted_with
     unrelated = relevance.features("What is the capital of Peru?", "Quarterly revenue rose.", 0.25,
                                    relevance.hubness(_OtherModel(), "What is the capital of Peru?", [0.1] * 384))
     assert relevance.probability(unrelated) < relevance.threshold()
-    assert relevance.hubness(LocalE5Embedder(), "a question", None) == relevance.NEUTRAL_HUBNESS  # no vector stored
+    assert relevance.hubness(LocalE5Embedder(), "a question", None) == relevance.MISSING_VECTOR_HUBNESS  # no vector

@@ -748,6 +748,19 @@ async def test_an_agent_that_searches_the_same_words_again_is_told_so_and_finish
     assert details["search 1"] == "query: 'Siege of Vicksburg.'"
 
 
+async def test_an_agent_that_only_repeats_its_search_stops_with_what_it_found(bare_env):
+    """It never finishes: it stops after its planning rounds, and its answer is what its one search found,
+    not what the guard told it (found by review: the answer was the guard's message three times)."""
+    env = bare_env
+    fakes = Fakes(plan=lambda req: PlanOutput(calls=[ToolCall(name="search_documents", arguments={"query": "tides"})],
+                                              prompt_tokens=10, completion_tokens=5))
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="When is high tide?"),
+                                                   id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    assert result.status == "stopped" and len(fakes.named("search_documents")) == 1
+    assert result.answer == "Stopped before finishing. What was found: found nothing about tides"
+
+
 async def test_agent_that_finishes_at_once(bare_env):
     env = bare_env
     fakes = Fakes(plan=lambda req: finish(f"done: {req.goal}", tokens=15))

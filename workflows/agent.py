@@ -83,6 +83,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         # Sub-goals a reviewer rejected, in this agent, below it, or above it (from its input).
         self.rejected: list[str] = []
         self._searched: set[str] = set()  # queries searched, normalised
+        # What the search guard told the model: an observation for its next plan, not something it found.
+        self._told: set[str] = set()
 
     @workflow.run
     async def run(self, inp: AgentInput) -> AgentResult:
@@ -167,8 +169,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         inp = self.inp
         progress = workflow.patched(SEARCH_PROGRESS_PATCH)
         if progress and normalise_goal(query) in self._searched:
-            self.observations.append(f"search_documents({query!r}) was searched before and found what is above: "
-                                     "search for something else, or call finish with what the observations show")
+            self._tell(f"search_documents({query!r}) was searched before and found what is above: search for "
+                       "something else, or call finish with what the observations show")
             return
         self._searched.add(normalise_goal(query))
         found = await self.step(AgentActivities.search_documents, SearchDocumentsInput(
@@ -176,10 +178,14 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         if progress:
             self.steps.note(f"search {turn}", f"query: {query!r}")
             if found.observation in self.observations:
-                self.observations.append(f"search_documents({query!r}) found the same passages as an earlier "
-                                         "search: search for something else, or call finish")
+                self._tell(f"search_documents({query!r}) found the same passages as an earlier search: search for "
+                           "something else, or call finish")
                 return
         self.observations.append(found.observation)
+
+    def _tell(self, hint: str) -> None:
+        self._told.add(hint)
+        self.observations.append(hint)
 
     async def _delegate(self, subgoals: list[str]) -> None:
         """Child agents for `subgoals`, in parallel, once every guard passes (or a person approves)."""
@@ -287,6 +293,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         return decision
 
     def _partial(self) -> str:
-        if not self.observations:
+        found = [o for o in self.observations if o not in self._told]
+        if not found:
             return "Stopped before finding an answer."
-        return "Stopped before finishing. What was found: " + " ".join(self.observations[-3:])
+        return "Stopped before finishing. What was found: " + " ".join(found[-3:])
