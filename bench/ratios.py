@@ -27,7 +27,7 @@ import httpx
 
 from bench import procs, timeline
 from bench.measure import Burst, burst, percentile, sequences
-from bench.sse import TurnTimes, chat_turn
+from bench.sse import TurnTimes, chat_turn, watch
 from models.chat import session_workflow_id
 
 Log = Callable[[str], None]
@@ -288,6 +288,51 @@ async def first_delta(api_url: str, client, llm_base_url: str, model: str, max_t
             "completed": sum(1 for r in rows if r["turn"]["terminal_type"] == "ragline.job.completed"),
             "bare_total": stats([r["bare"]["total"] for r in rows]),
             "turn_total": stats([r["turn"]["terminal"] for r in rows]), "rows": rows}
+
+
+async def follow_up(api_url: str, llm_base_url: str, model: str, max_tokens: int,  # noqa: ANN001
+                    messages: list[dict], turns: int, question: str, follow_up_question: str, collection: str,
+                    timeout: float, log: Log) -> dict:
+    """`turns` rounds of: a turn in a fresh session, and the moment its `ragline.answer.completed` arrives, a
+    follow-up in the same session (a person who asks on as soon as the answer is there), followed to its
+    end; then a bare streamed call with `messages`. The follow-up's first delta is held against the bare call's
+    TTFT like a first turn's (the scripted model's TTFT does not depend on the prompt)."""
+    from openai import AsyncOpenAI
+
+    tag = f"follow-{uuid.uuid4().hex[:8]}"
+    oai = AsyncOpenAI(base_url=llm_base_url, api_key="unused", max_retries=0, timeout=timeout)
+    rows = []
+    async with _client(api_url, 4, timeout) as http:
+        try:
+            for i in range(turns):
+                session = f"{tag}-{i}"
+                first = TurnTimes(session_id=session)
+                t0 = time.perf_counter()
+                r = await http.post("/v1/chats", json={"message": question, "collection": collection,
+                                                       "session_id": session})
+                r.raise_for_status()
+                first.job_id = r.json()["job_id"]
+                watching = asyncio.create_task(watch(http, first.job_id, t0, first))
+                while first.answer_completed is None and not watching.done():
+                    await asyncio.sleep(0.002)
+                later = await chat_turn(http, {"message": follow_up_question, "collection": collection,
+                                               "session_id": session}, timeout)
+                await watching
+                bare = await bare_stream(oai, model, messages, max_tokens)
+                ended_after = (first.terminal - first.answer_completed
+                               if first.terminal is not None and first.answer_completed is not None else None)
+                rows.append({"first": first.as_dict(), "turn": later.as_dict(), "bare": bare,
+                             "first_ended_after_answer": ended_after})
+                log(f"  follow-up {i + 1}/{turns}: first delta {_ms(later.first_delta)}, bare TTFT "
+                    f"{_ms(bare['ttft'])}; the turn before ended {_ms(ended_after)} after its answer"
+                    + (f" ({later.error})" if later.error else ""))
+        finally:
+            await oai.close()
+    return {"turns": turns, "ragline": stats([r["turn"]["first_delta"] for r in rows]),
+            "bare": stats([r["bare"]["ttft"] for r in rows]),
+            "completed": sum(1 for r in rows if r["turn"]["terminal_type"] == "ragline.job.completed"),
+            "turn_total": stats([r["turn"]["terminal"] for r in rows]),
+            "first_ended_after_answer": stats([r["first_ended_after_answer"] for r in rows]), "rows": rows}
 
 
 def _ms(x: float | None) -> str:

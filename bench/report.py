@@ -354,6 +354,11 @@ def render_ratios(r: dict) -> str:
                                f"{p['ttfd_chunk_delay']:g} s between pieces)", ttfd))
     else:
         lines.append("| scripted | not run (`ttfd` not in --phases) | | | | | | |")
+    follow = rt.get("follow_up")
+    if follow:
+        lines.append(_ttfd_row(f"scripted, a follow-up in the same session, sent the moment the turn before it "
+                               f"has its answer (that turn's summary and entities still to come, "
+                               f"{ms(follow['first_ended_after_answer']['p50'])} more at p50)", follow))
     local = rt.get("local")
     if local and local.get("skipped"):
         lines.append(f"| local `{local['model']}` | **skipped: {local['skipped']}** | | | | | | |")

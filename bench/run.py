@@ -66,6 +66,7 @@ API_KEY_RPM = 1_000_000
 TENANT_MAX_RUNNING_JOBS = 100_000
 PHASES = ("accept", "burst", "ttfd", "overhead", "local", "order", "faults")
 QUESTION = "Which company runs the Lisbon data centre, and what does it use for cooling?"
+FOLLOW_UP_QUESTION = "Who leads its operations team?"
 DOCUMENT = """\
 Northwind Analytics opened its Lisbon data centre in March 2024. The building is cooled with sea water
 drawn from the Tagus estuary, which cut the energy spent on cooling by about forty percent compared with
@@ -872,6 +873,10 @@ async def run(args: argparse.Namespace) -> int:
                 stack.api_url, client, f"{stack.llm_url}/v1", ws.llm_model, ws.llm_max_tokens, prompt, args.ttfd_turns,
                 QUESTION, COLLECTION, 120, log))
             rt["ttfd"]["prompt_chars"] = sum(len(m["content"]) for m in prompt)
+            log(f"[ttfd] {args.ttfd_turns} follow-ups, each asked as the turn before it has its answer")
+            rt["follow_up"] = await measured(stack, ratios.follow_up(
+                stack.api_url, f"{stack.llm_url}/v1", ws.llm_model, ws.llm_max_tokens, prompt, args.ttfd_turns,
+                QUESTION, FOLLOW_UP_QUESTION, COLLECTION, 120, log))
         if "overhead" in phases:
             await stack.llm_control(delay=0, stream_chunk_delay=0, clear_calls=True)
             log(f"[overhead] {args.overhead_turns} sequential turns with a 0 s model, and as many bare "

@@ -36,6 +36,12 @@ class TurnContext(BaseModel):
     history: list[HistoryItem] = []
 
 
+class TurnAnswered(BaseModel):
+    """Sent by a turn's job to its session once its answer is final, when a later turn of the session waits."""
+    job_id: str
+    answer: str
+
+
 class TurnInput(BaseModel):
     """A turn as the API hands it to the session (signal `submit`) and as its job runs it."""
     tenant: str = DEFAULT_TENANT

@@ -107,6 +107,8 @@ async def record() -> list[Path]:
                 assert (await stack.wait_job(t["job_id"]))["status"] == "completed"
             await asyncio.sleep(1)
             saved += await _save(client, "chat-session", f"WorkflowId = '{session_workflow_id(stack.tenant, session)}'")
+            # The first turn, asked for its answer by the turns waiting after it, and the last.
+            saved += await _save(client, "chat-session-first-turn", f"WorkflowId = '{turns[0]['job_id']}'")
             saved += await _save(client, "chat-session", f"WorkflowId = '{turns[-1]['job_id']}'")
 
             # Turns followed on their event streams: their histories hold the stream's polls (Updates)

@@ -138,9 +138,10 @@ async def test_five_turns_sent_at_once_are_processed_in_order(stack, chat_docs):
     assert all(j["status"] == "completed" for j in jobs)
     assert jobs[0]["turn"] == 1 and sorted(j["turn"] for j in jobs[1:]) == [2, 3, 4, 5, 6]
     by_turn = sorted(jobs, key=lambda j: j["turn"])
-    # Each turn started only after the previous one had finished.
+    # Each turn started only once the previous one had its answer (its summary and entities may still run).
     for earlier, later in zip(by_turn, by_turn[1:]):
-        assert max(s["finished_at"] for s in earlier["steps"]) <= min(s["started_at"] for s in later["steps"])
+        answered_at = next(s["finished_at"] for s in earlier["steps"] if s["name"] == "generate_answer")
+        assert answered_at <= min(s["started_at"] for s in later["steps"] if s["started_at"])
     # The order they were accepted in is the order the model saw them, each once.
     assert answered == [j["result"]["question"] for j in by_turn]
     # Each turn's answer is the model's answer to that turn's question.
@@ -178,6 +179,52 @@ async def test_a_later_turn_is_answered_with_the_earlier_ones_as_history(stack, 
     conversation = later.user_message.split("CONVERSATION SO FAR:", 1)[1].split("QUESTION:", 1)[0]
     assert f"Q: Who counts the herds? {llm.token}" in conversation
     assert f"A: {first_job['result']['answer']}" in conversation
+
+
+async def test_a_later_turn_does_not_wait_for_the_earlier_turns_summary_and_entities(stack, chat_docs):
+    """Issue 9: nothing the answer does not need runs before it. A follow-up needs the earlier turn's answer
+    (its history), not that turn's summary and entities."""
+    session = f"follow-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as llm:
+        # The first turn's side steps hang (each attempt until the model call's timeout, then the next
+        # attempt); everything else answers at once.
+        def first_turn_hangs(request: dict) -> dict | None:
+            return {"content": "[]", "delay": 60} if "Who counts" in last_user_message(request["messages"]) else None
+        llm.script_fn("summarize", first_turn_hangs)
+        llm.script_fn("extract_entities", first_turn_hangs)
+        first = await stack.chat(f"Who counts the herds? {llm.token}", session_id=session, collection="chat")
+        second = await stack.chat(f"And from what? {llm.token}", session_id=session, collection="chat")
+        try:
+            answered = await stack.wait_job(second["job_id"], timeout=45)
+            assert answered["status"] == "completed" and answered["turn"] == 2
+            earlier = (await stack.http.get(f"/v1/jobs/{first['job_id']}")).json()
+            assert earlier["status"] == "running"  # its summary and entities are still on their way
+            later = next(c for c in llm.calls("answer") if c.question.startswith("And from what?"))
+            first_answer = next(c for c in llm.calls("answer") if c.question.startswith("Who counts")).reply.strip()
+            assert f"A: {first_answer}" in later.user_message  # the earlier answer is its history
+        finally:
+            await stack.http.post(f"/v1/jobs/{first['job_id']}/cancel")
+    assert (await stack.wait_done(first["job_id"]))["status"] == "cancelled"
+
+
+async def test_a_turn_parked_after_its_answer_does_not_hold_the_next_one(stack, chat_docs):
+    """The first turn's entities keep failing: it is dead-lettered with its answer given. A follow-up asked
+    then runs at once instead of waiting for an operator."""
+    session = f"parked-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as llm:
+        def first_turn_fails(request: dict) -> str | None:
+            return "503" if "Who counts" in last_user_message(request["messages"]) else None
+        llm.script_fn("extract_entities", first_turn_fails)
+        first = await stack.chat(f"Who counts the herds? {llm.token}", session_id=session, collection="chat")
+        parked = await stack.wait_job(first["job_id"])
+        assert parked["status"] == "dead_lettered", parked
+        assert [letter["step"] for letter in parked["error"]["details"]] == ["extract_entities"]
+        second = await stack.chat(f"And from what? {llm.token}", session_id=session, collection="chat")
+        answered = await stack.wait_job(second["job_id"])
+        assert answered["status"] == "completed" and answered["turn"] == 2
+        assert (await stack.http.get(f"/v1/jobs/{first['job_id']}")).json()["status"] == "dead_lettered"
+    await stack.http.post(f"/v1/jobs/{first['job_id']}/discard", json={})
+    assert (await stack.wait_done(first["job_id"]))["status"] == "failed"
 
 
 async def test_concurrent_duplicates_with_one_idempotency_key_run_one_chain(stack, chat_docs):

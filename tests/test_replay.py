@@ -57,6 +57,9 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
     assert any("workflowExecutionContinuedAsNewEventAttributes" in e for run in session_runs for e in run["events"])
+    # Turns waiting after a running one asked it for its answer, which it told before its own end.
+    first_turn = "".join(p.read_text() for p in FILES if p.stem.startswith("chat-session-first-turn--"))
+    assert "\"follow_up_waits\"" in first_turn and "\"turn_answered\"" in first_turn
     agents = "".join(p.read_text() for p in FILES if p.stem.startswith("agent-review--"))
     assert '"review"' in agents  # the review update reached the tree
     parked = next(p for p in FILES if p.stem.startswith("dead-letter-retry--")).read_text()

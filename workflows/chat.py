@@ -3,7 +3,8 @@
 POST /v1/chats --signal-with-start `submit`--> ChatSessionWorkflow (id session-<session_id>)
   on submit: number the turn in acceptance order (the order of the signals in history), skip a job id
              seen before, start the turn's job at once (it waits, queued, for its go)
-  loop:      for each turn in order -> signal `proceed` with the recent history -> await its outcome
+  loop:      for each turn in order -> signal `proceed` with the recent history -> await its answer (its
+             summary and entities may still run: a later turn waiting asks for the answer as soon as it is final)
   continue-as-new at a turn boundary; carried: turn counter, recent job ids, turns not yet run, history
 
 ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
@@ -30,7 +31,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, GenerateInput, GenerateOutput, HistoryItem, RetrieveInput,
-        SessionState, SummaryOutput, TurnContext, TurnInput, TurnResult, Usage,
+        SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_workflow_id,
     )
     from models.jobs import REQUEST_MEMO
     from models.review import without
@@ -60,6 +61,9 @@ REVIEWER_ANSWER_PATCH = "reviewer-answer-cites-its-own-markers"
 # A held answer's review lists the turn's passages numbered as the model saw them, so a reviewer's own [n]
 # markers can name them. Earlier reviews showed the answer alone.
 REVIEW_PASSAGES_PATCH = "review-lists-numbered-passages"
+# A session gives its next turn the go once the turn before has its answer, not once that turn's summary and
+# entities are done too. Earlier sessions waited for the whole job.
+NEXT_TURN_AFTER_ANSWER_PATCH = "next-turn-after-answer"
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -85,10 +89,17 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         self._passages: list[Citation] = []
         self._model_answer_warnings: list[str] = []
         self.reviews.revise_needs_answer = True  # a chat turn is revised by giving the text to release
+        self._follow_up_waits = False
+        self._final_answer: str | None = None
 
     @workflow.signal
     def proceed(self, context: TurnContext) -> None:
         self.context = context
+
+    @workflow.signal
+    def follow_up_waits(self) -> None:
+        """From the session: a later turn waits for this one's answer, which it is told once final."""
+        self._follow_up_waits = True
 
     @workflow.run
     async def run(self, turn: TurnInput) -> TurnResult:
@@ -191,6 +202,9 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         fallback_model = (answer.model or "fallback") if fell_back else None
         citations = answer.citations
         self._show_answer({"answer": answer.answer, "citations": [c.model_dump(mode="json") for c in citations]})
+        if not self._answer_held:  # final: no reviewer can hold or replace it
+            self._final_answer = answer.answer
+            asyncio.ensure_future(self._tell_session_when_asked(turn))
         if summary is None:
             summary, entities = await asyncio.gather(self.step(ChatActivities.summarize_context, context),
                                                      self.step(ChatActivities.extract_entities, context))
@@ -215,6 +229,17 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._answer_held and self._needs_review(turn, result):
             return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)
+
+    async def _tell_session_when_asked(self, turn: TurnInput) -> None:
+        """The final answer goes to the session if a later turn waits for it: that turn need not wait for this
+        one's summary and entities. Nobody asks a turn its session has no later turn for: nothing is sent."""
+        await workflow.wait_condition(lambda: self._follow_up_waits)
+        session = workflow.get_external_workflow_handle(session_workflow_id(turn.tenant, turn.session_id))
+        try:
+            await session.signal(ChatSessionWorkflow.turn_answered,
+                                 TurnAnswered(job_id=workflow.info().workflow_id, answer=self._final_answer or ""))
+        except FailureError:
+            pass  # the session has moved on: it read the answer from this job's end
 
     @staticmethod
     def _gave_no_answer(answer: GenerateOutput) -> bool:
@@ -288,6 +313,7 @@ class ChatSessionWorkflow:
         self.starts: dict[str, asyncio.Future[workflow.ChildWorkflowHandle | None]] = {}
         self.turns_this_run = 0
         self.busy = False  # a turn is running: later turns wait for their go
+        self.answered: dict[str, str] = {}  # the running turn's final answer, told before its job ends
 
     @workflow.signal
     def submit(self, turn: TurnInput) -> None:
@@ -301,6 +327,11 @@ class ChatSessionWorkflow:
         self.state.next_turn += 1
         self.queue.append(turn)
         self.starts[turn.job_id] = asyncio.ensure_future(self._start(turn))
+
+    @workflow.signal
+    def turn_answered(self, told: TurnAnswered) -> None:
+        if self.queue and self.queue[0].job_id == told.job_id:
+            self.answered[told.job_id] = told.answer
 
     @workflow.query
     def pending_turns(self) -> list[TurnInput]:
@@ -359,10 +390,9 @@ class ChatSessionWorkflow:
                     await child.signal(ChatTurnWorkflow.proceed, context)
                 except FailureError:
                     pass  # it has ended already (cancelled while it waited): its outcome is all that is left
-            try:
-                return (await child).answer
-            except ChildWorkflowError:
-                return None
+            if workflow.patched(NEXT_TURN_AFTER_ANSWER_PATCH):
+                return await self._answer_of(head, child)
+            return await self._outcome(child)
         # A job this run did not start: carried over through continue-as-new, or already there.
         try:
             await workflow.get_external_workflow_handle(head.job_id).signal(ChatTurnWorkflow.proceed, context)
@@ -370,6 +400,32 @@ class ChatSessionWorkflow:
             pass  # it has ended already; its outcome is all that is left to read
         outcome = await policies.execute(JobActivities.await_turn, AwaitTurnInput(workflow_id=head.job_id))
         return outcome.answer
+
+    async def _answer_of(self, head: TurnInput, child: workflow.ChildWorkflowHandle) -> str | None:
+        """The turn's answer as soon as it is final, if a later turn waits for it (the job is asked, then tells);
+        else, or if it never tells (a held answer, a failed turn, an older worker), at the job's end."""
+        outcome = asyncio.ensure_future(self._outcome(child))
+        asked = False
+        while True:
+            await workflow.wait_condition(
+                lambda: outcome.done() or head.job_id in self.answered or (not asked and len(self.queue) > 1))
+            if outcome.done():
+                self.answered.pop(head.job_id, None)
+                return outcome.result()
+            if head.job_id in self.answered:
+                return self.answered.pop(head.job_id)
+            asked = True
+            try:
+                await child.signal(ChatTurnWorkflow.follow_up_waits)
+            except FailureError:
+                pass  # it has ended: its outcome is coming
+
+    @staticmethod
+    async def _outcome(child: workflow.ChildWorkflowHandle) -> str | None:
+        try:
+            return (await child).answer
+        except ChildWorkflowError:
+            return None
 
     def _should_continue_as_new(self) -> bool:
         return self.turns_this_run >= self.state.turns_per_run or workflow.info().is_continue_as_new_suggested()
