@@ -103,7 +103,7 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
         return any(c.finished_at is None for c in scripted_llm.calls_for())
 
     async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False, task_queue=queue) as stack:
-        scripted_llm.set_delay(0.4)
+        scripted_llm.set_delay(0.8)
         worker = _worker_process(env, log)
         try:
             uploads = await asyncio.gather(*(stack.upload((f"k{n}.pdf", _doc(n, pages=4)), collection="kill")
@@ -112,13 +112,15 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
             seed = await stack.upload(("seed.txt", b"Lighthouses guide ships. Keepers light them at dusk."),
                                       collection="killchat")
             await stack.wait_job(seed["job_id"])
-            sessions = [f"k-{uuid.uuid4().hex[:6]}" for _ in range(5)]
+            # Two sessions of ten turns: a session runs its turns one after another, so model calls are
+            # still in flight for the second kill, after the worker's restart.
+            sessions = [f"k-{uuid.uuid4().hex[:6]}" for _ in range(2)]
             chats = await asyncio.gather(*(stack.chat(f"Question {i}: who lights the lighthouses?",
-                                                      session_id=sessions[i % 5], collection="killchat")
+                                                      session_id=sessions[i % 2], collection="killchat")
                                            for i in range(20)))
             for _ in range(2):
                 await asyncio.sleep(rng.uniform(1.0, 4.0))
-                # At a moment when the worker is waiting on the model (each reply takes 0.4 s): the kill
+                # At a moment when the worker is waiting on the model (each reply takes 0.8 s): the kill
                 # cuts that call off. (The worker comes back within seconds; chats are still queued.)
                 await eventually(model_call_in_flight, timeout=60, every=0.01,
                                  what="a model call in flight to kill the worker during")
@@ -138,7 +140,7 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
         assert [j["status"] for j in ingest_jobs] == ["completed"] * 20
         assert [j["status"] for j in chat_jobs] == ["completed"] * 20
         # Qdrant holds exactly the expected points, and every turn was answered once, in order.
-        await assert_nothing_lost_or_doubled(stack, "kill", ingest_jobs, sessions)
+        await assert_nothing_lost_or_doubled(stack, "kill", ingest_jobs, sessions, turns=10)
         # The kills mattered: each one cut off a model call in flight (the worker's connection dropped
         # before the reply was sent), and the step it belonged to was retried to completion.
         chat_calls = [c for c in scripted_llm.calls if c.endpoint == "chat" and c.question.startswith("Question ")]

@@ -237,7 +237,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         session = workflow.get_external_workflow_handle(session_workflow_id(turn.tenant, turn.session_id))
         try:
             await session.signal(ChatSessionWorkflow.turn_answered,
-                                 TurnAnswered(job_id=workflow.info().workflow_id, answer=self._final_answer or ""))
+                                 TurnAnswered(job_id=workflow.info().workflow_id,
+                                              answer=(self._final_answer or "")[:HISTORY_ANSWER_CHARS]))
         except FailureError:
             pass  # the session has moved on: it read the answer from this job's end
 
