@@ -28,7 +28,7 @@ from api.cursors import CursorSigner, invalid_cursor
 from api.errors import ApiError
 from api.schemas import JobError, JobSummary, JobView, TurnAhead
 from models.chat import TurnInput, session_of_turn, session_workflow_id
-from models.jobs import JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
+from models.jobs import ANSWERED_MEMO, JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
 from models.review import without
 from models.tenancy import scoped
 from ragline import tracing
@@ -344,8 +344,8 @@ MAX_TURNS_AHEAD = 100
 
 async def turns_ahead(client: Client, tenant: str, job_id: str, turn: int | None,
                       rpc_timeout: timedelta) -> list[TurnAhead]:
-    """The earlier turns of a queued turn's session that are still open (all of the session's open turns
-    when `turn` is not numbered yet), read from visibility: a person learns that turn 3, dead-lettered,
+    """The earlier turns of a queued turn's session that are still open and have no answer yet (all of the
+    session's such turns when `turn` is not numbered yet), read from visibility: a person learns that turn 3, dead-lettered,
     is what holds turn 4, and that cancelling or retrying it lets the session go on. Best effort: a
     listing that fails leaves the field empty, a turn whose memo cannot be read shows without its number,
     rather than failing the whole read."""
@@ -360,9 +360,12 @@ async def turns_ahead(client: Client, tenant: str, job_id: str, turn: int | None
     ahead = []
     for execution in executions:
         try:
-            number = (await execution.memo()).get("turn")
+            memo = await execution.memo()
         except Exception:  # noqa: BLE001 - a payload this API cannot decode (another codec key)
-            number = None
+            memo = {}
+        number = memo.get("turn")
+        if memo.get(ANSWERED_MEMO):
+            continue  # it has told the session its answer: only its summary and entities still run
         if execution.id != job_id and (turn is None or number is None or number < turn):
             ahead.append(TurnAhead(job_id=execution.id, turn=number, status=job_status(execution)))
     return sorted(ahead, key=lambda t: t.turn or 0)

@@ -178,9 +178,10 @@ class JobView(BaseModel):
     trace_id: str | None = Field(None, description="The trace of the request that started the job (W3C trace id)")
     links: dict[str, str] = Field({}, description="`temporal_ui`: the job's page in the Temporal Web UI")
     waiting_for: list[TurnAhead] = Field(
-        [], description="Queued chat turns only: the earlier turns of its session still open, which run first. "
-                        "One that is dead-lettered or waits for a review holds the later ones until it is "
-                        "decided, retried, discarded or cancelled")
+        [], description="Queued chat turns only: the earlier turns of its session still without their answer, "
+                        "which answer first (one whose summary and entities still run is not listed: it holds "
+                        "nothing). One that is dead-lettered or waits for a review holds the later ones until "
+                        "it is decided, retried, discarded or cancelled")
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler):

@@ -292,7 +292,7 @@ async def first_delta(api_url: str, client, llm_base_url: str, model: str, max_t
 
 async def follow_up(api_url: str, llm_base_url: str, model: str, max_tokens: int,  # noqa: ANN001
                     messages: list[dict], turns: int, question: str, follow_up_question: str, collection: str,
-                    timeout: float, log: Log) -> dict:
+                    timeout: float, log: Log, flush: bool = False) -> dict:
     """`turns` rounds of: a turn in a fresh session, and the moment its `ragline.answer.completed` arrives, a
     follow-up in the same session (a person who asks on as soon as the answer is there), followed to its
     end; then a bare streamed call with `messages`. The follow-up's first delta is held against the bare call's
@@ -318,6 +318,8 @@ async def follow_up(api_url: str, llm_base_url: str, model: str, max_tokens: int
                 later = await chat_turn(http, {"message": follow_up_question, "collection": collection,
                                                "session_id": session}, timeout)
                 await watching
+                if flush:
+                    await flush_model(oai, model)
                 bare = await bare_stream(oai, model, messages, max_tokens)
                 ended_after = (first.terminal - first.answer_completed
                                if first.terminal is not None and first.answer_completed is not None else None)

@@ -366,6 +366,11 @@ def render_ratios(r: dict) -> str:
         ws = local.get("worker_settings") or {}
         lines.append(_ttfd_row(f"local `{local['model']}` (llama.cpp through llama-cpp-python, worker with "
                                f"{ws.get('llm_slots_text', '?')})", local))
+        if local.get("follow_up"):
+            follow = local["follow_up"]
+            lines.append(_ttfd_row(f"local, a follow-up sent the moment the turn before it has its answer (that "
+                                   f"turn ended {secs(follow['first_ended_after_answer']['p50'])} after its answer, "
+                                   f"p50; the bare call sends the first turn's prompt)", follow))
     else:
         lines.append("| local | not run (`local` not in --phases) | | | | | | |")
     lines.append("")

@@ -756,6 +756,10 @@ async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: 
             f"prompt before each, so llama.cpp's prompt cache helps neither)")
         out = await ratios.first_delta(stack.api_url, client, base_url, worker.llm_model, worker.llm_max_tokens, messages,
                                        args.local_turns, QUESTION, COLLECTION, 300, log, flush=True)
+        log(f"[local] {args.local_turns} follow-ups, each asked as the turn before it has its answer")
+        out["follow_up"] = await ratios.follow_up(stack.api_url, base_url, worker.llm_model, worker.llm_max_tokens,
+                                                  messages, args.local_turns, QUESTION, FOLLOW_UP_QUESTION,
+                                                  COLLECTION, 300, log, flush=True)
         out["cpu"] = cpu_delta(before, cpu_snapshot(stack))  # before the model server stops
         out.update(model=key, llama_argv=" ".join(Path(a).name if a.startswith("/") else a
                                                    for a in llama_server_argv(llm_settings, model_path)[1:]),

@@ -23,6 +23,9 @@ EVENTS_TOPIC = "events"
 # The memo field of a job started by a keyed request: a digest of that request, against which the same
 # Idempotency-Key sent again is checked (api/idempotency.py).
 REQUEST_MEMO = "request"
+# The memo field of a chat turn that told its session its answer while its summary and entities still run:
+# it holds no later turn of the session any more.
+ANSWERED_MEMO = "answered"
 
 
 class StepResult(BaseModel):

@@ -24,7 +24,7 @@ from api.app import create_app
 from devtools.scripted_llm import last_user_message, parse_prompt
 from models.chat import session_workflow_id
 from tests.conftest import serving_api
-from tests.helpers import read_events
+from tests.helpers import eventually, read_events
 from workflows.events import PUBLISH_SIGNAL
 
 ZEBRA = ("The great zebra migration crosses the Mara river every July. Crocodiles wait in the river. "
@@ -205,6 +205,39 @@ async def test_a_later_turn_does_not_wait_for_the_earlier_turns_summary_and_enti
         finally:
             await stack.http.post(f"/v1/jobs/{first['job_id']}/cancel")
     assert (await stack.wait_done(first["job_id"]))["status"] == "cancelled"
+
+
+async def test_a_queued_turn_lists_only_the_earlier_turns_still_without_their_answer(stack, chat_docs):
+    """Turn 1 has its answer and runs its side steps, turn 2's answer is on its way, turn 3 waits: what it
+    waits for is turn 2 alone."""
+    session = f"ahead-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as llm:
+        def question(request: dict) -> str:
+            return parse_prompt(last_user_message(request["messages"]))[1] or ""
+
+        def side_steps_of_the_first_hang(request: dict) -> dict | None:
+            return {"content": "[]", "delay": 60} if question(request).startswith("Who counts") else None
+
+        def answer_of_the_second_hangs(request: dict) -> dict | None:
+            return {"content": "From the air.", "delay": 60} if question(request).startswith("And from") else None
+        llm.script_fn("summarize", side_steps_of_the_first_hang)
+        llm.script_fn("extract_entities", side_steps_of_the_first_hang)
+        llm.script_fn("answer", answer_of_the_second_hangs)
+        turns = [await stack.chat(f"{q} {llm.token}", session_id=session, collection="chat")
+                 for q in ("Who counts the herds?", "And from what?", "And when?")]
+        try:
+            async def third_waits_for_the_second_alone() -> dict | None:
+                job = (await stack.http.get(f"/v1/jobs/{turns[2]['job_id']}")).json()
+                second = {"job_id": turns[1]["job_id"], "turn": 2, "status": "running"}
+                return job if job["status"] == "queued" and job.get("waiting_for") == [second] else None
+
+            await eventually(third_waits_for_the_second_alone, timeout=60, what="turn 3 waiting for turn 2 alone")
+            # Turn 1 is still open (its side steps hang), yet not listed.
+            assert (await stack.http.get(f"/v1/jobs/{turns[0]['job_id']}")).json()["status"] in ("running", "dead_lettered")
+        finally:
+            for t in turns[:2]:
+                await stack.http.post(f"/v1/jobs/{t['job_id']}/cancel")
+    assert (await stack.wait_done(turns[2]["job_id"]))["status"] == "completed"
 
 
 async def test_a_turn_parked_after_its_answer_does_not_hold_the_next_one(stack, chat_docs):

@@ -4,6 +4,7 @@ change that would break a running chat session or agent (both AUTO_UPGRADE to a 
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -79,3 +80,44 @@ async def test_a_changed_workflow_fails_the_replay(tmp_path, restore_policies):
     path = next(p for p in FILES if p.stem.startswith("ingestion--IngestWorkflow"))
     result = await replayer.replay_workflow(_history(path), raise_on_replay_failure=False)
     assert result.replay_failure is not None
+
+
+def _with_signal_before(history: dict, name: str, event_id: int) -> dict:
+    """The history as if signal `name` (no input) had arrived just before event `event_id`."""
+    history = copy.deepcopy(history)
+    events = history["events"]
+    signal = copy.deepcopy(next(e for e in events if "workflowExecutionSignaledEventAttributes" in e))
+    signal["workflowExecutionSignaledEventAttributes"]["signalName"] = name
+    signal["workflowExecutionSignaledEventAttributes"].pop("input", None)
+
+    def shift(node) -> None:  # every event id (and reference to one) from event_id on moves up by one
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if (key == "eventId" or key.endswith("EventId")) and int(value) >= event_id:
+                    node[key] = type(value)(int(value) + 1)
+                else:
+                    shift(value)
+        elif isinstance(node, list):
+            for item in node:
+                shift(item)
+
+    shift(events)
+    signal["eventId"] = type(signal["eventId"])(event_id)
+    events.insert(next(i for i, e in enumerate(events) if int(e["eventId"]) == event_id + 1), signal)
+    return history
+
+
+@pytest.mark.parametrize("event_id", [37, 44], ids=["before-the-answer-is-read", "during-the-side-steps"])
+async def test_a_turn_asked_for_its_answer_on_an_older_worker_replays(replayer, event_id):
+    """A rolling deploy: a session on new code asks a turn whose task ran on an older worker, which had no
+    handler for the ask (the signal waited, unhandled). Replayed on new code, the turn tells nothing, as it
+    ran; it must not send a signal its history never had (the session then reads the turn's end)."""
+    path = HISTORIES / "before-next-turn-after-answer" / "chat-session--ChatTurnWorkflow--1.json"
+    ids = json.loads((path.parent / "workflow_ids.json").read_text())
+    events = json.loads(path.read_text())["events"]
+    # Event 37 is the task that reads the answer; 44 the one after the first side step.
+    assert "activityTaskCompletedEventAttributes" in events[35] and "workflowTaskScheduledEventAttributes" in events[43]
+    history = _with_signal_before(json.loads(path.read_text()), "follow_up_waits", event_id)
+    result = await replayer.replay_workflow(WorkflowHistory.from_json(ids[path.name], json.dumps(history)),
+                                            raise_on_replay_failure=False)
+    assert result.replay_failure is None, result.replay_failure

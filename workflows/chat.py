@@ -33,7 +33,7 @@ with workflow.unsafe.imports_passed_through():
         AwaitTurnInput, CacheInput, Citation, ContextInput, GenerateInput, GenerateOutput, HistoryItem, RetrieveInput,
         SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_workflow_id,
     )
-    from models.jobs import REQUEST_MEMO
+    from models.jobs import ANSWERED_MEMO, REQUEST_MEMO
     from models.review import without
     from ragline import tracing
     from temporal import policies
@@ -234,6 +234,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         """The final answer goes to the session if a later turn waits for it: that turn need not wait for this
         one's summary and entities. Nobody asks a turn its session has no later turn for: nothing is sent."""
         await workflow.wait_condition(lambda: self._follow_up_waits)
+        # A job that heard the session's ask on an older worker (which had no handler) replays without telling.
+        if not workflow.patched(NEXT_TURN_AFTER_ANSWER_PATCH):
+            return
+        # Read by a later turn's `waiting_for`: this one holds nothing any more.
+        workflow.upsert_memo({ANSWERED_MEMO: True})
         session = workflow.get_external_workflow_handle(session_workflow_id(turn.tenant, turn.session_id))
         try:
             await session.signal(ChatSessionWorkflow.turn_answered,
