@@ -18,6 +18,7 @@ from ragline.settings import Settings
 from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
+from workflows.chat import ChatTurnWorkflow
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
 pytestmark = pytest.mark.usefixtures("restore_policies")
@@ -117,7 +118,9 @@ async def test_a_turn_asked_for_its_answer_on_an_older_worker_replays(replayer, 
     events = json.loads(path.read_text())["events"]
     # Event 37 is the task that reads the answer; 44 the one after the first side step.
     assert "activityTaskCompletedEventAttributes" in events[35] and "workflowTaskScheduledEventAttributes" in events[43]
-    history = _with_signal_before(json.loads(path.read_text()), "follow_up_waits", event_id)
+    # The handler's own name (signals are named after their method): a renamed handler would otherwise leave
+    # the inserted signal unhandled, and the test passing for nothing.
+    history = _with_signal_before(json.loads(path.read_text()), ChatTurnWorkflow.follow_up_waits.__name__, event_id)
     result = await replayer.replay_workflow(WorkflowHistory.from_json(ids[path.name], json.dumps(history)),
                                             raise_on_replay_failure=False)
     assert result.replay_failure is None, result.replay_failure

@@ -62,7 +62,8 @@ REVIEWER_ANSWER_PATCH = "reviewer-answer-cites-its-own-markers"
 # markers can name them. Earlier reviews showed the answer alone.
 REVIEW_PASSAGES_PATCH = "review-lists-numbered-passages"
 # A session gives its next turn the go once the turn before has its answer, not once that turn's summary and
-# entities are done too. Earlier sessions waited for the whole job.
+# entities are done too. Earlier sessions waited for the whole job. Both workflow types check it (the session
+# before it asks, the turn before it tells): retire it in both together.
 NEXT_TURN_AFTER_ANSWER_PATCH = "next-turn-after-answer"
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
