@@ -38,4 +38,4 @@ class JobActivities:
                 result = await handle.result()
         except WorkflowFailureError:
             return TurnOutcome(answer=None)
-        return TurnOutcome(answer=result.answer)
+        return TurnOutcome(answer=result.answer if result.answered else None)

@@ -71,7 +71,7 @@ class TurnInput(BaseModel):
 
 
 class TurnOutcome(BaseModel):
-    """What the session keeps of a finished turn: its answer, or None when the turn failed."""
+    """What the session keeps of a finished turn: its answer, or None when the turn failed or has none."""
     answer: str | None = None
 
 
@@ -137,6 +137,10 @@ class TurnResult(BaseModel):
     cached: bool = False
     # Set when the configured model kept failing and the fallback model answered.
     fallback_model: str | None = None
+    # False when `answer` is not an answer to the question but says why there is none (the documents do not
+    # cover it, the model gave no usable reply): it is kept out of the session's history, where a small
+    # model would only repeat it.
+    answered: bool = True
 
 
 SESSION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"

@@ -167,6 +167,36 @@ async def test_an_answer_with_no_words_of_its_own_is_not_passed_on_as_one(truste
     assert trusted.llm.count("answer") == calls + 1
 
 
+async def test_a_turn_without_an_answer_is_not_the_next_turns_history(trusted):
+    """The walkthrough's session: the placeholder for a reply with no words became the next turn's
+    history, and the small model said it again, as its own unverified answer."""
+    trusted.llm.script("answer", ["[1]"])
+    first = await trusted.chat("What was the root cause of incident 4711? (history)", collection="trust")
+    placeholder = (await trusted.wait_job(first["job_id"]))["result"]
+    assert placeholder["answer"].startswith("The model gave no usable answer")
+    assert placeholder.get("answered") is False  # a turn that says why there is no answer says so
+    second = await trusted.chat("And how many orders failed?", session_id=first["session_id"], collection="trust")
+    assert (await trusted.wait_job(second["job_id"]))["status"] == "completed"
+    later = next(c for c in trusted.llm.calls if c.task == "answer" and c.question.startswith("And how many orders"))
+    conversation = later.user_message.split("CONVERSATION SO FAR:", 1)[1].split("QUESTION:", 1)[0]
+    assert "no usable answer" not in conversation and "incident 4711? (history)" not in conversation
+
+
+async def test_a_refusal_held_for_review_is_not_cached_before_it(trusted):
+    """A held refusal used to be cached at once: rejected by a reviewer, it was still served to the next
+    asker of the same question, from the cache."""
+    question = "What is the capital of Australia? (held)"
+    r = await trusted.http.post("/v1/chats", json={"message": question, "collection": "trust", "require_review": True})
+    held = await trusted.wait_job(r.json()["job_id"])
+    assert held["status"] == "waiting_review" and held["result"] is None
+    assert "cache_answer" not in {s["name"] for s in held["steps"] if s["status"] == "completed"}
+    decided = await trusted.http.post(f"/v1/jobs/{held['job_id']}/review", json={"decision": "reject", "reviewer": "ana"})
+    assert decided.status_code == 200, decided.text
+    assert (await trusted.wait_done(held["job_id"]))["status"] == "failed"
+    again = (await ask(trusted, question))["result"]
+    assert again["cached"] is False and again["supported"] is False
+
+
 async def test_cross_lingual_question_finds_the_chinese_handbook(trusted):
     hits = await trusted.search("How long are database backups kept?", collection="trust", top_k=1)
     assert hits[0]["filename"] == "handbook-zh.txt"

@@ -61,6 +61,9 @@ REVIEWER_ANSWER_PATCH = "reviewer-answer-cites-its-own-markers"
 # A held answer's review lists the turn's passages numbered as the model saw them, so a reviewer's own [n]
 # markers can name them. Earlier reviews showed the answer alone.
 REVIEW_PASSAGES_PATCH = "review-lists-numbered-passages"
+# A refusal a reviewer may hold is not cached before the review (a rejected one was served from the cache
+# to the next asker). Earlier turns cached it at once.
+HELD_REFUSAL_PATCH = "held-refusal-not-cached"
 # A session gives its next turn the go once the turn before has its answer, not once that turn's summary and
 # entities are done too. Earlier sessions waited for the whole job. Both workflow types check it (the session
 # before it asks, the turn before it tells): retire it in both together.
@@ -181,7 +184,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if not retrieved.supported:
             result = TurnResult(session_id=turn.session_id, turn=turn.turn, question=question.message,
                                 answer=retrieved.refusal or "", citations=[], summary="", entities=[], model="none",
-                                usage=Usage(), supported=False, warnings=list(retrieved.warnings))
+                                usage=Usage(), supported=False, warnings=list(retrieved.warnings), answered=False)
+            if self._answer_held and self._needs_review(turn, result) and workflow.patched(HELD_REFUSAL_PATCH):
+                shown = self._answered(result)  # not cached: a reviewer may still reject it
+                self.steps.skip_pending()
+                return shown
             return await self._remember(self._answered(result), retrieved.cache_key)
         # The model calls from here on are what the tenant's running slot is for; retrieval ran while
         # the slot was being asked for.
@@ -204,7 +211,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         citations = answer.citations
         self._show_answer({"answer": answer.answer, "citations": [c.model_dump(mode="json") for c in citations]})
         if not self._answer_held:  # final: no reviewer can hold or replace it
-            self._final_answer = answer.answer
+            self._final_answer = answer.answer if answer.answered else ""  # no answer: nothing for history
             asyncio.ensure_future(self._tell_session_when_asked(turn))
         if summary is None:
             summary, entities = await asyncio.gather(self.step(ChatActivities.summarize_context, context),
@@ -222,7 +229,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             session_id=turn.session_id, turn=turn.turn, question=question.message, answer=answer.answer,
             citations=citations, summary=summary.summary, entities=entities.entities, model=answer.model,
             warnings=warnings, usage=summary.usage + entities.usage + answer.usage, supported=answer.grounded,
-            fallback_model=fallback_model)
+            fallback_model=fallback_model, answered=answer.answered)
         if not answer.grounded or fallback_model:
             return result  # only grounded answers of the configured model are worth repeating
         if answer.warnings and workflow.patched(WARNED_ANSWER_NOT_CACHED_PATCH):
@@ -305,7 +312,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         citations = [c.model_copy(update={"quote": quote_for(text, c.quote)}) for c in cited]
         warnings = [w for w in result.warnings if w not in self._model_answer_warnings]
         return result.model_copy(update={"answer": text, "citations": citations, "supported": bool(citations),
-                                         "warnings": warnings, "written_by_reviewer": True})
+                                         "warnings": warnings, "written_by_reviewer": True, "answered": True})
 
 
 @workflow.defn
@@ -420,7 +427,7 @@ class ChatSessionWorkflow:
                 self.answered.pop(head.job_id, None)
                 return outcome.result()
             if head.job_id in self.answered:
-                return self.answered.pop(head.job_id)
+                return self.answered.pop(head.job_id) or None  # "": no answer, nothing for history
             asked = True
             try:
                 await child.signal(ChatTurnWorkflow.follow_up_waits)
@@ -430,9 +437,10 @@ class ChatSessionWorkflow:
     @staticmethod
     async def _outcome(child: workflow.ChildWorkflowHandle) -> str | None:
         try:
-            return (await child).answer
+            result = await child
         except ChildWorkflowError:
             return None
+        return result.answer if result.answered else None
 
     def _should_continue_as_new(self) -> bool:
         return self.turns_this_run >= self.state.turns_per_run or workflow.info().is_continue_as_new_suggested()
