@@ -318,7 +318,8 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
         view.status == "queued" else []
     job = JobView(job_id=view.job_id, kind=view.kind, status=view.status, created_at=view.created_at,
                   updated_at=max([view.updated_at, *_aware(step_times)]), turn=turn, steps=steps,
-                  result=result, error=error, operator_decisions=progress.decisions if progress else [],
+                  result=result, answer=progress.answer if progress and result is None else None,
+                  error=error, operator_decisions=progress.decisions if progress else [],
                   trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links, waiting_for=ahead)
     if ended and (progress is not None or not started):  # whole: its steps came from the workflow
         _ENDED_VIEWS[(job_id, run_id)] = job
@@ -417,6 +418,12 @@ async def dead_letter_of(handle: WorkflowHandle, rpc_timeout: timedelta) -> JobE
     """A dead-lettered job's reason (None when no worker answers the job's `progress` query now)."""
     progress = await _progress(handle, rpc_timeout)
     return dead_letter_error(progress) if progress and progress.dead_letters else None
+
+
+async def shown_answer(handle, rpc_timeout: timedelta) -> dict | None:
+    """A chat turn's answer as shown before its end (None when none was, or no worker answers now)."""
+    progress = await _progress(handle, rpc_timeout)
+    return progress.answer if progress else None
 
 
 async def _progress(handle, rpc_timeout: timedelta) -> JobProgress | None:

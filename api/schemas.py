@@ -172,6 +172,9 @@ class JobView(BaseModel):
     turn: int | None = Field(None, description="Chat jobs only: the turn's number in its session")
     steps: list[StepState]
     result: Any = Field(description="The job's result once completed, else null")
+    answer: dict | None = Field(None, description="Chat turns not completed: the answer (`answer`, `citations`) "
+                                "once shown on the event stream, while the turn's summary and entities still run "
+                                "(or after it was cancelled or failed in them); the session's next turn has it")
     error: JobError | None
     operator_decisions: list[OperatorDecision] = Field(
         [], description="Only when an operator retried or discarded the job")
@@ -192,6 +195,8 @@ class JobView(BaseModel):
             data.pop("waiting_for", None)
         if not self.operator_decisions:
             data.pop("operator_decisions", None)
+        if self.answer is None:
+            data.pop("answer", None)
         return data
 
 
@@ -249,7 +254,8 @@ class DocumentList(BaseModel):
 
 
 class TurnView(BaseModel):
-    """A turn of a session; `model` is left out until the turn is completed."""
+    """A turn of a session; `model` is left out until the turn is completed. `answer` and `citations` are there
+    once the turn has shown its answer, before its summary and entities end."""
     turn: int | None
     job_id: str
     message: str | None

@@ -86,3 +86,6 @@ class JobProgress(BaseModel):
     dead_letters: list[DeadLetter] = []
     decisions: list[OperatorDecision] = []
     reviews: list[ReviewRecord] = []
+    # A chat turn's answer as the person was shown it (`ragline.answer.completed`: answer, citations), from
+    # then on: its summary and entities may still run, and the session's next turn already has it.
+    answer: dict | None = None

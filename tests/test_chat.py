@@ -202,9 +202,18 @@ async def test_a_later_turn_does_not_wait_for_the_earlier_turns_summary_and_enti
             later = next(c for c in llm.calls("answer") if c.question.startswith("And from what?"))
             first_answer = next(c for c in llm.calls("answer") if c.question.startswith("Who counts")).reply.strip()
             assert f"A: {first_answer}" in later.user_message  # the earlier answer is its history
+            # ... and the person can read it where the turn is shown, before the turn's end.
+            assert earlier["result"] is None and earlier["answer"]["answer"] == first_answer
+            assert earlier["answer"]["citations"]
+            view = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+            assert [(t["turn"], t["status"], t["answer"]) for t in view] == [
+                (1, "running", first_answer), (2, "completed", answered["result"]["answer"])]
         finally:
             await stack.http.post(f"/v1/jobs/{first['job_id']}/cancel")
     assert (await stack.wait_done(first["job_id"]))["status"] == "cancelled"
+    # Cancelled in its side steps, it keeps the answer the next turn was given.
+    [cancelled, _] = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+    assert (cancelled["status"], cancelled["answer"]) == ("cancelled", first_answer)
 
 
 async def test_a_queued_turn_lists_only_the_earlier_turns_still_without_their_answer(stack, chat_docs):

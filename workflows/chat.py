@@ -95,6 +95,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         self.reviews.revise_needs_answer = True  # a chat turn is revised by giving the text to release
         self._follow_up_waits = False
         self._final_answer: str | None = None
+        self._shown: dict | None = None  # `ragline.answer.completed`'s data, once emitted
 
     @workflow.signal
     def proceed(self, context: TurnContext) -> None:
@@ -136,8 +137,12 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._needs_review(turn, result):
             result = await self._hold_for_review(turn, result)
         if self._held_answer is not None:  # released (or never held after all): the person sees it now
-            self.events.emit("ragline.answer.completed", self._released(result))
+            self._shown = self._released(result)
+            self.events.emit("ragline.answer.completed", self._shown)
         return result
+
+    def shown_answer(self) -> dict | None:
+        return self._shown
 
     def _released(self, result: TurnResult) -> dict:
         """`ragline.answer.completed` of a held answer: a reviewer's text comes with its own citations."""
@@ -163,6 +168,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._answer_held:
             self._held_answer = data
         else:
+            self._shown = data
             self.events.emit("ragline.answer.completed", data)
 
     async def _chain(self, turn: TurnInput) -> TurnResult:

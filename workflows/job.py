@@ -244,7 +244,12 @@ class JobWorkflow:
     def progress(self) -> JobProgress:
         return JobProgress(status=self.status(), steps=self.steps.view(),
                            dead_letters=list(self.dead_letters.parked.values()),
-                           decisions=list(self.dead_letters.decisions), reviews=list(self.reviews.history))
+                           decisions=list(self.dead_letters.decisions), reviews=list(self.reviews.history),
+                           answer=self.shown_answer())
+
+    def shown_answer(self) -> dict | None:
+        """What the job has shown as its answer before its end (chat turns)."""
+        return None
 
     @workflow.update(name="retry")
     def retry(self, req: OperatorRequest) -> OperatorAck:

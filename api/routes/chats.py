@@ -124,7 +124,11 @@ async def _turn_view(client: Client, execution, timeout: timedelta) -> TurnView:
         result = await handle.result(rpc_timeout=timeout)
         outcome.update(answer=result["answer"], citations=result["citations"], model=result.get("model"),
                        written_by_reviewer=result.get("written_by_reviewer", False))
-    elif status == "failed":
-        outcome["error"] = (await job_views.failure_of(handle, execution, timeout)).message
+    else:
+        if status == "failed":
+            outcome["error"] = (await job_views.failure_of(handle, execution, timeout)).message
+        if status != "queued" and (shown := await job_views.shown_answer(handle, timeout)) is not None:
+            # Shown on the stream before the turn's end; the next turn already has it.
+            outcome.update(answer=shown.get("answer"), citations=shown.get("citations") or [])
     return TurnView(turn=memo.get("turn"), job_id=execution.id, message=memo.get("message"), status=status,
                     created_at=execution.start_time, **outcome)
