@@ -24,7 +24,7 @@ from api.app import create_app
 from devtools.scripted_llm import last_user_message, parse_prompt
 from models.chat import session_workflow_id
 from tests.conftest import serving_api
-from tests.helpers import eventually, read_events
+from tests.helpers import eventually, read_events, waiting_reviews
 from workflows.events import PUBLISH_SIGNAL
 
 ZEBRA = ("The great zebra migration crosses the Mara river every July. Crocodiles wait in the river. "
@@ -214,6 +214,71 @@ async def test_a_later_turn_does_not_wait_for_the_earlier_turns_summary_and_enti
     # Cancelled in its side steps, it keeps the answer the next turn was given.
     [cancelled, _] = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
     assert (cancelled["status"], cancelled["answer"]) == ("cancelled", first_answer)
+
+
+async def test_a_held_answer_is_reviewed_while_the_summary_and_entities_run(stack, chat_docs):
+    """A reviewer, the person and the session's next turn need a held answer alone: the review is asked as soon
+    as the answer is there, and the released answer is shown and given to the next turn before the turn's
+    summary and entities end (on a local model they take tens of seconds)."""
+    session = f"held-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as llm:
+        def first_turn_hangs(request: dict) -> dict | None:
+            return {"content": "[]", "delay": 60} if "Who counts" in last_user_message(request["messages"]) else None
+        llm.script_fn("summarize", first_turn_hangs)
+        llm.script_fn("extract_entities", first_turn_hangs)
+        r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
+                                                     "session_id": session, "collection": "chat",
+                                                     "require_review": True})
+        first = r.json()["job_id"]
+        try:
+            [review] = await waiting_reviews(stack, first, timeout=30)
+            steps = {s["name"]: s["status"] for s in (await stack.http.get(f"/v1/jobs/{first}")).json()["steps"]}
+            assert steps["summarize_context"] == steps["extract_entities"] == "running"
+            second = await stack.chat(f"And from what? {llm.token}", session_id=session, collection="chat")
+            r = await stack.http.post(f"/v1/jobs/{first}/review", json={
+                "decision": "revise", "reviewer": "editor", "answer": "The rangers count them from the air [1]."})
+            assert r.status_code == 200, r.text
+            answered = await stack.wait_job(second["job_id"], timeout=45)
+            assert answered["status"] == "completed" and answered["turn"] == 2
+            later = next(c for c in llm.calls("answer") if c.question.startswith("And from what?"))
+            assert "A: The rangers count them from the air [1]." in later.user_message  # the released text
+            earlier = (await stack.http.get(f"/v1/jobs/{first}")).json()
+            assert earlier["status"] == "running" and earlier["result"] is None  # its side steps still run
+            assert earlier["answer"]["answer"] == "The rangers count them from the air [1]."
+        finally:
+            await stack.http.post(f"/v1/jobs/{first}/cancel")
+    assert review["proposed_action"]["answer"] == next(
+        c for c in llm.calls("answer") if c.question.startswith("Who counts")).reply.strip()
+    assert (await stack.wait_done(first))["status"] == "cancelled"
+    # On its stream: asked, decided and shown while the summary and entities ran; neither ever completed.
+    shown = [(e["type"], e["data"]) for _, e in await read_events(stack, first)
+             if e["type"] in ("ragline.review.requested", "ragline.review.decided", "ragline.answer.completed",
+                              "ragline.step.completed", "ragline.job.cancelled")]
+    assert [t for t, _ in shown if t != "ragline.step.completed"] == [
+        "ragline.review.requested", "ragline.review.decided", "ragline.answer.completed", "ragline.job.cancelled"]
+    assert {d["step"] for t, d in shown if t == "ragline.step.completed"} == {"retrieve_context", "generate_answer"}
+    [released] = [d for t, d in shown if t == "ragline.answer.completed"]
+    assert released["answer"] == "The rangers count them from the air [1]." and released["written_by_reviewer"]
+
+
+async def test_a_held_answer_rejected_while_the_summary_runs_stops_it(stack, chat_docs):
+    """No model calls go on for an answer nobody will see: the turn fails with the reviewer's reason at once,
+    its summary and entities cancelled."""
+    with stack.llm.scope() as llm:
+        llm.script_fn("summarize", lambda request: {"content": "[]", "delay": 60})
+        llm.script_fn("extract_entities", lambda request: {"content": "[]", "delay": 60})
+        r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
+                                                     "collection": "chat", "require_review": True})
+        job_id = r.json()["job_id"]
+        await waiting_reviews(stack, job_id, timeout=30)
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "reject", "reviewer": "editor", "comment": "not from our documents"})
+        assert r.status_code == 200, r.text
+        job = await stack.wait_done(job_id, timeout=30)
+    assert job["status"] == "failed" and job["error"]["message"] == "answer rejected by editor: not from our documents"
+    steps = {s["name"]: s["status"] for s in job["steps"]}
+    assert steps["summarize_context"] == steps["extract_entities"] == "cancelled"
+    assert job.get("answer") is None  # never released
 
 
 async def test_a_queued_turn_lists_only_the_earlier_turns_still_without_their_answer(stack, chat_docs):

@@ -175,6 +175,33 @@ async def test_a_job_waiting_for_a_person_lends_its_slot(stack):
         assert await _wait_status(http, held, "completed", "failed") == "completed"
 
 
+async def test_a_turn_reviewed_while_its_summary_runs_lends_its_slot_only_once_that_ends(stack):
+    """A held answer is put to its reviewer while the turn's summary and entities run: model calls, which the
+    tenant's cap is for. The turn keeps its slot until they end, then lends it for the rest of the review."""
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http, "beside")
+        with stack.llm.scope() as llm:
+            def held_turns_side_steps_take_a_while(request: dict) -> dict | None:
+                return {"content": "[]", "delay": 2} if "high tide" in last_user_message(request["messages"]) else None
+            llm.script_fn("summarize", held_turns_side_steps_take_a_while)
+            llm.script_fn("extract_entities", held_turns_side_steps_take_a_while)
+            held = await _ask(http, f"When is high tide? {llm.token}", collection="beside", require_review=True)
+            assert await _wait_status(http, held, "waiting_review") == "waiting_review"
+            other = await _ask(http, f"Who lights the lamp? {llm.token}", collection="beside")
+            assert await _wait_status(http, other, "completed", "failed") == "completed"
+            assert await _status(http, held) == "waiting_review"
+
+            r = await http.post(f"/v1/jobs/{held}/review", json={"decision": "approve", "reviewer": "editor"})
+            assert r.status_code < 300, r.text
+            assert await _wait_status(http, held, "completed", "failed") == "completed"
+            job = (await http.get(f"/v1/jobs/{held}")).json()
+    _, side_steps_ended = await _busy_span(stack, held)
+    other_began, _ = await _busy_span(stack, other)
+    assert other_began >= side_steps_ended
+    assert job["result"]["summary"] == "[]" and job["result"]["review"]["reviewer"] == "editor"
+
+
 async def test_a_sub_agent_waiting_for_a_person_lends_its_trees_slot(stack):
     """A sub-agent runs within its root's slot; when it waits for a reviewer (here: its depth guard), the
     root, which only waits on it, lends the slot: the tenant's other work runs meanwhile instead of

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from temporalio import workflow
@@ -30,11 +31,12 @@ with workflow.unsafe.imports_passed_through():
     from activities.chat import ChatActivities, marked_passages, quote_for
     from activities.jobs import JobActivities
     from models.chat import (
-        AwaitTurnInput, CacheInput, Citation, ContextInput, GenerateInput, GenerateOutput, HistoryItem, RetrieveInput,
-        SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_workflow_id,
+        AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
+        RetrieveInput, SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage,
+        session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO
-    from models.review import without
+    from models.review import ReviewDecision, without
     from ragline import tracing
     from temporal import policies
     from temporal import search_attributes as sa
@@ -68,6 +70,9 @@ HELD_REFUSAL_PATCH = "held-refusal-not-cached"
 # entities are done too. Earlier sessions waited for the whole job. Both workflow types check it (the session
 # before it asks, the turn before it tells): retire it in both together.
 NEXT_TURN_AFTER_ANSWER_PATCH = "next-turn-after-answer"
+# A held answer is put to its reviewer while the summary and entities run, and shown once released. Earlier
+# turns asked the reviewer only after both had ended.
+REVIEW_BESIDE_SIDE_STEPS_PATCH = "review-beside-side-steps"
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -134,7 +139,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             self.events.hold_steps = False
             self.events.release()
         result = await self._chain(turn)
-        if self._needs_review(turn, result):
+        if self._needs_review(turn, result) and result.review is None:  # not already reviewed beside the side steps
             result = await self._hold_for_review(turn, result)
         if self._held_answer is not None:  # released (or never held after all): the person sees it now
             self._shown = self._released(result)
@@ -217,25 +222,28 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         citations = answer.citations
         self._show_answer({"answer": answer.answer, "citations": [c.model_dump(mode="json") for c in citations]})
         if not self._answer_held:  # final: no reviewer can hold or replace it
-            self._final_answer = answer.answer if answer.answered else ""  # no answer: nothing for history
-            asyncio.ensure_future(self._tell_session_when_asked(turn))
-        if summary is None:
-            summary, entities = await asyncio.gather(self.step(ChatActivities.summarize_context, context),
-                                                     self.step(ChatActivities.extract_entities, context))
-        else:
-            entities = await self.step(ChatActivities.extract_entities, context)
+            self._tell_session(turn, answer.answer if answer.answered else "")  # no answer: nothing for history
         told = []  # what the turn tells about the model's answer, besides what its step warned
         if not answer.grounded and not self._gave_no_answer(answer):
             told.append(UNVERIFIED_WARNING)
         if fallback_model:
             told.append(f"the configured model kept failing; answered by the fallback model {fallback_model}")
         self._model_answer_warnings = [*answer.warnings, *told]
-        warnings = [*answer.warnings, *entities.warnings, *told]
-        result = TurnResult(
-            session_id=turn.session_id, turn=turn.turn, question=question.message, answer=answer.answer,
-            citations=citations, summary=summary.summary, entities=entities.entities, model=answer.model,
-            warnings=warnings, usage=summary.usage + entities.usage + answer.usage, supported=answer.grounded,
-            fallback_model=fallback_model, answered=answer.answered)
+
+        def turn_result(summary: SummaryOutput, entities: EntitiesOutput) -> TurnResult:
+            return TurnResult(
+                session_id=turn.session_id, turn=turn.turn, question=question.message, answer=answer.answer,
+                citations=citations, summary=summary.summary, entities=entities.entities, model=answer.model,
+                warnings=[*answer.warnings, *entities.warnings, *told],
+                usage=summary.usage + entities.usage + answer.usage, supported=answer.grounded,
+                fallback_model=fallback_model, answered=answer.answered)
+
+        side_steps = self._side_steps(context, summary)
+        answered = turn_result(SummaryOutput(summary=""), EntitiesOutput(entities=[]))  # before the side steps
+        if self._answer_held and workflow.patched(REVIEW_BESIDE_SIDE_STEPS_PATCH) and \
+                self._needs_review(turn, answered):
+            return await self._reviewed_beside_side_steps(turn, answered, side_steps, turn_result)
+        result = turn_result(*await side_steps)
         if not answer.grounded or fallback_model:
             return result  # only grounded answers of the configured model are worth repeating
         if answer.warnings and workflow.patched(WARNED_ANSWER_NOT_CACHED_PATCH):
@@ -243,6 +251,38 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._answer_held and self._needs_review(turn, result):
             return result  # nor one a reviewer has not released: the cache would serve it unreviewed
         return await self._remember(result, retrieved.cache_key)
+
+    async def _side_steps(self, context: ContextInput,
+                          summary: SummaryOutput | None) -> tuple[SummaryOutput, EntitiesOutput]:
+        """The summary (unless the answer needed it first) and the entities: after the answer, beside each other."""
+        if summary is None:
+            return await asyncio.gather(self.step(ChatActivities.summarize_context, context),
+                                        self.step(ChatActivities.extract_entities, context))
+        return summary, await self.step(ChatActivities.extract_entities, context)
+
+    async def _reviewed_beside_side_steps(
+            self, turn: TurnInput, answered: TurnResult, side_steps: Awaitable[tuple[SummaryOutput, EntitiesOutput]],
+            turn_result: Callable[[SummaryOutput, EntitiesOutput], TurnResult]) -> TurnResult:
+        """A held answer is put to the reviewer at once, while its summary and entities run: the reviewer, the
+        person and the session's next turn need the answer alone. Released, it is shown (and told to the
+        session) before the side steps end; rejected, they are stopped. The side steps keep the running slot
+        until they end: only then is it lent to the tenant's other jobs for the rest of the review."""
+        running = self.beside(side_steps)
+        try:
+            decision = await self._review_decision(turn, answered.answer)
+        except BaseException:
+            await self.stop(running)  # rejected or cancelled: no summary of an answer nobody will see
+            raise
+        released = self._with_review(answered, decision)
+        self._shown = self._released(released)
+        self._held_answer = None
+        self.events.emit("ragline.answer.completed", self._shown)
+        self._tell_session(turn, released.answer if released.answered else "")
+        return self._with_review(turn_result(*await running), decision)
+
+    def _tell_session(self, turn: TurnInput, final_answer: str) -> None:
+        self._final_answer = final_answer
+        asyncio.ensure_future(self._tell_session_when_asked(turn))
 
     async def _tell_session_when_asked(self, turn: TurnInput) -> None:
         """The final answer goes to the session if a later turn waits for it: that turn need not wait for this
@@ -289,15 +329,22 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
     async def _hold_for_review(self, turn: TurnInput, result: TurnResult) -> TurnResult:
         """The answer waits for a person, who may release it, replace its text, or reject it."""
+        return self._with_review(result, await self._review_decision(turn, result.answer))
+
+    async def _review_decision(self, turn: TurnInput, answer: str) -> ReviewDecision:
+        """The reviewer's decision on the answer: released as it is, or with their text; rejected fails the turn."""
         reason = "review requested" if turn.question.require_review else "answer without a supporting citation"
         decision = await self.reviews.ask(
             reason=reason, detail=f"answer to {turn.question.message[:200]!r} is held until a reviewer releases it",
-            proposed_action={"action": "release_answer", "answer": result.answer[:2000], **self._numbered_passages()},
+            proposed_action={"action": "release_answer", "answer": answer[:2000], **self._numbered_passages()},
             goal=turn.question.message, depth=0, timeout=timedelta(seconds=turn.review_timeout_seconds),
             withheld=("answer",))
         if decision.decision == "reject":
             raise ApplicationError(f"answer rejected by {decision.reviewer}: {decision.comment or 'no comment'}",
                                    type="AnswerRejected", non_retryable=True)
+        return decision
+
+    def _with_review(self, result: TurnResult, decision: ReviewDecision) -> TurnResult:
         review = self.reviews.history[-1]
         if decision.answer and decision.answer != result.answer and workflow.patched(REVIEWER_ANSWER_PATCH):
             return self._reviewers_answer(result, decision.answer).model_copy(update={"review": review})

@@ -170,6 +170,29 @@ class JobWorkflow:
         self.steps.complete(name, attempts=getattr(result, "attempt", 1))
         return result
 
+    def beside(self, work: Awaitable[R]) -> asyncio.Task[R]:
+        """Work that runs beside what the job does next, counted as under way from now (before its first
+        step starts): a wait for a person that begins meanwhile lends the running slot only once it ends."""
+        self._calls_running += 1
+
+        async def run() -> R:
+            try:
+                return await work
+            finally:
+                self._calls_running -= 1
+                self.waits.recheck()
+
+        return asyncio.ensure_future(run())
+
+    @staticmethod
+    async def stop(task: asyncio.Task[Any]) -> None:
+        """Cancel work run `beside` and wait until its steps have stopped."""
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, ActivityError):
+            pass
+
     async def call(self, activity: Callable[..., Any], arg: Any, *, step: str,
                    on_exhausted: Callable[[], Awaitable[Any]] | None = None, **options: Any) -> Any:
         """Run an activity under its policy; for steps whose bookkeeping the caller does (batches).

@@ -12,6 +12,7 @@ queues again for one only when it has more work to run (`take_back`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -31,6 +32,9 @@ LENT_PATCH = "slot-taken-back-for-work"
 RETAKE_PATCH = "slot-retake-awaited"
 # Histories from before a grant was final replay a late "wait in line" undoing it.
 GRANT_FINAL_PATCH = "slot-grant-is-final"
+# Histories from before a job with work still running lent its slot only once that work ended replay it lent
+# at once.
+LEND_WHEN_IDLE_PATCH = "slot-lent-once-work-ends"
 
 
 class RunningSlot:
@@ -108,20 +112,45 @@ class RunningSlot:
             workflow.logger.warning("could not give the running slot back (the gate will find out): %s", exc)
 
     @asynccontextmanager
-    async def lent(self) -> AsyncIterator[None]:
+    async def lent(self, idle: Callable[[], bool] = lambda: True) -> AsyncIterator[None]:
         """While the job waits for a person, another job may run in its slot: the slot is given back, or
         the ask for one withdrawn (a step can fail while the slot is still being asked for). The job
         asks again only when it has work for it (`take_back`): a decision that ends the job needs no
-        slot, and the person's decision is recorded the moment it comes, not once a slot is free."""
+        slot, and the person's decision is recorded the moment it comes, not once a slot is free.
+        `idle`: whether none of the job's work runs. Work that still runs (a chat turn's summary while its
+        answer waits for a reviewer) keeps the slot until it ends, or the tenant would run over its cap."""
         if not workflow.patched(LENT_PATCH):
             async with self._lent_until_decided():
                 yield
             return
+        if not idle() and self._asked and workflow.patched(LEND_WHEN_IDLE_PATCH):
+            async with self._lent_once_idle(idle):
+                yield
+            return
+        await self._lend()
+        yield
+
+    async def _lend(self) -> None:
         if self._asked:
             self._withdrawals += 1
             await self.release()
             self.owed = True
-        yield
+
+    @asynccontextmanager
+    async def _lent_once_idle(self, idle: Callable[[], bool]) -> AsyncIterator[None]:
+        over = False
+
+        async def lend_once_idle() -> None:
+            await workflow.wait_condition(lambda: idle() or over)
+            if not over:
+                await self._lend()
+
+        lending = asyncio.ensure_future(lend_once_idle())
+        try:
+            yield
+        finally:
+            over = True
+            await lending  # a release under way ends first: the next piece of work takes the slot back after it
 
     async def take_back(self) -> None:
         """Before the job's next piece of work: the slot it lent, if it lent one. Work that comes while

@@ -56,7 +56,7 @@ class PersonWaits:
         self._own += 1
         self._changed()
         try:
-            async with self._slot.lent():
+            async with self._slot.lent(idle=lambda: self._busy() == 0):
                 yield
         finally:
             self._own -= 1
