@@ -202,6 +202,33 @@ async def test_a_turn_reviewed_while_its_summary_runs_lends_its_slot_only_once_t
     assert job["result"]["summary"] == "[]" and job["result"]["review"]["reviewer"] == "editor"
 
 
+async def test_a_side_step_parked_while_its_answer_waits_for_review_lends_the_slot(stack):
+    """The summary run beside a review keeps failing and waits for an operator: nothing of the turn runs, so
+    the tenant's other work goes on instead of waiting for the operator, or the reviewer."""
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http, "parked-beside")
+        with stack.llm.scope() as llm:
+            llm.script_fn("summarize", lambda request: "503" if "high tide" in last_user_message(
+                request["messages"]) else None)
+            held = await _ask(http, f"When is high tide? {llm.token}", collection="parked-beside",
+                              require_review=True)
+            assert await _wait_status(http, held, "dead_lettered") == "dead_lettered"
+            other = await _ask(http, f"Who lights the lamp? {llm.token}", collection="parked-beside")
+            assert await _wait_status(http, other, "completed", "failed") == "completed"
+            # The review, asked before the summary was parked, can still be decided: the answer is released.
+            r = await http.post(f"/v1/jobs/{held}/review", json={"decision": "approve", "reviewer": "editor"})
+            assert r.status_code == 200, r.text
+
+            async def released() -> dict | None:
+                job = (await http.get(f"/v1/jobs/{held}")).json()
+                return job if job.get("answer") else None
+            job = await eventually(released, timeout=30, what="the released answer")
+            assert job["status"] == "dead_lettered"  # the summary still waits for its operator
+        await http.post(f"/v1/jobs/{held}/cancel")
+        assert await _wait_status(http, held, "cancelled") == "cancelled"
+
+
 async def test_a_sub_agent_waiting_for_a_person_lends_its_trees_slot(stack):
     """A sub-agent runs within its root's slot; when it waits for a reviewer (here: its depth guard), the
     root, which only waits on it, lends the slot: the tenant's other work runs meanwhile instead of

@@ -12,6 +12,8 @@ ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
   -> [the slot] -> generate_answer (streams deltas) -> summarize_context || extract_entities
   Only when the passages overflow the model's context budget does summarize_context run before
   generate_answer, which then answers from the summary. Nothing else delays the answer's first token.
+  A held answer (require_review) is put to its reviewer right after generate_answer, while the side steps
+  run: released, it is shown and told to the session at once; rejected, the side steps are cancelled.
   Its step events ride along with the events a person waits for (the deltas, the answer, the end), except
   while that summary runs: a person then sees the turn at work.
 """
@@ -267,7 +269,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         person and the session's next turn need the answer alone. Released, it is shown (and told to the
         session) before the side steps end; rejected, they are stopped. The side steps keep the running slot
         until they end: only then is it lent to the tenant's other jobs for the rest of the review."""
-        running = self.beside(side_steps)
+        running = await self.beside(side_steps)
         try:
             decision = await self._review_decision(turn, answered.answer)
         except BaseException:

@@ -170,19 +170,14 @@ class JobWorkflow:
         self.steps.complete(name, attempts=getattr(result, "attempt", 1))
         return result
 
-    def beside(self, work: Awaitable[R]) -> asyncio.Task[R]:
-        """Work that runs beside what the job does next, counted as under way from now (before its first
-        step starts): a wait for a person that begins meanwhile lends the running slot only once it ends."""
-        self._calls_running += 1
-
-        async def run() -> R:
-            try:
-                return await work
-            finally:
-                self._calls_running -= 1
-                self.waits.recheck()
-
-        return asyncio.ensure_future(run())
+    async def beside(self, work: Awaitable[R]) -> asyncio.Task[R]:
+        """Start work that runs beside what the job does next, and return once its first step is under way:
+        a wait for a person that begins next sees the job busy, and lends the running slot only when no step
+        runs (they ended, or wait for an operator)."""
+        task = asyncio.ensure_future(work)
+        before = self._calls_running
+        await workflow.wait_condition(lambda: self._calls_running > before or task.done())
+        return task
 
     @staticmethod
     async def stop(task: asyncio.Task[Any]) -> None:

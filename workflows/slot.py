@@ -50,6 +50,7 @@ class RunningSlot:
         self.owed = False      # lent to a person's wait: taken back before the job's next piece of work
         self._retaking = False  # a take_back is asking for the slot now
         self._withdrawals = 0  # an ask withdrawn while it was on its way or in line stops waiting
+        self._lending = False  # the slot is being given back to lend it
 
     def heard(self, standing: SlotGrant) -> None:
         """The gate's `slot_update` signal: granted, or the place in line (of the latest request only). A
@@ -131,10 +132,14 @@ class RunningSlot:
         yield
 
     async def _lend(self) -> None:
-        if self._asked:
-            self._withdrawals += 1
-            await self.release()
-            self.owed = True
+        # Two waits for a person can begin together (a review, and a step parked beside it): one gives it back.
+        if not self._asked or (self._lending and workflow.patched(LEND_WHEN_IDLE_PATCH)):
+            return
+        self._lending = True
+        self._withdrawals += 1
+        await self.release()
+        self.owed = True
+        self._lending = False
 
     @asynccontextmanager
     async def _lent_once_idle(self, idle: Callable[[], bool]) -> AsyncIterator[None]:
