@@ -46,6 +46,15 @@ def sources(body: dict) -> dict[int, str]:
     return {p.number: p.source for p in passages}
 
 
+def hang_side_steps(llm, question: str) -> None:
+    """The summary and entities of turns asking `question` hang (each attempt until the model call's timeout,
+    then the next attempt); everything else answers at once."""
+    def hangs(request: dict) -> dict | None:
+        return {"content": "[]", "delay": 60} if question in last_user_message(request["messages"]) else None
+    llm.script_fn("summarize", hangs)
+    llm.script_fn("extract_entities", hangs)
+
+
 def citing(*filenames: str, text: str = "The herds cross the Mara river in July"):
     """A model that answers citing the passages of `filenames`, by the numbers its prompt gave them, in
     the order named (not the order of the numbers)."""
@@ -186,12 +195,7 @@ async def test_a_later_turn_does_not_wait_for_the_earlier_turns_summary_and_enti
     (its history), not that turn's summary and entities."""
     session = f"follow-{uuid.uuid4().hex[:8]}"
     with stack.llm.scope() as llm:
-        # The first turn's side steps hang (each attempt until the model call's timeout, then the next
-        # attempt); everything else answers at once.
-        def first_turn_hangs(request: dict) -> dict | None:
-            return {"content": "[]", "delay": 60} if "Who counts" in last_user_message(request["messages"]) else None
-        llm.script_fn("summarize", first_turn_hangs)
-        llm.script_fn("extract_entities", first_turn_hangs)
+        hang_side_steps(llm, "Who counts")
         first = await stack.chat(f"Who counts the herds? {llm.token}", session_id=session, collection="chat")
         second = await stack.chat(f"And from what? {llm.token}", session_id=session, collection="chat")
         try:
@@ -222,10 +226,7 @@ async def test_a_held_answer_is_reviewed_while_the_summary_and_entities_run(stac
     summary and entities end (on a local model they take tens of seconds)."""
     session = f"held-{uuid.uuid4().hex[:8]}"
     with stack.llm.scope() as llm:
-        def first_turn_hangs(request: dict) -> dict | None:
-            return {"content": "[]", "delay": 60} if "Who counts" in last_user_message(request["messages"]) else None
-        llm.script_fn("summarize", first_turn_hangs)
-        llm.script_fn("extract_entities", first_turn_hangs)
+        hang_side_steps(llm, "Who counts")
         r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
                                                      "session_id": session, "collection": "chat",
                                                      "require_review": True})
@@ -265,8 +266,7 @@ async def test_a_held_answer_rejected_while_the_summary_runs_stops_it(stack, cha
     """No model calls go on for an answer nobody will see: the turn fails with the reviewer's reason at once,
     its summary and entities cancelled."""
     with stack.llm.scope() as llm:
-        llm.script_fn("summarize", lambda request: {"content": "[]", "delay": 60})
-        llm.script_fn("extract_entities", lambda request: {"content": "[]", "delay": 60})
+        hang_side_steps(llm, "Who counts")
         r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
                                                      "collection": "chat", "require_review": True})
         job_id = r.json()["job_id"]
