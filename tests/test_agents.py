@@ -467,10 +467,20 @@ async def test_unsupported_answers_are_held_when_configured(temporal_env, script
         await stack.wait_job(seed["job_id"])
         with scripted_llm.scope() as llm:
             llm.script("answer", ["Puffins nest on the cliffs [1]."])
+            # Its summary and entities hang: an answer that cites a passage is shown without them.
+            llm.script_fn("summarize", lambda request: {"content": "[]", "delay": 60})
+            llm.script_fn("extract_entities", lambda request: {"content": "[]", "delay": 60})
             supported = await stack.chat(f"Where do puffins nest? {llm.token}", collection="birds")
-            released = await stack.wait_job(supported["job_id"])
-        assert released["status"] == "completed"  # cites a passage: released at once
-        assert [c["filename"] for c in released["result"]["citations"]] == ["birds.txt"]
+
+            async def shown() -> dict | None:
+                job = (await stack.http.get(f"/v1/jobs/{supported['job_id']}")).json()
+                return job if job.get("answer") else None
+            released = await eventually(shown, timeout=30, what="the supported answer, shown")
+            await stack.http.post(f"/v1/jobs/{supported['job_id']}/cancel")
+        assert released["result"] is None and released["status"] != "waiting_review"  # cites a passage: released
+        assert released["answer"]["answer"] == "Puffins nest on the cliffs [1]."
+        assert [c["filename"] for c in released["answer"]["citations"]] == ["birds.txt"]
+        assert (await stack.wait_done(supported["job_id"]))["status"] == "cancelled"
 
         with scripted_llm.scope() as llm:
             llm.script("answer", ["Probably somewhere warm, I would guess."])

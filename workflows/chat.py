@@ -12,8 +12,9 @@ ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
   -> [the slot] -> generate_answer (streams deltas) -> summarize_context || extract_entities
   Only when the passages overflow the model's context budget does summarize_context run before
   generate_answer, which then answers from the summary. Nothing else delays the answer's first token.
-  A held answer (require_review) is put to its reviewer right after generate_answer, while the side steps
-  run: released, it is shown and told to the session at once; rejected, the side steps are cancelled.
+  A held answer (require_review, or RAGLINE_REVIEW_UNSUPPORTED_ANSWERS and no citation) is put to its
+  reviewer right after generate_answer, while the side steps run: released, it is shown and told to the
+  session at once; rejected, the side steps are cancelled. One that cites a passage is shown at once.
   Its step events ride along with the events a person waits for (the deltas, the answer, the end), except
   while that summary runs: a person then sees the turn at work.
 """
@@ -242,9 +243,10 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
         side_steps = self._side_steps(context, summary)
         answered = turn_result(SummaryOutput(summary=""), EntitiesOutput(entities=[]))  # before the side steps
-        if self._answer_held and workflow.patched(REVIEW_BESIDE_SIDE_STEPS_PATCH) and \
-                self._needs_review(turn, answered):
-            return await self._reviewed_beside_side_steps(turn, answered, side_steps, turn_result)
+        if self._answer_held and workflow.patched(REVIEW_BESIDE_SIDE_STEPS_PATCH):
+            if self._needs_review(turn, answered):
+                return await self._reviewed_beside_side_steps(turn, answered, side_steps, turn_result)
+            self._release(turn, answered)  # it cites a passage: nobody need review it
         result = turn_result(*await side_steps)
         if not answer.grounded or fallback_model:
             return result  # only grounded answers of the configured model are worth repeating
@@ -275,12 +277,15 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         except BaseException:
             await self.stop(running)  # rejected or cancelled: no summary of an answer nobody will see
             raise
-        released = self._with_review(answered, decision)
+        self._release(turn, self._with_review(answered, decision))
+        return self._with_review(turn_result(*await running), decision)
+
+    def _release(self, turn: TurnInput, released: TurnResult) -> None:
+        """A held answer the person may see now: shown, and told to the session, while the side steps run."""
         self._shown = self._released(released)
         self._held_answer = None
         self.events.emit("ragline.answer.completed", self._shown)
         self._tell_session(turn, released.answer if released.answered else "")
-        return self._with_review(turn_result(*await running), decision)
 
     def _tell_session(self, turn: TurnInput, final_answer: str) -> None:
         self._final_answer = final_answer
@@ -471,8 +476,9 @@ class ChatSessionWorkflow:
         return outcome.answer
 
     async def _answer_of(self, head: TurnInput, child: workflow.ChildWorkflowHandle) -> str | None:
-        """The turn's answer as soon as it is final, if a later turn waits for it (the job is asked, then tells);
-        else, or if it never tells (a held answer, a failed turn, an older worker), at the job's end."""
+        """The turn's answer as soon as it is final, if a later turn waits for it (the job is asked, then tells
+        once its answer is shown: a held one once released); else, or if it never tells (a failed turn, an
+        older worker), at the job's end."""
         outcome = asyncio.ensure_future(self._outcome(child))
         asked = False
         while True:

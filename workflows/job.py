@@ -181,11 +181,13 @@ class JobWorkflow:
 
     @staticmethod
     async def stop(task: asyncio.Task[Any]) -> None:
-        """Cancel work run `beside` and wait until its steps have stopped."""
+        """Cancel work run `beside` (its steps' activities are asked to stop) and wait for the task to end.
+        How it ended no longer matters (a step of it may have failed for good already): the caller's reason
+        for stopping it is the job's."""
         task.cancel()
         try:
             await task
-        except (asyncio.CancelledError, ActivityError):
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001
             pass
 
     async def call(self, activity: Callable[..., Any], arg: Any, *, step: str,

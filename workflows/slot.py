@@ -125,32 +125,41 @@ class RunningSlot:
                 yield
             return
         if not idle() and self._asked and workflow.patched(LEND_WHEN_IDLE_PATCH):
-            async with self._lent_once_idle(idle):
+            async with self._lent_while_idle(idle):
                 yield
             return
         await self._lend()
         yield
 
     async def _lend(self) -> None:
-        # Two waits for a person can begin together (a review, and a step parked beside it): one gives it back.
-        if not self._asked or (self._lending and workflow.patched(LEND_WHEN_IDLE_PATCH)):
+        # Two waits for a person can begin together (a review, and a step parked beside it): one gives the slot
+        # back, the other waits until it is given back (owed), so that the next piece of work takes it again.
+        if self._lending and workflow.patched(LEND_WHEN_IDLE_PATCH):
+            await workflow.wait_condition(lambda: not self._lending)
+            return
+        if not self._asked:
             return
         self._lending = True
-        self._withdrawals += 1
-        await self.release()
-        self.owed = True
-        self._lending = False
+        try:
+            self._withdrawals += 1
+            await self.release()
+            self.owed = True
+        finally:
+            self._lending = False
 
     @asynccontextmanager
-    async def _lent_once_idle(self, idle: Callable[[], bool]) -> AsyncIterator[None]:
+    async def _lent_while_idle(self, idle: Callable[[], bool]) -> AsyncIterator[None]:
         over = False
 
-        async def lend_once_idle() -> None:
-            await workflow.wait_condition(lambda: idle() or over)
-            if not over:
+        async def lend_whenever_idle() -> None:
+            # Again after each take-back: a step parked beside the wait, retried by an operator, ends.
+            while True:
+                await workflow.wait_condition(lambda: over or (idle() and self._asked and not self._retaking))
+                if over:
+                    return
                 await self._lend()
 
-        lending = asyncio.ensure_future(lend_once_idle())
+        lending = asyncio.ensure_future(lend_whenever_idle())
         try:
             yield
         finally:

@@ -84,7 +84,10 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
 @router.get("/v1/reviews", summary="Everything waiting for a human review",
             responses=error_responses({503: TEMPORAL_DOWN}))
 async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep) -> ReviewList:
-    query = job_views.list_query(caller.tenant, status="waiting_review")
+    # A chat turn's review can be pending while the summary run beside it waits for an operator: the job then
+    # shows as dead_lettered, and its review is still listed here.
+    query = (f"({job_views.list_query(caller.tenant, status='waiting_review')}) OR "
+             f"({job_views.list_query(caller.tenant, status='dead_lettered', kind='chat')})")
     executions = await job_views.list_jobs(client, query, 500, timeout)
 
     unreadable: list[str] = []
