@@ -282,6 +282,25 @@ async def test_a_held_answer_rejected_while_the_summary_runs_stops_it(stack, cha
     assert job.get("answer") is None  # never released
 
 
+async def test_a_rejection_after_the_summary_was_discarded_fails_the_turn_for_the_rejection(stack, chat_docs):
+    """The summary run beside the review is parked, then discarded by an operator; the reviewer rejects the
+    answer after that. The turn fails for the rejection, the reason its reviewer and its person look for."""
+    with stack.llm.scope() as llm:
+        llm.script_fn("summarize", lambda request: "503")
+        r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
+                                                     "collection": "chat", "require_review": True})
+        job_id = r.json()["job_id"]
+        assert (await stack.wait_job(job_id, until=("dead_lettered",)))["status"] == "dead_lettered"
+        r = await stack.http.post(f"/v1/jobs/{job_id}/discard", json={"operator": "ops"})
+        assert r.status_code == 200, r.text
+        assert (await stack.wait_job(job_id, until=("waiting_review",)))["status"] == "waiting_review"
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "reject", "reviewer": "editor", "comment": "wrong herd"})
+        assert r.status_code == 200, r.text
+        job = await stack.wait_done(job_id, timeout=30)
+    assert (job["status"], job["error"]["message"]) == ("failed", "answer rejected by editor: wrong herd")
+
+
 async def test_a_queued_turn_lists_only_the_earlier_turns_still_without_their_answer(stack, chat_docs):
     """Turn 1 has its answer and runs its side steps, turn 2's answer is on its way, turn 3 waits: what it
     waits for is turn 2 alone."""
