@@ -22,8 +22,11 @@ def language_of(text: str) -> str:
 
 
 def messages(step: str, **fields: str) -> list[dict[str, str]]:
+    """The step's system and user messages. The steps on a turn's passages share one system prompt
+    (`[documents]`), so that their prompts open alike (prompts.toml says why)."""
     template = templates()[step]
-    return [{"role": "system", "content": template["system"].format(**fields)},
+    system = template.get("system", templates()["documents"]["system"])
+    return [{"role": "system", "content": system.format(**fields)},
             {"role": "user", "content": template["user"].format(**fields)}]
 
 
