@@ -70,15 +70,13 @@ async def call(oai, messages: list[dict], max_tokens: int) -> dict:  # noqa: ANN
     stream = await oai.chat.completions.create(model="local", messages=messages, temperature=0.0,
                                                max_tokens=max_tokens, stream=True,
                                                stream_options={"include_usage": True})
-    usage = None
+    pieces = []
     async for chunk in stream:
-        if chunk.usage:
-            usage = chunk.usage
-        if first is None and any(c.delta and c.delta.content for c in chunk.choices):
-            first = time.perf_counter() - t0
-    return {"seconds": time.perf_counter() - t0, "first_piece": first,
-            "prompt_tokens": usage.prompt_tokens if usage else None,
-            "completion_tokens": usage.completion_tokens if usage else None}
+        for c in chunk.choices:
+            if c.delta and c.delta.content:
+                first = first if first is not None else time.perf_counter() - t0
+                pieces.append(c.delta.content)
+    return {"seconds": time.perf_counter() - t0, "first_piece": first, "reply": "".join(pieces)}
 
 
 async def main(rounds: int, out: Path | None) -> None:
@@ -118,8 +116,9 @@ async def main(rounds: int, out: Path | None) -> None:
                         row[step] = await call(oai, messages, max_tokens)
                     results[layout].append(row)
                     print(f"round {r + 1}, {layout}: " + ", ".join(
-                        f"{s} {v['seconds']:.1f} s ({v['prompt_tokens']} prompt tokens)" for s, v in row.items()),
-                        flush=True)
+                        f"{s} {v['seconds']:.1f} s" for s, v in row.items()), flush=True)
+                    for s, v in row.items():
+                        print(f"    {s}: {' '.join(v['reply'].split())[:160]}", flush=True)
         finally:
             server.terminate()
             await server.wait()
