@@ -6,10 +6,12 @@ a new prompt shares with it. A turn makes three calls on the same passages (the 
 and the entities) and a follow-up often retrieves the same passages again. Two layouts of the same
 prompts (ragline/prompts.toml), round by round in turn, on one server:
 
-  own system prompt   each step's instructions in its own system message, the passages after them
-                      (Ragline before stop 21): every call evaluates the passages again
-  shared opening      one system prompt for every step, the passages, then the step's instructions
-                      (Ragline now): the calls after the first evaluate only what follows the passages
+  own system prompt   the summary's and the entities' instructions in their own system message, the
+                      passages after them (Ragline before stop 21): every call evaluates the passages again
+  shared opening      they open like the answer (its system prompt, the passages), their instructions
+                      after the passages (Ragline now): after the answer, each call evaluates only what
+                      follows the passages
+The answer's prompt is the same in both.
 
 Each round empties the server's prompt cache first (a one-token call with another prompt), then makes
 the turn's calls one after another, as a worker with one model slot does: answer, summarize,
@@ -36,8 +38,15 @@ FOLLOW_UP = "And what happens when nobody reviews it?"
 STEPS = ("answer", "summarize", "extract_entities", "follow-up")
 
 
+BENCH_DOCUMENT = False  # --bench-document: the short document of `python -m bench` instead
+
+
 def passages(n: int = 5, chars: int = 1000) -> list[SimpleNamespace]:
     """`n` README sections of about `chars` characters, as retrieval would number them."""
+    if BENCH_DOCUMENT:
+        from bench.run import DOCUMENT
+
+        return [SimpleNamespace(filename="bench.txt", page=1, text=" ".join(DOCUMENT.split()))]
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     sections = [s.strip() for s in re.split(r"\n## ", text) if "review" in s.lower()]
     return [SimpleNamespace(filename="README.md", page=i + 1, text=" ".join(s.split())[:chars])
@@ -45,8 +54,11 @@ def passages(n: int = 5, chars: int = 1000) -> list[SimpleNamespace]:
 
 
 def own_system_prompt(messages: list[dict]) -> list[dict]:
-    """The same prompt with the step's instructions (its TASK block) moved into its own system message."""
+    """The same prompt with the step's instructions (its TASK block after the passages) moved into its own
+    system message. The answer's prompt has none: it is the same in both layouts."""
     user = messages[1]["content"]
+    if "\n\nTASK: " not in user:
+        return messages
     opening, after = user.split("\n\nTASK: ", 1)
     task, rest = after.split("\n\n", 1)
     return [{"role": "system", "content": f"TASK: {task}"}, {"role": "user", "content": f"{opening}\n\n{rest}"}]
@@ -56,11 +68,17 @@ def turn_prompts(layout: str) -> list[tuple[str, list[dict]]]:
     from ragline import prompts
 
     context = prompts.format_passages(passages())
-    calls = [("answer", prompts.messages("answer", passages=context, history="(none)", question=QUESTION)),
-             ("summarize", prompts.messages("summarize", passages=context, question=QUESTION)),
-             ("extract_entities", prompts.messages("extract_entities", passages=context, question=QUESTION)),
-             ("follow-up", prompts.messages("answer", passages=context, question=FOLLOW_UP,
-                                            history=f"Q: {QUESTION}\nA: Approve it with POST /v1/jobs/{{id}}/review [1]."))]
+    if BENCH_DOCUMENT:
+        from bench.run import FOLLOW_UP_QUESTION as follow_up
+        from bench.run import QUESTION as question
+        said = "Northwind runs it and cools it with seawater [1]."
+    else:
+        question, follow_up, said = QUESTION, FOLLOW_UP, "Approve it with POST /v1/jobs/{id}/review [1]."
+    calls = [("answer", prompts.messages("answer", passages=context, history="(none)", question=question)),
+             ("summarize", prompts.messages("summarize", passages=context, question=question)),
+             ("extract_entities", prompts.messages("extract_entities", passages=context, question=question)),
+             ("follow-up", prompts.messages("answer", passages=context, question=follow_up,
+                                            history=f"Q: {question}\nA: {said}"))]
     return [(step, own_system_prompt(m) if layout == "own system prompt" else m) for step, m in calls]
 
 
@@ -137,5 +155,8 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", type=Path, default=None, help="write every call's numbers here")
+    p.add_argument("--bench-document", action="store_true",
+                   help="the short document `python -m bench` asks about, instead of README sections")
     a = p.parse_args()
+    BENCH_DOCUMENT = a.bench_document
     asyncio.run(main(a.rounds, a.json))

@@ -31,8 +31,8 @@ As a process (benchmarks)::
 
 then tune it with `POST /_control` (same knobs as `ScriptedLLM.configure`) and read `GET /_stats`.
 
-Which step a chat request belongs to is read from a `TASK: <name>` line in the system message, or else
-in a user message (`summarize`, `extract_entities`, `answer`, `agent`; no marker -> `answer`). The user message holds
+Which step a chat request belongs to is read from a `TASK: <name>` line in a user message, or else in
+the system message (`summarize`, `extract_entities`, `answer`, `agent`; no marker -> `answer`). The user message holds
 numbered passages `[1] (file.pdf, page 3) text...` and the question after a line starting `QUESTION:`.
 Embedding requests are recorded under the task `embeddings`.
 """
@@ -113,10 +113,10 @@ def message_text(content: Any) -> str:
 
 
 def detect_task(messages: list[dict]) -> str:
-    """The `TASK: <name>` marker of the system (or developer) message, else of the first user message
-    that has one (Ragline's steps on a turn's passages name their task after the passages); "answer" when
-    there is none."""
-    for roles in (("system", "developer"), ("user",)):
+    """The `TASK: <name>` marker of the first user message that has one (Ragline's summary and entities
+    open like the answer, its system prompt included, and name their own task after the passages), else of
+    the system (or developer) message; "answer" when there is none."""
+    for roles in (("user",), ("system", "developer")):
         for m in messages:
             if isinstance(m, dict) and m.get("role") in roles:
                 found = _TASK_RE.search(message_text(m.get("content")))

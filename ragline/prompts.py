@@ -22,10 +22,10 @@ def language_of(text: str) -> str:
 
 
 def messages(step: str, **fields: str) -> list[dict[str, str]]:
-    """The step's system and user messages. The steps on a turn's passages share one system prompt
-    (`[documents]`), so that their prompts open alike (prompts.toml says why)."""
+    """The step's system and user messages. A step that `opens_like` another has that step's system
+    prompt, so that their prompts open alike (prompts.toml says why)."""
     template = templates()[step]
-    system = template.get("system", templates()["documents"]["system"])
+    system = templates()[template["opens_like"]]["system"] if "opens_like" in template else template["system"]
     return [{"role": "system", "content": system.format(**fields)},
             {"role": "user", "content": template["user"].format(**fields)}]
 
