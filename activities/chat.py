@@ -165,7 +165,8 @@ class ChatActivities:
             return SummaryOutput(summary="", attempt=activity.info().attempt)
         async with heartbeating():
             reply = await self.model.complete(prompts.messages(
-                "summarize", passages=prompts.format_passages(passages), question=req.question), step="summarize")
+                "summarize", opens_alike=not req.before_answer, passages=prompts.format_passages(passages),
+                question=req.question), step="summarize")
         return SummaryOutput(summary=reply.text.strip(), attempt=activity.info().attempt,
                              usage=Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens))
 

@@ -7,13 +7,14 @@ and the entities) and a follow-up often retrieves the same passages again. Two l
 prompts (ragline/prompts.toml), round by round in turn, on one server:
 
   own system prompt   the summary's and the entities' instructions in their own system message, the
-                      passages after them (Ragline before stop 21): every call evaluates the passages again
+                      passages after them (the layout before): every call evaluates the passages again
   shared opening      they open like the answer (its system prompt, the passages), their instructions
                       after the passages (Ragline now): after the answer, each call evaluates only what
                       follows the passages
 The answer's prompt is the same in both.
 
-Each round empties the server's prompt cache first (a one-token call with another prompt), then makes
+Each round (the layouts take turns going first) empties the server's prompt cache first (a one-token
+call with another prompt), then makes
 the turn's calls one after another, as a worker with one model slot does: answer, summarize,
 extract_entities, then a follow-up answer on the same passages. Passages: sections of README.md, about
 the size retrieval hands a turn (top 5 chunks, ~1,200 prompt tokens).
@@ -127,7 +128,7 @@ async def main(rounds: int, out: Path | None) -> None:
                   flush=True)
             results: dict[str, list[dict]] = {"own system prompt": [], "shared opening": []}
             for r in range(rounds):
-                for layout in results:
+                for layout in (list(results) if r % 2 == 0 else list(reversed(results))):  # either goes first
                     await call(oai, [{"role": "user", "content": f"Say OK ({r}, {layout})."}], 1)  # empties the cache
                     row = {}
                     for step, messages in turn_prompts(layout):

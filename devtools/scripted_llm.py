@@ -31,8 +31,9 @@ As a process (benchmarks)::
 
 then tune it with `POST /_control` (same knobs as `ScriptedLLM.configure`) and read `GET /_stats`.
 
-Which step a chat request belongs to is read from a `TASK: <name>` line in a user message, or else in
-the system message (`summarize`, `extract_entities`, `answer`, `agent`; no marker -> `answer`). The user message holds
+Which step a chat request belongs to is read from a `TASK: <name>` line in the system message
+(`answer`, `agent`; no marker -> `answer`), or from Ragline's `X-Ragline-Step` header for `summarize` and
+`extract_entities`, whose prompts open like the answer's. The user message holds
 numbered passages `[1] (file.pdf, page 3) text...` and the question after a line starting `QUESTION:`.
 Embedding requests are recorded under the task `embeddings`.
 """
@@ -112,16 +113,21 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
-def detect_task(messages: list[dict]) -> str:
-    """The `TASK: <name>` marker of the first user message that has one (Ragline's summary and entities
-    open like the answer, its system prompt included, and name their own task after the passages), else of
-    the system (or developer) message; "answer" when there is none."""
-    for roles in (("user",), ("system", "developer")):
-        for m in messages:
-            if isinstance(m, dict) and m.get("role") in roles:
-                found = _TASK_RE.search(message_text(m.get("content")))
-                if found:
-                    return found.group(1)
+# Ragline's summary and entities open like its answer, its system prompt ("TASK: answer") included, and name
+# their own task after the passages: the step header Ragline sends with every call tells them apart.
+_STEP_TASKS = {"summarize": "summarize", "extract_entities": "extract_entities"}
+
+
+def detect_task(messages: list[dict], step: str | None = None) -> str:
+    """The task of Ragline's step header `step` for the steps that share the answer's system prompt, else
+    the `TASK: <name>` marker of the system (or developer) message; "answer" when there is none."""
+    if step in _STEP_TASKS:
+        return _STEP_TASKS[step]
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") in ("system", "developer"):
+            found = _TASK_RE.search(message_text(m.get("content")))
+            if found:
+                return found.group(1)
     return "answer"
 
 
@@ -919,7 +925,7 @@ class ScriptedLLM:
         if body is None:
             return _error(400, "the body must be a JSON object")
         messages = body.get("messages") or []
-        task = detect_task(messages)
+        task = detect_task(messages, request.headers.get("x-ragline-step"))
         stream = bool(body.get("stream"))
         rec = self._record("chat", task, stream, request, body)
         scopes = self._scopes_of(rec.text)

@@ -214,6 +214,9 @@ class CacheOutput(StepResult):
 class ContextInput(BaseModel):
     question: str
     context_ref: str
+    # The summary the answer waits for (the passages overflow the model's context): no answer call comes
+    # before it to open alike with, so it has a system prompt of its own (ragline/prompts.toml).
+    before_answer: bool = False
 
 
 class SummaryOutput(StepResult):

@@ -26,6 +26,9 @@ REQUEST_MEMO = "request"
 # The memo field of a chat turn that told its session its answer while its summary and entities still run:
 # it holds no later turn of the session any more.
 ANSWERED_MEMO = "answered"
+# The memo field of a chat turn whose answer waits for its reviewer while its summary and entities run: GET
+# /v1/reviews lists it even while one of them is parked (the job then shows as dead_lettered).
+REVIEW_PENDING_MEMO = "review_pending"
 
 
 class StepResult(BaseModel):

@@ -21,11 +21,12 @@ def language_of(text: str) -> str:
     return "zh" if _CJK.search(text) else "en"
 
 
-def messages(step: str, **fields: str) -> list[dict[str, str]]:
+def messages(step: str, *, opens_alike: bool = True, **fields: str) -> list[dict[str, str]]:
     """The step's system and user messages. A step that `opens_like` another has that step's system
-    prompt, so that their prompts open alike (prompts.toml says why)."""
+    prompt, so that their prompts open alike (prompts.toml says why); with `opens_alike=False`, its own."""
     template = templates()[step]
-    system = templates()[template["opens_like"]]["system"] if "opens_like" in template else template["system"]
+    opener = template.get("opens_like") if opens_alike else None
+    system = templates()[opener]["system"] if opener else template["system"]
     return [{"role": "system", "content": system.format(**fields)},
             {"role": "user", "content": template["user"].format(**fields)}]
 

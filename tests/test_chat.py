@@ -301,6 +301,26 @@ async def test_a_rejection_after_the_summary_was_discarded_fails_the_turn_for_th
     assert (job["status"], job["error"]["message"]) == ("failed", "answer rejected by editor: wrong herd")
 
 
+async def test_a_rejection_while_the_summary_is_parked_leaves_nothing_for_an_operator(stack, chat_docs):
+    """The reviewer rejects the answer while the summary run beside it waits for an operator: the turn fails
+    for the rejection, and its summary is no longer listed as parked (there is nothing left to retry)."""
+    with stack.llm.scope() as llm:
+        llm.script_fn("summarize", lambda request: "503")
+        r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
+                                                     "collection": "chat", "require_review": True})
+        job_id = r.json()["job_id"]
+        assert (await stack.wait_job(job_id, until=("dead_lettered",)))["status"] == "dead_lettered"
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "reject", "reviewer": "editor", "comment": "wrong herd"})
+        assert r.status_code == 200, r.text
+        job = await stack.wait_done(job_id, timeout=30)
+    assert (job["status"], job["error"]["message"]) == ("failed", "answer rejected by editor: wrong herd")
+    steps = {s["name"]: s["status"] for s in job["steps"]}
+    assert steps["summarize_context"] == "cancelled" and "dead_lettered" not in steps.values()
+    r = await stack.http.post(f"/v1/jobs/{job_id}/retry", json={})
+    assert r.status_code == 409, r.text
+
+
 async def test_a_queued_turn_lists_only_the_earlier_turns_still_without_their_answer(stack, chat_docs):
     """Turn 1 has its answer and runs its side steps, turn 2's answer is on its way, turn 3 waits: what it
     waits for is turn 2 alone."""

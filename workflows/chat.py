@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
         RetrieveInput, SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage,
         session_workflow_id,
     )
-    from models.jobs import ANSWERED_MEMO, REQUEST_MEMO
+    from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
     from models.review import ReviewDecision, without
     from ragline import tracing
     from temporal import policies
@@ -272,11 +272,14 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         session) before the side steps end; rejected, they are stopped. The side steps keep the running slot
         until they end: only then is it lent to the tenant's other jobs for the rest of the review."""
         running = await self.beside(side_steps)
+        workflow.upsert_memo({REVIEW_PENDING_MEMO: True})
         try:
             decision = await self._review_decision(turn, answered.answer)
         except BaseException:
             await self.stop(running)  # rejected or cancelled: no summary of an answer nobody will see
             raise
+        finally:
+            workflow.upsert_memo({REVIEW_PENDING_MEMO: None})
         self._release(turn, self._with_review(answered, decision))
         return self._with_review(turn_result(*await running), decision)
 
@@ -317,6 +320,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         """The summary the answer waits for (passages too long for the model; tens of seconds on a local
         model): its step events go out at once, and the ones held so far with them, so that the person sees
         the turn at work rather than nothing until the first delta."""
+        context = context.model_copy(update={"before_answer": True})
         if not workflow.patched(SUMMARY_SHOWN_PATCH):
             return await self.step(ChatActivities.summarize_context, context)
         with self.events.shown_at_once():

@@ -18,6 +18,9 @@ with workflow.unsafe.imports_passed_through():
     from temporal import policies
     from workflows.events import JobEvents
 
+# Histories from before a step stopped while parked was taken off the parked list replay keeping it there.
+UNPARK_ON_CANCEL_PATCH = "parked-step-unparked-when-stopped"
+
 
 class DeadLetters:
     def __init__(self, events: JobEvents, on_change: Callable[[], None],
@@ -49,6 +52,12 @@ class DeadLetters:
             try:
                 await workflow.wait_condition(lambda: self._releases != release or self._discard is not None,
                                               timeout=ttl)
+            except asyncio.CancelledError:
+                # Stopped while parked (a chat turn's summary, when its reviewer rejects the answer): nothing
+                # is left for an operator. Earlier jobs kept the step listed as parked.
+                if workflow.patched(UNPARK_ON_CANCEL_PATCH):
+                    self._unpark(step)
+                raise
             except asyncio.TimeoutError:
                 self._unpark(step)
                 raise ApplicationError(

@@ -22,7 +22,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, is_cancelled_exception
+from temporalio.exceptions import (
+    ActivityError, ApplicationError, ChildWorkflowError, FailureError, is_cancelled_exception,
+)
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest, StreamedStepResult
@@ -187,7 +189,7 @@ class JobWorkflow:
         task.cancel()
         try:
             await task
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+        except (asyncio.CancelledError, FailureError):
             pass
 
     async def call(self, activity: Callable[..., Any], arg: Any, *, step: str,
@@ -225,6 +227,9 @@ class JobWorkflow:
                                                  error_type=failure_type(exc))
                 except ApplicationError:
                     self.steps.fail(step, reason)
+                    raise
+                except asyncio.CancelledError:
+                    self.steps.cancel(step)  # stopped while parked
                     raise
                 self.steps.resume(step)
 

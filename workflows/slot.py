@@ -169,6 +169,9 @@ class RunningSlot:
     async def take_back(self) -> None:
         """Before the job's next piece of work: the slot it lent, if it lent one. Work that comes while
         another take_back is still asking (in line at a full gate) waits for that ask too."""
+        if self._lending and workflow.patched(LEND_WHEN_IDLE_PATCH):
+            # A lend under way (its release not yet sent): once it is given back (owed), it is asked for again.
+            await workflow.wait_condition(lambda: not self._lending)
         while True:
             if self.owed:
                 self.owed = False
