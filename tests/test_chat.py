@@ -282,41 +282,30 @@ async def test_a_held_answer_rejected_while_the_summary_runs_stops_it(stack, cha
     assert job.get("answer") is None  # never released
 
 
-async def test_a_rejection_after_the_summary_was_discarded_fails_the_turn_for_the_rejection(stack, chat_docs):
-    """The summary run beside the review is parked, then discarded by an operator; the reviewer rejects the
-    answer after that. The turn fails for the rejection, the reason its reviewer and its person look for."""
+@pytest.mark.parametrize("discarded_first", [False, True], ids=["while-parked", "after-a-discard"])
+async def test_a_rejection_beside_a_parked_summary_fails_the_turn_for_the_rejection(stack, chat_docs,
+                                                                                     discarded_first):
+    """The summary run beside the review keeps failing and waits for an operator (who may discard it first);
+    the reviewer rejects the answer. The turn fails for the rejection, the reason its reviewer and its person
+    look for, and nothing of it is left parked for an operator."""
     with stack.llm.scope() as llm:
         llm.script_fn("summarize", lambda request: "503")
         r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
                                                      "collection": "chat", "require_review": True})
         job_id = r.json()["job_id"]
         assert (await stack.wait_job(job_id, until=("dead_lettered",)))["status"] == "dead_lettered"
-        r = await stack.http.post(f"/v1/jobs/{job_id}/discard", json={"operator": "ops"})
-        assert r.status_code == 200, r.text
-        assert (await stack.wait_job(job_id, until=("waiting_review",)))["status"] == "waiting_review"
-        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
-            "decision": "reject", "reviewer": "editor", "comment": "wrong herd"})
-        assert r.status_code == 200, r.text
-        job = await stack.wait_done(job_id, timeout=30)
-    assert (job["status"], job["error"]["message"]) == ("failed", "answer rejected by editor: wrong herd")
-
-
-async def test_a_rejection_while_the_summary_is_parked_leaves_nothing_for_an_operator(stack, chat_docs):
-    """The reviewer rejects the answer while the summary run beside it waits for an operator: the turn fails
-    for the rejection, and its summary is no longer listed as parked (there is nothing left to retry)."""
-    with stack.llm.scope() as llm:
-        llm.script_fn("summarize", lambda request: "503")
-        r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
-                                                     "collection": "chat", "require_review": True})
-        job_id = r.json()["job_id"]
-        assert (await stack.wait_job(job_id, until=("dead_lettered",)))["status"] == "dead_lettered"
+        if discarded_first:
+            r = await stack.http.post(f"/v1/jobs/{job_id}/discard", json={"operator": "ops"})
+            assert r.status_code == 200, r.text
+            assert (await stack.wait_job(job_id, until=("waiting_review",)))["status"] == "waiting_review"
         r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
             "decision": "reject", "reviewer": "editor", "comment": "wrong herd"})
         assert r.status_code == 200, r.text
         job = await stack.wait_done(job_id, timeout=30)
     assert (job["status"], job["error"]["message"]) == ("failed", "answer rejected by editor: wrong herd")
     steps = {s["name"]: s["status"] for s in job["steps"]}
-    assert steps["summarize_context"] == "cancelled" and "dead_lettered" not in steps.values()
+    assert steps["summarize_context"] == ("failed" if discarded_first else "cancelled")
+    assert "dead_lettered" not in steps.values()
     r = await stack.http.post(f"/v1/jobs/{job_id}/retry", json={})
     assert r.status_code == 409, r.text
 
