@@ -269,8 +269,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             turn_result: Callable[[SummaryOutput, EntitiesOutput], TurnResult]) -> TurnResult:
         """A held answer is put to the reviewer at once, while its summary and entities run: the reviewer, the
         person and the session's next turn need the answer alone. Released, it is shown (and told to the
-        session) before the side steps end; rejected, they are stopped. The side steps keep the running slot
-        until they end: only then is it lent to the tenant's other jobs for the rest of the review."""
+        session) before the side steps end; rejected, they are stopped. The running slot is lent to the tenant's
+        other jobs only while none of the side steps runs (they ended, or one waits for an operator)."""
         running = await self.beside(side_steps)
         workflow.upsert_memo({REVIEW_PENDING_MEMO: True})
         try:
