@@ -448,6 +448,8 @@ class Supervisor:
         self.devserver: DevServer | None = None
         self.stop_requested = asyncio.Event()
         self.forced = False
+        self._stop_asked_at: float | None = None
+        self._clock = time.monotonic
         self._tasks: list[asyncio.Task[Any]] = []
 
     # -- signals -----------------------------------------------------------------------------
@@ -456,10 +458,18 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
 
+    # One stop can arrive twice at once: `kill -TERM -- -<pgid>` (a process manager stopping `make run`)
+    # signals the supervisor and make, and make passes its SIGTERM on to the supervisor.
+    SAME_STOP_WITHIN = 1.0  # seconds
+
     def _on_signal(self, sig: int) -> None:
+        now = self._clock()
         if not self.stop_requested.is_set():
             say(f"{signal.Signals(sig).name} received: stopping (again to kill at once)")
+            self._stop_asked_at = now
             self.stop_requested.set()
+        elif self._stop_asked_at is not None and now - self._stop_asked_at < self.SAME_STOP_WITHIN:
+            return  # the same stop, delivered twice
         elif not self.forced:
             say(f"{signal.Signals(sig).name} received again: killing everything now")
             self.forced = True

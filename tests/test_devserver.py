@@ -134,3 +134,22 @@ asyncio.run(main())
     while not gone():
         assert time.monotonic() < deadline, f"process {child} outlived the supervisor that started it"
         time.sleep(0.1)
+
+
+def test_one_stop_delivered_twice_at_once_stops_make_run_gracefully(tmp_path: Path) -> None:
+    """`kill -TERM -- -<pgid>` reaches the supervisor twice (directly, and passed on by make): that is one
+    stop, not the "again" that kills everything at once. A second signal a moment later still is."""
+    import signal
+
+    from devtools.supervisor import Supervisor
+
+    supervisor = Supervisor(Settings(data_dir=tmp_path), specs=[])
+    now = [100.0]
+    supervisor._clock = lambda: now[0]
+    supervisor._on_signal(signal.SIGTERM)
+    now[0] += 0.01
+    supervisor._on_signal(signal.SIGTERM)
+    assert supervisor.stop_requested.is_set() and not supervisor.forced
+    now[0] += 2
+    supervisor._on_signal(signal.SIGINT)
+    assert supervisor.forced
