@@ -282,32 +282,54 @@ async def test_a_held_answer_rejected_while_the_summary_runs_stops_it(stack, cha
     assert job.get("answer") is None  # never released
 
 
-@pytest.mark.parametrize("discarded_first", [False, True], ids=["while-parked", "after-a-discard"])
-async def test_a_rejection_beside_a_parked_summary_fails_the_turn_for_the_rejection(stack, chat_docs,
-                                                                                     discarded_first):
-    """The summary run beside the review keeps failing and waits for an operator (who may discard it first);
-    the reviewer rejects the answer. The turn fails for the rejection, the reason its reviewer and its person
-    look for, and nothing of it is left parked for an operator."""
+async def test_a_rejection_beside_a_parked_summary_fails_the_turn_for_the_rejection(stack, chat_docs):
+    """The summary run beside the review keeps failing and waits for an operator; the reviewer rejects the
+    answer. The turn fails for the rejection, the reason its reviewer and its person look for, and nothing of
+    it is left parked for an operator."""
     with stack.llm.scope() as llm:
         llm.script_fn("summarize", lambda request: "503")
         r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
                                                      "collection": "chat", "require_review": True})
         job_id = r.json()["job_id"]
         assert (await stack.wait_job(job_id, until=("dead_lettered",)))["status"] == "dead_lettered"
-        if discarded_first:
-            r = await stack.http.post(f"/v1/jobs/{job_id}/discard", json={"operator": "ops"})
-            assert r.status_code == 200, r.text
-            assert (await stack.wait_job(job_id, until=("waiting_review",)))["status"] == "waiting_review"
         r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
             "decision": "reject", "reviewer": "editor", "comment": "wrong herd"})
         assert r.status_code == 200, r.text
         job = await stack.wait_done(job_id, timeout=30)
     assert (job["status"], job["error"]["message"]) == ("failed", "answer rejected by editor: wrong herd")
     steps = {s["name"]: s["status"] for s in job["steps"]}
-    assert steps["summarize_context"] == ("failed" if discarded_first else "cancelled")
+    assert steps["summarize_context"] == "cancelled"
     assert "dead_lettered" not in steps.values()
     r = await stack.http.post(f"/v1/jobs/{job_id}/retry", json={})
     assert r.status_code == 409, r.text
+
+
+async def test_a_summary_discarded_while_its_answer_waits_for_review_fails_the_turn_at_once(stack, chat_docs):
+    """The summary run beside the review is parked and the operator discards it: the turn can no longer
+    complete, so it fails at once for the discard, and its review is withdrawn instead of waiting for a
+    decision that would show the answer of a failed job."""
+    with stack.llm.scope() as llm:
+        llm.script_fn("summarize", lambda request: "503")
+        r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
+                                                     "collection": "chat", "require_review": True})
+        job_id = r.json()["job_id"]
+        assert (await stack.wait_job(job_id, until=("dead_lettered",)))["status"] == "dead_lettered"
+        listed = (await stack.http.get("/v1/reviews")).json()["reviews"]
+        assert job_id in [i["job_id"] for i in listed]
+        r = await stack.http.post(f"/v1/jobs/{job_id}/discard", json={"operator": "ops", "reason": "model down"})
+        assert r.status_code == 200, r.text
+        job = await stack.wait_done(job_id, timeout=30)
+    assert job["status"] == "failed"
+    assert job["error"]["message"].startswith("discarded by ops: model down (step summarize_context"), job["error"]
+    steps = {s["name"]: s["status"] for s in job["steps"]}
+    assert steps["summarize_context"] == "failed" and steps["generate_answer"] == "completed"
+    assert job.get("answer") is None  # never released
+    assert job_id not in [i["job_id"] for i in (await stack.http.get("/v1/reviews")).json()["reviews"]]
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "editor"})
+    assert r.status_code == 409, r.text
+    types = [e["type"] for _, e in await read_events(stack, job_id)]
+    assert "ragline.review.requested" in types and "ragline.review.decided" not in types
+    assert "ragline.answer.completed" not in types and types[-1] == "ragline.job.failed"
 
 
 async def test_a_queued_turn_lists_only_the_earlier_turns_still_without_their_answer(stack, chat_docs):

@@ -76,6 +76,10 @@ NEXT_TURN_AFTER_ANSWER_PATCH = "next-turn-after-answer"
 # A held answer is put to its reviewer while the summary and entities run, and shown once released. Earlier
 # turns asked the reviewer only after both had ended.
 REVIEW_BESIDE_SIDE_STEPS_PATCH = "review-beside-side-steps"
+# A side step that fails for good (discarded, or parked past its TTL) while its held answer waits for review
+# fails the turn at once and withdraws the review. Earlier turns went on waiting for a decision that could
+# no longer change the outcome: an approval showed the answer and the job failed right after.
+SIDE_STEP_FAILURE_ENDS_REVIEW_PATCH = "side-step-failure-ends-review"
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -273,9 +277,15 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         other jobs only while none of the side steps runs (they ended, or one waits for an operator)."""
         running = await self.beside(side_steps)
         workflow.upsert_memo({REVIEW_PENDING_MEMO: True})
+        deciding = asyncio.ensure_future(self._review_decision(turn, answered.answer))
         try:
-            decision = await self._review_decision(turn, answered.answer)
+            if workflow.patched(SIDE_STEP_FAILURE_ENDS_REVIEW_PATCH):
+                await workflow.wait([deciding, running], return_when=asyncio.FIRST_COMPLETED)
+                if not deciding.done() and running.exception() is not None:
+                    raise running.exception()  # the turn fails whatever the reviewer would say
+            decision = await deciding
         except BaseException:
+            await self.stop(deciding)  # withdrawn: nothing waits for the reviewer any more
             await self.stop(running)  # rejected or cancelled: no summary of an answer nobody will see
             raise
         finally:
