@@ -50,6 +50,7 @@ from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.evaluation import EvaluationWorkflow
 from workflows.gate import TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+from workflows.remove import RemoveDocumentWorkflow
 from workflows.search import SearchWorkflow
 
 log = structlog.get_logger("ragline.worker")
@@ -57,8 +58,8 @@ log = structlog.get_logger("ragline.worker")
 # Workflows per queue kind: every job on main; SearchWorkflow on vector, next to the store, so that a
 # search stays one local activity in the process that holds the store.
 QUEUE_WORKFLOWS: dict[str, list[type]] = {
-    "main": [IngestWorkflow, IngestDocumentWorkflow, ChatSessionWorkflow, ChatTurnWorkflow, AgentWorkflow,
-             EvaluationWorkflow, TenantGateWorkflow],
+    "main": [IngestWorkflow, IngestDocumentWorkflow, RemoveDocumentWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
+             AgentWorkflow, EvaluationWorkflow, TenantGateWorkflow],
     "vector": [SearchWorkflow],
 }
 WORKFLOWS = [w for ws in QUEUE_WORKFLOWS.values() for w in ws]
@@ -193,6 +194,7 @@ def fallback_model(settings: Settings) -> ChatModel | None:
 VERSIONING_BEHAVIORS: dict[type, VersioningBehavior] = {
     IngestWorkflow: VersioningBehavior.PINNED,
     IngestDocumentWorkflow: VersioningBehavior.PINNED,
+    RemoveDocumentWorkflow: VersioningBehavior.PINNED,
     SearchWorkflow: VersioningBehavior.PINNED,
     ChatSessionWorkflow: VersioningBehavior.AUTO_UPGRADE,
     ChatTurnWorkflow: VersioningBehavior.AUTO_UPGRADE,

@@ -90,6 +90,9 @@ class IngestActivities:
     @activity.defn
     @translate_errors
     def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
-        """Undo the batches a failed ingestion indexed: nobody should find a document that is not there."""
+        """Undo the batches a failed ingestion indexed, or remove a document on request: nobody should find a
+        document that is not there. The collection's version changes with it, so its cached answers go too."""
+        before = self.index.count(req.tenant, req.collection, req.document_id)
         self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0)
-        return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())
+        left = self.index.count(req.tenant, req.collection, req.document_id)
+        return PruneOutput(points=left, removed=before - left, attempt=_attempt())

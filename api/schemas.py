@@ -118,6 +118,13 @@ class DocumentsAccepted(Accepted):
     documents: list[AcceptedDocument]
 
 
+class DocumentRemovalAccepted(Accepted):
+    duplicate: bool = Field(description="A removal of this document is already under way: its job answers")
+    document_id: str
+    filename: str
+    collection: str
+
+
 class AgentAccepted(Accepted):
     duplicate: bool = Field(description="The same Idempotency-Key was sent before: its job answers, nothing new runs")
 
@@ -230,8 +237,10 @@ class ReviewList(BaseModel):
 
 # -- documents, chats, health --------------------------------------------------------------------
 
-# A document's status is its ingestion job's, with "completed" read as "indexed".
-DocumentStatus = Literal["queued", "running", "waiting_review", "indexed", "failed", "dead_lettered", "cancelled"]
+# A document's status is its ingestion job's, with "completed" read as "indexed"; "removing" while a
+# DELETE of it runs.
+DocumentStatus = Literal["queued", "running", "waiting_review", "indexed", "failed", "dead_lettered", "cancelled",
+                         "removing"]
 
 
 class DocumentView(BaseModel):

@@ -54,6 +54,10 @@ LOG_TAIL_LINES = 40
 # for visibility to catch up, then at an interval, 3 minutes each by default. The dev server's
 # visibility store is its own SQLite file, written at once: seconds are enough. (Each value is read as
 # JSON, hence the quoted durations.)
+#
+# A closed workflow that is deleted (a removed document's ingestion job) goes only once its history
+# shard's transfer queue has recorded how far it has read, every 30 s by default: 50 s here from the
+# delete to the job being gone, 4 s with 1 s.
 DYNAMIC_CONFIG = {
     # Within one priority, tasks go out in turn among fairness keys (the tenant: policies.fair_share).
     "matching.enableFairness": "true",
@@ -62,6 +66,7 @@ DYNAMIC_CONFIG = {
     "history.transferProcessorMaxPollRPS": 1000,
     "matching.wv.VersionDrainageStatusVisibilityGracePeriod": '"2s"',
     "matching.wv.VersionDrainageStatusRefreshInterval": '"2s"',
+    "history.transferProcessorUpdateAckInterval": '"1s"',
 }
 
 

@@ -61,6 +61,28 @@ def document_workflow_id(tenant: str, document_id: str) -> str:
     return workflow_id(tenant, f"doc-{document_id}")
 
 
+def removal_workflow_id(tenant: str, document_id: str) -> str:
+    """One removal of a document at a time: a DELETE sent again while it runs finds it."""
+    return workflow_id(tenant, f"remove-{document_id}")
+
+
+class RemoveDocumentInput(BaseModel):
+    """DELETE /v1/documents/{document_id}: the document as its ingestion job names it."""
+    tenant: str = DEFAULT_TENANT
+    document_id: str
+    collection: str
+    filename: str = ""
+
+
+class RemovalResult(BaseModel):
+    document_id: str
+    filename: str
+    collection: str
+    status: Literal["removed"] = "removed"
+    chunks_removed: int
+    ingestion_runs_forgotten: int
+
+
 # -- the DAG's steps -------------------------------------------------------------------------------
 
 class ExtractInput(BaseModel):
@@ -132,11 +154,20 @@ class RemoveInput(BaseModel):
 
 
 class PruneOutput(StepResult):
-    points: int
+    points: int  # the document's chunks left in the index
+    removed: int = 0  # chunks this step removed (remove_document_chunks)
 
 
 class AwaitDocumentInput(BaseModel):
     workflow_id: str
+
+
+class ForgetDocumentInput(BaseModel):
+    workflow_id: str  # the document's ingestion job (every run of it)
+
+
+class ForgetDocumentOutput(StepResult):
+    runs: int
 
 
 # -- search ------------------------------------------------------------------------------------------

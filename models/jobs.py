@@ -11,7 +11,7 @@ from models.inputs import STRICT_INPUT
 from models.review import ReviewRecord
 
 JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled"]
-JobKind = Literal["ingest", "ingest_document", "chat", "agent", "evaluation"]
+JobKind = Literal["ingest", "ingest_document", "remove_document", "chat", "agent", "evaluation"]
 StepStatus = Literal["pending", "running", "completed", "failed", "skipped", "dead_lettered", "cancelled"]
 
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)

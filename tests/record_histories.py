@@ -6,7 +6,7 @@ tests/histories/<scenario>--<WorkflowType>--<n>.json (their workflow ids in
 tests/histories/workflow_ids.json). Re-record after a deliberate, versioned change to
 workflow code (README: "Running on a cluster"); never to make a failing replay pass.
 
-Scenarios: an ingestion (two documents: the batch and its children), a chat session with several turns
+Scenarios: an ingestion (two documents: the batch and its children), a document removed, a chat session with several turns
 that continues as new, an agent tree whose depth guard waits for a review that approves it, an agent
 whose broken tool call gets a corrective plan, a turn whose passages overflow the model's context (the
 summary first), a chat turn dead-lettered by a failing model and retried by an operator, an evaluation, a search, and a tenant
@@ -27,7 +27,7 @@ from pathlib import Path
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.testing import WorkflowEnvironment
 
-from devtools.devserver import temporal_binary
+from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM
 from models.chat import SessionState, session_workflow_id
 from ragline import keys as api_keys
@@ -72,7 +72,8 @@ async def record() -> list[Path]:
     for old in HISTORIES.glob("*--*.json"):
         old.unlink()
     env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
-                                                search_attributes=list(sa.ALL))
+                                                search_attributes=list(sa.ALL),
+                                                dev_server_extra_args=dynamic_config_flags())
     llm = ScriptedLLM()
     await llm.start()
     saved: list[Path] = []
@@ -191,6 +192,16 @@ async def record() -> list[Path]:
             assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
             await asyncio.sleep(1)
             saved += await _save(client, "evaluation", f"WorkflowId = '{r.json()['job_id']}'")
+
+            # A document removed (uploaded after the ingestions above were saved).
+            extra = await stack.upload(("c.txt", b"The old pier was closed in the winter of 1990."),
+                                       collection="record")
+            assert (await stack.wait_job(extra["job_id"]))["status"] == "completed"
+            r = await stack.http.delete(f"/v1/documents/{extra['documents'][0]['document_id']}")
+            assert r.status_code == 202, r.text
+            assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "removal", f"WorkflowId = '{r.json()['job_id']}'")
 
             # A search.
             assert await stack.search("lighthouse colour", collection="record")

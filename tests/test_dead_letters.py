@@ -224,6 +224,10 @@ async def test_a_parked_document_says_why_and_lends_its_uploads_slot(temporal_en
 
             doc = await eventually(parked, timeout=60, what="the document parked, with its reason")
             assert "embed_chunks" in doc["error"] and "503" in doc["error"], doc
+            # Not removable while it waits: the operator decides on its job first.
+            r = await stack.http.delete(f"/v1/documents/{doc['document_id']}")
+            assert (r.status_code, r.json()["error"]["code"]) == (409, "document_busy"), r.text
+            assert doc["job_id"] in r.json()["error"]["message"]
             assert (await stack.wait_job(upload["job_id"], until=("running",)))["status"] == "running"
             # The tenant's one slot is lent: another job of the tenant, a turn that needs the model (which
             # only a turn holding a slot may call), runs to the end.

@@ -241,6 +241,23 @@ async def test_repeat_question_is_served_from_the_cache_until_the_collection_cha
     assert (after["hit"] - lookups["hit"], after["miss"] - lookups["miss"]) == (1, 2)
 
 
+async def test_a_cached_answer_goes_with_the_document_it_cites(trusted):
+    """A removed document is cited by no answer, not even one the cache kept from before its removal."""
+    question = "Who found the failed migration of incident 5120?"
+    body = await trusted.upload(("incident.txt", b"Incident 5120: the failed migration was found by Priya, "
+                                                 b"the on-call engineer, at 03:10."), collection="cache-removal")
+    assert (await trusted.wait_job(body["job_id"]))["status"] == "completed"
+    doc_id = body["documents"][0]["document_id"]
+    assert (await ask(trusted, question, collection="cache-removal"))["result"]["cached"] is False
+    hit = (await ask(trusted, question, collection="cache-removal"))["result"]
+    assert hit["cached"] is True and [c["document_id"] for c in hit["citations"]] == [doc_id]
+    r = await trusted.http.delete(f"/v1/documents/{doc_id}")
+    assert r.status_code == 202, r.text
+    assert (await trusted.wait_done(r.json()["job_id"]))["status"] == "completed"
+    after = (await ask(trusted, question, collection="cache-removal"))["result"]
+    assert after["cached"] is False and after["citations"] == [], after
+
+
 async def test_the_fallback_model_answers_when_the_configured_one_keeps_failing(trusted, light_llm):
     trusted.llm.script("answer", ["503"] * 4)  # generate_answer's every attempt (fast policies: 4)
     result = (await ask(trusted, "How many orders failed during the outage?"))["result"]

@@ -86,7 +86,7 @@ def test_each_role_runs_exactly_what_the_policy_file_routes_to_its_queues():
     assert served["vector"] == {"index_chunks", "prune_stale_chunks", "remove_document_chunks", "retrieve_context",
                                 "search_documents",
                                 "search_chunks", "cache_answer", "evaluate_collection"}
-    assert served["workflows"] == {"await_document", "await_turn", "acquire_slot", "release_slot", "ended_jobs"}
+    assert served["workflows"] == {"await_document", "forget_document", "await_turn", "acquire_slot", "release_slot", "ended_jobs"}
     assert served["all"] == set(worker.activity_names())
     # Only the vector role opens the store; the llm role and the workflow role load no embedding model.
     assert {r: worker.role_needs(r) for r in queues.ROLES} == {
@@ -143,7 +143,7 @@ async def test_role_workers_poll_their_own_queues_with_their_own_slots(temporal_
     assert vector["max_concurrent_activities"] == 5
     assert [w.__name__ for w in vector["workflows"]] == ["SearchWorkflow"]
     [main] = configs["workflows"]
-    assert "SearchWorkflow" not in {w.__name__ for w in main["workflows"]} and len(main["workflows"]) == 7
+    assert "SearchWorkflow" not in {w.__name__ for w in main["workflows"]} and len(main["workflows"]) == 8
     assert main["activity_task_poller_behavior"].maximum == 4
 
 

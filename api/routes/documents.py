@@ -1,4 +1,4 @@
-"""POST /v1/documents (upload -> ingestion job), GET /v1/documents."""
+"""POST /v1/documents (upload -> ingestion job), GET /v1/documents, DELETE /v1/documents/{document_id}."""
 
 from __future__ import annotations
 
@@ -7,37 +7,43 @@ import hashlib
 from datetime import timedelta
 from typing import Annotated, NamedTuple
 
-from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, File, Form, Path, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import (
     SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy, WorkflowIDReusePolicy,
 )
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from api import job_views, observability
-from api.auth import CallerDep, GuardDep
+from api.auth import Caller, CallerDep, GuardDep
 from api.deps import BlobsDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.limits import SMALL_BODY_BYTES, Cap
 from api.schemas import (
-    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentsAccepted, DocumentStatus,
-    DocumentView, JobError, error_responses,
+    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentRemovalAccepted,
+    DocumentsAccepted, DocumentStatus, DocumentView, JobError, error_responses,
 )
 from api.validators import COLLECTION_PATTERN, CursorDep, display_name, validate_collection
-from models.ingest import DocumentInput, IngestInput, IngestResult
+from models.ingest import (
+    DocumentInput, IngestInput, IngestResult, RemoveDocumentInput, document_workflow_id, removal_workflow_id,
+)
 from models.jobs import JobStatus
 from models.tenancy import workflow_id
+from ragline import audit
 from ragline.blobstore import BlobStore
 from ragline.keys import TenantLimits
 from ragline.settings import Settings
 from ragline.text import sniff_kind
 from temporal import search_attributes as sa
 from workflows.ingest import IngestWorkflow
+from workflows.remove import RemoveDocumentWorkflow
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"])
 
 MAX_FILES_PER_REQUEST = 50
+DOCUMENT_ID_PATTERN = r"^[0-9a-f]{32}$"
 SNIFF_BYTES = 4096
 
 
@@ -145,8 +151,9 @@ async def upload_documents(
             blob_ref=item["ref"], sha256=item["sha256"], size=item["size"], kind=item["kind"],
             password=password or None, max_pages=limits.max_pages,
             metrics_collection_label=settings.metrics_collection_label))
+    await _refuse_documents_being_removed(client, caller.tenant, documents, timeout)
     job_id = ingest_job_id(caller.tenant, collection, list(documents))
-    duplicate = await _already_done_or_running(client, job_id, timeout)
+    duplicate = await _already_done_or_running(client, job_id, caller.tenant, list(documents), timeout)
     if not duplicate:
         await client.start_workflow(
             IngestWorkflow.run, IngestInput(tenant=caller.tenant, collection=collection,
@@ -169,8 +176,31 @@ async def upload_documents(
         for d in documents.values()])
 
 
-async def _already_done_or_running(client: Client, job_id: str, timeout: timedelta) -> bool:
-    """True when the same upload is running or has already indexed every document."""
+async def _refuse_documents_being_removed(client: Client, tenant: str, documents: dict[str, DocumentInput],
+                                          timeout: timedelta) -> None:
+    """409 for a file whose document is being removed: until its removal ends, the document's old job is
+    still there, and the upload would be taken for one already indexed."""
+    async def removing(document_id: str) -> str | None:
+        removal = removal_workflow_id(tenant, document_id)
+        try:
+            desc = await client.get_workflow_handle(removal).describe(rpc_timeout=timeout)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        return removal if desc.status == WorkflowExecutionStatus.RUNNING else None
+
+    removals = await asyncio.gather(*(removing(d) for d in documents))
+    for doc, removal in zip(documents.values(), removals):
+        if removal:
+            raise ApiError(409, "document_being_removed", f"{doc.filename}: the same document is being removed by "
+                           f"job {removal}; upload it again once that job has ended", file=doc.filename,
+                           job_id=removal)
+
+
+async def _already_done_or_running(client: Client, job_id: str, tenant: str, document_ids: list[str],
+                                   timeout: timedelta) -> bool:
+    """True when the same upload is running or has already indexed every document, none of them removed since."""
     handle = client.get_workflow_handle(job_id, result_type=IngestResult)
     try:
         desc = await handle.describe(rpc_timeout=timeout)
@@ -182,8 +212,75 @@ async def _already_done_or_running(client: Client, job_id: str, timeout: timedel
         return True
     if desc.status == WorkflowExecutionStatus.COMPLETED:
         result = await handle.result(rpc_timeout=timeout)
-        return result.failed == 0
+        if result.failed:
+            return False
+        # A removed document's job is gone from Temporal: the same upload indexes it again.
+        return all(await asyncio.gather(*(job_views.exists(client, document_workflow_id(tenant, d), timeout)
+                                          for d in document_ids)))
     return False
+
+
+@router.delete("/{document_id}", status_code=202, summary="Remove a document; answers at once with a job",
+               response_description=ACCEPTED,
+               responses=error_responses({404: "document_not_found", 409: "document_busy",
+                                          422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+async def remove_document(
+    request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep, timeout: RpcTimeoutDep,
+    document_id: Annotated[str, Path(pattern=DOCUMENT_ID_PATTERN, description="As `POST /v1/documents` and "
+                                                                            "`GET /v1/documents` give it")],
+) -> DocumentRemovalAccepted:
+    """The removal job takes the document's chunks out of the index (no search or answer finds it, and the
+    collection's cached answers go), then its ingestion job out of Temporal: it is no longer listed, and the
+    same bytes uploaded again are ingested anew. A document still being ingested (or waiting for an operator)
+    is refused with 409: cancel or discard its job first."""
+    with audit.recorded(settings.data_dir, action="remove_document", document_id=document_id,
+                        job_id=document_workflow_id(caller.tenant, document_id), **caller.on_record) as details:
+        accepted = await _start_removal(request, client, caller, settings, timeout, document_id)
+        details["removal_job"] = accepted.job_id
+    return accepted
+
+
+async def _start_removal(request: Request, client: Client, caller: Caller, settings: Settings, timeout: timedelta,
+                         document_id: str) -> DocumentRemovalAccepted:
+    ingestion = document_workflow_id(caller.tenant, document_id)
+    try:
+        desc = await client.get_workflow_handle(ingestion).describe(rpc_timeout=timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise ApiError(404, "document_not_found", f"no document {document_id} (removed, or never uploaded "
+                                                      "with this tenant's keys)") from None
+        raise
+    if not job_views.owned(desc, caller.tenant):
+        raise ApiError(404, "document_not_found", f"no document {document_id}")
+    if desc.status == WorkflowExecutionStatus.RUNNING:
+        raise ApiError(409, "document_busy", f"document {document_id} is still being ingested by job {ingestion} "
+                       f"({job_views.job_status(desc)}): cancel it (POST /v1/jobs/{ingestion}/cancel), discard it "
+                       "if it waits for an operator, or wait for it to end", job_id=ingestion)
+    attrs = desc.typed_search_attributes
+    collection, filename = attrs.get(sa.COLLECTION) or "default", attrs.get(sa.FILENAME) or ""
+    job_id = removal_workflow_id(caller.tenant, document_id)
+    try:
+        await client.start_workflow(
+            RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=caller.tenant, document_id=document_id,
+                                                            collection=collection, filename=filename),
+            id=job_id, task_queue=settings.task_queue, priority=caller.priority,
+            # The same document uploaded again after a removal may be removed again.
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            search_attributes=TypedSearchAttributes([
+                SearchAttributePair(sa.JOB_KIND, "remove_document"),
+                SearchAttributePair(sa.JOB_STATUS, "queued"),
+                SearchAttributePair(sa.COLLECTION, collection),
+                SearchAttributePair(sa.FILENAME, filename[:256]),
+                SearchAttributePair(sa.DOCUMENT_ID, document_id),
+                SearchAttributePair(sa.TENANT, caller.tenant),
+            ]),
+            rpc_timeout=timeout)
+        duplicate = False
+        observability.job_accepted("remove_document")
+    except WorkflowAlreadyStartedError:
+        duplicate = True  # a removal of it runs: that job answers
+    return DocumentRemovalAccepted.for_job(request, job_id, duplicate=duplicate, document_id=document_id,
+                                           filename=filename, collection=collection)
 
 
 @router.get("", summary="Documents of a collection with their status and chunk counts",
@@ -196,6 +293,14 @@ async def list_documents(client: ClientDep, cursors: CursorsDep, caller: CallerD
     query = job_views.list_query(caller.tenant, kind="ingest_document", extra=extra)
     executions, next_cursor = await job_views.list_page(client, cursors, query, limit, cursor, timeout)
     views = [_document_view(e) for e in executions]
+    if any(view.status == "indexed" for view in views):
+        removals = job_views.list_query(caller.tenant, kind="remove_document", extra=extra) + \
+            " AND ExecutionStatus = 'Running'"
+        being_removed = {e.typed_search_attributes.get(sa.DOCUMENT_ID)
+                         for e in await job_views.list_jobs(client, removals, 1000, timeout)}
+        for view in views:
+            if view.document_id in being_removed and view.status == "indexed":
+                view.status = "removing"  # listed until its removal has deleted its job
     # Why a document failed, or waits for an operator (dead-lettered), without opening its job.
     stuck = [(view, e) for view, e in zip(views, executions) if view.status in ("failed", "dead_lettered")]
     reasons = await asyncio.gather(*(_reason(client, view, e, timeout) for view, e in stuck))

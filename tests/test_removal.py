@@ -1,0 +1,86 @@
+"""Removing a document (DELETE /v1/documents/{id}) through the real API, Temporal, Qdrant and embedder."""
+
+from __future__ import annotations
+
+import uuid
+
+from ragline import audit
+from tests.helpers import eventually
+
+TEAPOT = b"The blue teapot of Harwick has a copper spout and holds two litres of tea."
+KETTLE = b"The black kettle of Harwick whistles when the water boils on the stove."
+
+
+async def _listed(stack, collection: str) -> set[str]:
+    r = await stack.http.get("/v1/documents", params={"collection": collection})
+    assert r.status_code == 200, r.text
+    return {d["document_id"] for d in r.json()["documents"]}
+
+
+async def test_a_removed_document_is_found_by_no_search_or_answer_and_may_be_uploaded_again(stack):
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    teapot = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
+    kettle = await stack.upload(("kettle.txt", KETTLE), collection=collection)
+    for body in (teapot, kettle):
+        assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    [doc], [other] = teapot["documents"], kettle["documents"]
+    doc_id = doc["document_id"]
+    assert doc_id in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
+    question = "What is the spout of the blue teapot made of?"
+    first = await stack.wait_done((await stack.chat(question, collection=collection))["job_id"])
+    assert first["result"]["citations"] and first["result"]["citations"][0]["document_id"] == doc_id, first
+
+    # Any key of the tenant may remove; the removal is a job like any other.
+    r = await stack.member_http.delete(f"/v1/documents/{doc_id}")
+    assert r.status_code == 202, r.text
+    accepted = r.json()
+    assert (accepted["document_id"], accepted["filename"], accepted["collection"], accepted["duplicate"]) == \
+        (doc_id, "teapot.txt", collection, False)
+    [entry] = [e for e in audit.read(stack.settings.data_dir) if e.get("document_id") == doc_id]
+    assert (entry["action"], entry["outcome"], entry["key_name"], entry["removal_job"]) == \
+        ("remove_document", "accepted", "acme-member", accepted["job_id"])
+    # Until the removal has deleted the document's job (seconds: the server deletes a closed run once its
+    # queue has recorded its progress) the document is listed as being removed, and its bytes are refused.
+    listed = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
+    assert {d["document_id"]: d["status"] for d in listed}[doc_id] == "removing"
+    r = await stack.http.post("/v1/documents", files=[("files", ("teapot.txt", TEAPOT))], data={"collection": collection})
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "document_being_removed"), r.text
+    assert accepted["job_id"] in r.json()["error"]["message"]
+    job = await stack.wait_done(accepted["job_id"])
+    assert job["status"] == "completed" and job["kind"] == "remove_document", job
+    assert job["result"]["chunks_removed"] >= 1 and job["result"]["ingestion_runs_forgotten"] == 1
+    assert [s["name"] for s in job["steps"]] == ["remove_document_chunks", "forget_document"]
+
+    # Nobody finds it: not a search, not an answer (test_grounded.py: nor a cached one), not the list.
+    assert doc_id not in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
+    assert other["document_id"] in {h["document_id"] for h in await stack.search("black kettle whistles", collection)}
+    after = await stack.wait_done((await stack.chat(question, collection=collection))["job_id"])
+    assert doc_id not in {c["document_id"] for c in after["result"]["citations"]}, after
+
+    async def unlisted() -> bool:
+        listed = await _listed(stack, collection)
+        return doc_id not in listed and other["document_id"] in listed
+    await eventually(unlisted, what="the removed document gone from GET /v1/documents, the other still there")
+    doc_job = stack.workflow_id(f"doc-{doc_id}")
+    assert (await stack.http.get(f"/v1/jobs/{doc_job}")).status_code == 404
+    r = await stack.http.delete(f"/v1/documents/{doc_id}")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "document_not_found"), r.text
+
+    # The very same upload again is new work, not "already indexed".
+    again = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
+    assert again["job_id"] == teapot["job_id"] and again["duplicate"] is False
+    assert (await stack.wait_job(again["job_id"]))["status"] == "completed"
+    assert doc_id in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
+    assert doc_id in await _listed(stack, collection)
+
+
+async def test_a_document_is_removed_only_by_its_own_tenant(stack):
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    body = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    doc_id = body["documents"][0]["document_id"]
+    r = await stack.other_http.delete(f"/v1/documents/{doc_id}")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "document_not_found"), r.text
+    assert doc_id in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
+    r = await stack.http.delete("/v1/documents/not-a-document-id")
+    assert r.status_code == 422, r.text
