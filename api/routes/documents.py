@@ -118,7 +118,8 @@ async def _store_upload(upload: UploadFile, name: str, kind: str, blobs: BlobSto
 
 @router.post("", status_code=202, summary="Upload documents; answers at once with an ingestion job",
              response_description=ACCEPTED,
-             responses=error_responses({400: "empty_file", 413: "too_many_files, file_too_large",
+             responses=error_responses({400: "empty_file", 409: "document_being_removed",
+                                        413: "too_many_files, file_too_large",
                                         415: "unsupported_file_type", 422: f"{INVALID_REQUEST}, invalid_collection",
                                         503: TEMPORAL_DOWN}))
 async def upload_documents(
