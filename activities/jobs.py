@@ -14,6 +14,7 @@ from activities.heartbeats import heartbeating
 
 from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
 from models.ingest import AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput
+from models.jobs import StepResult
 from ragline.errors import InputError
 from temporal.errors import translate_errors
 
@@ -29,10 +30,34 @@ class JobActivities:
         handle = self.client.get_workflow_handle(req.workflow_id, result_type=DocumentOutcome)
         try:
             async with heartbeating():
-                return await handle.result()
+                outcome = await handle.result()
         except WorkflowFailureError as exc:
             cause = exc.cause
             return DocumentOutcome.failed_from(req.workflow_id, getattr(cause, "message", None) or str(cause))
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return self._removed(req)  # its job was deleted meanwhile: a removal ended
+        if req.removal_id and outcome.status == "indexed" and await self._removed_since(req):
+            return self._removed(req)
+        return outcome
+
+    async def _removed_since(self, req: AwaitDocumentInput) -> bool:
+        """A removal asked for after the indexed run ended (the run stays known until the removal ends)."""
+        try:
+            run = await self.client.get_workflow_handle(req.workflow_id).describe()
+            removal = await self.client.get_workflow_handle(req.removal_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return not await self._known(req.workflow_id)  # no removal, or the run itself is gone
+            raise
+        return removal.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED) and \
+            run.close_time is not None and removal.start_time >= run.close_time
+
+    @staticmethod
+    def _removed(req: AwaitDocumentInput) -> DocumentOutcome:
+        return DocumentOutcome(document_id=req.workflow_id.rsplit("doc-", 1)[-1], status="removed",
+                               job_id=req.workflow_id)
 
     @activity.defn
     @translate_errors
@@ -48,39 +73,50 @@ class JobActivities:
 
     @activity.defn
     @translate_errors
-    async def forget_document(self, req: ForgetDocumentInput) -> ForgetDocumentOutput:
-        """Delete every run of a removed document's ingestion job from Temporal: the document is no longer
-        listed, and the same bytes uploaded again are a new document job (its id is free again). Returns
-        once the server no longer has the job, so an upload right after the removal ingests anew."""
-        handle = self.client.get_workflow_handle(req.workflow_id)
+    async def confirm_removal(self, req: ForgetDocumentInput) -> StepResult:
+        """The run the removal was asked for is still the document's latest: nobody uploaded the same bytes
+        again since (their job would index what the removal takes out)."""
         try:
-            latest = await handle.describe()
+            latest = await self.client.get_workflow_handle(req.workflow_id).describe()
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
-                return ForgetDocumentOutput(runs=0, attempt=activity.info().attempt)  # forgotten by an earlier attempt
+                return StepResult(attempt=activity.info().attempt)  # forgotten already (an earlier attempt)
             raise
-        if latest.status == WorkflowExecutionStatus.RUNNING:
-            # Uploaded again since the removal was asked for: that job indexes the document anew.
-            raise InputError(f"the document is being ingested again by job {req.workflow_id}: its chunks were "
-                             "removed, and that job indexes them again; remove the document once it has ended")
-        runs = {latest.run_id} | {e.run_id async for e in self.client.list_workflows(f"WorkflowId = '{req.workflow_id}'")}
+        if latest.run_id != req.run_id:
+            raise InputError(f"the document was uploaded again (job {req.workflow_id}) after its removal was "
+                             "asked for: nothing was removed; remove it again once that upload has ended")
+        return StepResult(attempt=activity.info().attempt)
+
+    @activity.defn
+    @translate_errors
+    async def forget_document(self, req: ForgetDocumentInput) -> ForgetDocumentOutput:
+        """Delete the removed document's ingestion runs from Temporal: the document is no longer listed, and
+        the same bytes uploaded again are a new run of its job. Returns once the server no longer has them."""
+        listed = [e async for e in self.client.list_workflows(f"WorkflowId = '{req.workflow_id}'")]
+        runs = {req.run_id} | {e.run_id for e in listed if e.status != WorkflowExecutionStatus.RUNNING
+                               and e.start_time <= req.run_started_at}
         for run_id in runs:
             try:
                 await self.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
                     namespace=self.client.namespace,
                     workflow_execution=WorkflowExecution(workflow_id=req.workflow_id, run_id=run_id)))
             except RPCError as exc:
-                if exc.status != RPCStatusCode.NOT_FOUND:
+                if exc.status != RPCStatusCode.NOT_FOUND:  # gone already (an earlier attempt)
                     raise
         # The server deletes a closed run in the background, once its transfer queue has recorded how far it
         # has read (history.transferProcessorUpdateAckInterval: 30 s by default, 1 s on `make run`'s server).
-        # Until then the document is still listed, and a start under its id would find the old run.
+        # Until then the document is still listed.
         async with heartbeating():
-            while True:
-                try:
-                    await handle.describe()
-                except RPCError as exc:
-                    if exc.status == RPCStatusCode.NOT_FOUND:
-                        return ForgetDocumentOutput(runs=len(runs), attempt=activity.info().attempt)
-                    raise
-                await asyncio.sleep(0.5)
+            for run_id in runs:
+                while await self._known(req.workflow_id, run_id):
+                    await asyncio.sleep(0.5)
+        return ForgetDocumentOutput(runs=len(runs), attempt=activity.info().attempt)
+
+    async def _known(self, workflow_id: str, run_id: str | None = None) -> bool:
+        try:
+            await self.client.get_workflow_handle(workflow_id, run_id=run_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True

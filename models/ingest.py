@@ -3,6 +3,7 @@ Large data (bytes, page texts, chunks, vectors) never travels here: only blob re
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel
@@ -32,7 +33,8 @@ class DocumentInput(BaseModel):
 class DocumentOutcome(BaseModel):
     document_id: str
     filename: str = ""
-    status: Literal["indexed", "failed"]
+    # "removed": await_document found the document's job removed (DELETE) since: it is ingested anew.
+    status: Literal["indexed", "failed", "removed"]
     job_id: str
     pages: int = 0
     chunks: int = 0
@@ -67,11 +69,14 @@ def removal_workflow_id(tenant: str, document_id: str) -> str:
 
 
 class RemoveDocumentInput(BaseModel):
-    """DELETE /v1/documents/{document_id}: the document as its ingestion job names it."""
+    """DELETE /v1/documents/{document_id}: the document as its ingestion job names it, and that job's run
+    when the removal was asked for (the latest; it had ended)."""
     tenant: str = DEFAULT_TENANT
     document_id: str
     collection: str
     filename: str = ""
+    run_id: str
+    run_started_at: datetime
 
 
 class RemovalResult(BaseModel):
@@ -160,10 +165,15 @@ class PruneOutput(StepResult):
 
 class AwaitDocumentInput(BaseModel):
     workflow_id: str
+    removal_id: str | None = None  # the document's removal job: an outcome it removed since is "removed"
 
 
 class ForgetDocumentInput(BaseModel):
-    workflow_id: str  # the document's ingestion job (every run of it)
+    """The document's ingestion job, and its run the removal was asked for: that run and the ones before it
+    go; a newer one (the same bytes uploaded again since) stays."""
+    workflow_id: str
+    run_id: str
+    run_started_at: datetime
 
 
 class ForgetDocumentOutput(StepResult):

@@ -45,7 +45,7 @@ HISTOGRAM_BUCKETS = {name: DURATION_BUCKETS for name in (STEP_DURATION, MODEL_DU
 # Override any with RAGLINE_STEP_SLA='{"generate_answer": 90}'. Steps that wait by design (await_*) have none.
 DEFAULT_STEP_SLA_SECONDS: dict[str, float] = {
     "extract_text": 60, "chunk_text": 10, "embed_chunks": 30, "index_chunks": 10, "prune_stale_chunks": 10,
-    "remove_document_chunks": 10, "forget_document": 10,
+    "remove_document_chunks": 10, "confirm_removal": 2, "forget_document": 10,
     "search_chunks": 2, "retrieve_context": 2, "summarize_context": 30, "extract_entities": 30,
     "generate_answer": 60, "agent_plan": 30, "search_documents": 5,
 }

@@ -307,9 +307,10 @@ async def test_a_rejection_beside_a_parked_summary_fails_the_turn_for_the_reject
 async def test_a_summary_discarded_while_its_answer_waits_for_review_fails_the_turn_at_once(stack, chat_docs):
     """The summary run beside the review is parked and the operator discards it: the turn can no longer
     complete, so it fails at once for the discard, and its review is withdrawn instead of waiting for a
-    decision that would show the answer of a failed job."""
+    decision that would show the answer of a failed job. The entities, still running, are stopped with it."""
     with stack.llm.scope() as llm:
         llm.script_fn("summarize", lambda request: "503")
+        llm.script_fn("extract_entities", lambda request: {"content": "[]", "delay": 60})
         r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {llm.token}",
                                                      "collection": "chat", "require_review": True})
         job_id = r.json()["job_id"]
@@ -323,6 +324,7 @@ async def test_a_summary_discarded_while_its_answer_waits_for_review_fails_the_t
     assert job["error"]["message"].startswith("discarded by ops: model down (step summarize_context"), job["error"]
     steps = {s["name"]: s["status"] for s in job["steps"]}
     assert steps["summarize_context"] == "failed" and steps["generate_answer"] == "completed"
+    assert steps["extract_entities"] == "cancelled"
     assert job.get("answer") is None  # never released
     assert job_id not in [i["job_id"] for i in (await stack.http.get("/v1/reviews")).json()["reviews"]]
     r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "editor"})

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timezone
 
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.jobs import JobActivities
+from models.ingest import AwaitDocumentInput, ForgetDocumentInput, removal_workflow_id
 from ragline import audit
 from tests.helpers import eventually
 
@@ -49,7 +56,7 @@ async def test_a_removed_document_is_found_by_no_search_or_answer_and_may_be_upl
     job = await stack.wait_done(accepted["job_id"])
     assert job["status"] == "completed" and job["kind"] == "remove_document", job
     assert job["result"]["chunks_removed"] >= 1 and job["result"]["ingestion_runs_forgotten"] == 1
-    assert [s["name"] for s in job["steps"]] == ["remove_document_chunks", "forget_document"]
+    assert [s["name"] for s in job["steps"]] == ["confirm_removal", "remove_document_chunks", "forget_document"]
 
     # Nobody finds it: not a search, not an answer (test_grounded.py: nor a cached one), not the list.
     assert doc_id not in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
@@ -84,3 +91,30 @@ async def test_a_document_is_removed_only_by_its_own_tenant(stack):
     assert doc_id in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
     r = await stack.http.delete("/v1/documents/not-a-document-id")
     assert r.status_code == 422, r.text
+
+
+async def test_an_upload_that_meets_a_removal_ingests_the_document_anew(stack):
+    """An upload queued before a removal that reaches the document during it, or after it, does not take the
+    earlier run's "indexed" as its own (its chunks are gone): its job runs the document again. A removal
+    asked for a run that is no longer the latest (the same bytes uploaded again since) removes nothing."""
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    body = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    doc_id = body["documents"][0]["document_id"]
+    doc_job = stack.workflow_id(f"doc-{doc_id}")
+    jobs = JobActivities(stack.client)
+    wait = AwaitDocumentInput(workflow_id=doc_job, removal_id=removal_workflow_id(stack.tenant, doc_id))
+    assert (await ActivityEnvironment().run(jobs.await_document, wait)).status == "indexed"
+    run = await stack.client.get_workflow_handle(doc_job).describe()
+    stale = ForgetDocumentInput(workflow_id=doc_job, run_id="an-earlier-run", run_started_at=datetime.now(timezone.utc))
+    with pytest.raises(ApplicationError, match="uploaded again") as refused:
+        await ActivityEnvironment().run(jobs.confirm_removal, stale)
+    assert refused.value.type == "InputError"
+
+    r = await stack.http.delete(f"/v1/documents/{doc_id}")
+    assert r.status_code == 202, r.text
+    # While the removal runs (its run is still known) and after it (the run is gone): removed.
+    assert (await ActivityEnvironment().run(jobs.await_document, wait)).status == "removed"
+    assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
+    assert (await ActivityEnvironment().run(jobs.await_document, wait)).status == "removed"
+    assert run.run_id and not await jobs._known(doc_job, run.run_id)

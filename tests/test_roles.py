@@ -86,7 +86,8 @@ def test_each_role_runs_exactly_what_the_policy_file_routes_to_its_queues():
     assert served["vector"] == {"index_chunks", "prune_stale_chunks", "remove_document_chunks", "retrieve_context",
                                 "search_documents",
                                 "search_chunks", "cache_answer", "evaluate_collection"}
-    assert served["workflows"] == {"await_document", "forget_document", "await_turn", "acquire_slot", "release_slot", "ended_jobs"}
+    assert served["workflows"] == {"await_document", "confirm_removal", "forget_document",
+                                   "await_turn", "acquire_slot", "release_slot", "ended_jobs"}
     assert served["all"] == set(worker.activity_names())
     # Only the vector role opens the store; the llm role and the workflow role load no embedding model.
     assert {r: worker.role_needs(r) for r in queues.ROLES} == {

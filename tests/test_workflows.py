@@ -35,11 +35,13 @@ from models.chat import (
     HistoryItem, RetrieveInput, RetrieveOutput, SessionState, SummaryOutput, TurnContext, TurnInput, TurnOutcome,
     TurnResult, Usage, session_workflow_id, turn_job_id,
 )
+from models.jobs import StepResult
 from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
     AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
-    ExtractInput, ExtractOutput, IndexInput, IndexOutput, IngestInput, IngestResult, PruneInput, PruneOutput,
-    RemoveInput, SearchInput, SearchOutput, document_workflow_id,
+    ExtractInput, ExtractOutput, ForgetDocumentInput, ForgetDocumentOutput, IndexInput, IndexOutput, IngestInput,
+    IngestResult, PruneInput, PruneOutput, RemoveInput, SearchInput, SearchOutput, document_workflow_id,
+    removal_workflow_id,
 )
 from ragline.settings import Settings
 from temporal import policies, queues
@@ -87,6 +89,7 @@ class Fakes:
     side_step_seconds: float = 0.2
     ended: set[str] = field(default_factory=set)  # jobs ended_jobs reports as no longer running
     sweeps_fail: int = 0  # how many ended_jobs calls fail (a server too busy to answer)
+    removed_documents: set[str] = field(default_factory=set)  # document jobs await_document finds removed
     calls: list[Call] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -161,7 +164,20 @@ class Fakes:
     @activity.defn(name="await_document")
     async def await_document(self, req: AwaitDocumentInput) -> DocumentOutcome:
         self._end(self._start("await_document", req))
+        if req.workflow_id in self.removed_documents:
+            return DocumentOutcome(document_id=req.workflow_id.rsplit("doc-", 1)[-1], status="removed",
+                                   job_id=req.workflow_id)
         return DocumentOutcome.failed_from(req.workflow_id, "not expected in these tests")
+
+    @activity.defn(name="confirm_removal")
+    async def confirm_removal(self, req: ForgetDocumentInput) -> StepResult:
+        self._end(self._start("confirm_removal", req))
+        return StepResult()
+
+    @activity.defn(name="forget_document")
+    async def forget_document(self, req: ForgetDocumentInput) -> ForgetDocumentOutput:
+        self._end(self._start("forget_document", req))
+        return ForgetDocumentOutput(runs=1)
 
     @activity.defn(name="await_turn")
     async def await_turn(self, req: AwaitTurnInput) -> TurnOutcome:
@@ -230,7 +246,7 @@ class Fakes:
 
     def all(self) -> list:
         return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks,
-                self.remove_document_chunks,
+                self.remove_document_chunks, self.confirm_removal, self.forget_document,
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
@@ -408,6 +424,24 @@ async def test_document_job_tolerates_a_server_without_ragline_search_attributes
         done, failed = await eventually(ended_or_stuck, timeout=20, what="the document job ending")
     assert WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_BAD_SEARCH_ATTRIBUTES not in failed
     assert done
+
+
+async def test_an_upload_that_finds_its_document_removed_since_ingests_it_anew(env):
+    """An earlier upload indexed the document, and a removal (DELETE) took it out before this upload reached
+    it: the upload runs the document's job again instead of taking the earlier outcome as its own."""
+    doc = document("a.txt", "removed")
+    child_id = document_workflow_id(doc.tenant, doc.document_id)
+    fakes = Fakes(removed_documents={child_id})
+    async with fake_worker(env, fakes) as queue:
+        first = await env.client.execute_workflow(IngestDocumentWorkflow.run, doc, id=child_id, task_queue=queue)
+        assert first.status == "indexed"
+        upload = IngestInput(collection="removed", documents=[doc])
+        result = await env.client.execute_workflow(IngestWorkflow.run, upload, id=f"ingest-{uuid.uuid4().hex[:8]}",
+                                                   task_queue=queue)
+    assert [(o.status, o.job_id) for o in result.documents] == [("indexed", child_id)]
+    [asked] = fakes.named("await_document")
+    assert asked.arg.removal_id == removal_workflow_id(doc.tenant, doc.document_id)
+    assert len(fakes.named("extract_text")) == 2  # the document's job ran again
 
 
 async def test_a_failed_document_removes_its_chunks_after_the_batches_in_flight_have_ended(env):

@@ -80,6 +80,9 @@ REVIEW_BESIDE_SIDE_STEPS_PATCH = "review-beside-side-steps"
 # fails the turn at once and withdraws the review. Earlier turns went on waiting for a decision that could
 # no longer change the outcome: an approval showed the answer and the job failed right after.
 SIDE_STEP_FAILURE_ENDS_REVIEW_PATCH = "side-step-failure-ends-review"
+# When the summary or the entities fail for good, the other is stopped (its model call, or its wait for an
+# operator). Earlier turns left it running in a failed job.
+SIDE_STEPS_STOP_TOGETHER_PATCH = "side-steps-stop-together"
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -264,8 +267,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                           summary: SummaryOutput | None) -> tuple[SummaryOutput, EntitiesOutput]:
         """The summary (unless the answer needed it first) and the entities: after the answer, beside each other."""
         if summary is None:
-            return await asyncio.gather(self.step(ChatActivities.summarize_context, context),
-                                        self.step(ChatActivities.extract_entities, context))
+            both = (self.step(ChatActivities.summarize_context, context),
+                    self.step(ChatActivities.extract_entities, context))
+            if workflow.patched(SIDE_STEPS_STOP_TOGETHER_PATCH):
+                return await self.together(*both)
+            return await asyncio.gather(*both)
         return summary, await self.step(ChatActivities.extract_entities, context)
 
     async def _reviewed_beside_side_steps(

@@ -1,7 +1,8 @@
 """Ingestion DAG.
 
 IngestWorkflow (one job per upload request)
-  fan out: one IngestDocumentWorkflow child per file, in parallel
+  fan out: one IngestDocumentWorkflow child per file, in parallel (a document another upload indexed:
+           its outcome, awaited; unless a removal took it out since, then a new child)
   fan in:  each document's outcome; one bad file does not fail the others
 
 IngestDocumentWorkflow (one per document id = collection + content hash)
@@ -25,7 +26,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.ingest import (
         AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, ExtractInput,
-        IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput, document_workflow_id,
+        IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput, document_workflow_id, removal_workflow_id,
     )
     from ragline import metrics
     from temporal import policies
@@ -39,6 +40,9 @@ UNDO_PATCH = "failed-document-removes-its-chunks"
 # ... and without waiting for the batches still in flight before it.
 SETTLE_PATCH = "document-batches-settle-before-undo"
 INDEX = policies.activity_name(IngestActivities.index_chunks)
+# An upload that finds its document indexed by an earlier job asks whether a removal (DELETE) took it out
+# since, and then ingests it anew. Earlier uploads took the earlier outcome as it was.
+REMOVED_PATCH = "upload-after-removal-ingests-anew"
 
 
 @workflow.defn
@@ -158,12 +162,26 @@ class IngestWorkflow(JobWorkflow):
         step = f"document:{doc.filename}"
         child_id = document_workflow_id(doc.tenant, doc.document_id)
         self.steps.start(step, detail=child_id)
+        # A document that failed (e.g. wrong password) may be tried again; an indexed one is reused.
+        outcome = await self._document_run(doc, step, WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY)
+        if outcome.status == "removed":
+            # Indexed once, then removed (DELETE) before this upload reached it: these bytes are new again.
+            outcome = await self._document_run(doc, step, WorkflowIDReusePolicy.ALLOW_DUPLICATE)
+            if outcome.status == "removed":
+                outcome = DocumentOutcome.failed_from(child_id, "removed again while this upload ran", doc.filename)
+        if outcome.status == "indexed":
+            self.steps.complete(step, detail=f"{outcome.chunks} chunks from {outcome.pages} pages")
+        else:
+            self.steps.fail(step, outcome.error or "failed")
+        return outcome
+
+    async def _document_run(self, doc: DocumentInput, step: str, reuse: WorkflowIDReusePolicy) -> DocumentOutcome:
+        """The document's outcome: its own job, started here, or the one another upload started."""
+        child_id = document_workflow_id(doc.tenant, doc.document_id)
         try:
             async with self.waits.child(child_id):  # parked for an operator, it lends this job's slot
-                outcome = await workflow.execute_child_workflow(
-                    IngestDocumentWorkflow.run, doc, id=child_id,
-                    # A document that failed (e.g. wrong password) may be tried again; an indexed one is reused.
-                    id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+                return await workflow.execute_child_workflow(
+                    IngestDocumentWorkflow.run, doc, id=child_id, id_reuse_policy=reuse,
                     parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                     search_attributes=TypedSearchAttributes([
                         SearchAttributePair(sa.JOB_KIND, "ingest_document"),
@@ -176,13 +194,10 @@ class IngestWorkflow(JobWorkflow):
         except WorkflowAlreadyStartedError:
             # Same bytes in the same collection: indexed already, or being indexed by another job.
             self.steps.start(step, detail=f"{child_id}, started by another upload")
-            outcome = await self.call(JobActivities.await_document, AwaitDocumentInput(workflow_id=child_id),
-                                      step=step)
+            removal = removal_workflow_id(doc.tenant, doc.document_id) if workflow.patched(REMOVED_PATCH) else None
+            outcome = await self.call(JobActivities.await_document,
+                                      AwaitDocumentInput(workflow_id=child_id, removal_id=removal), step=step)
             outcome.filename = outcome.filename or doc.filename
+            return outcome
         except ChildWorkflowError as exc:
-            outcome = DocumentOutcome.failed_from(child_id, failure_reason(exc), doc.filename)
-        if outcome.status == "indexed":
-            self.steps.complete(step, detail=f"{outcome.chunks} chunks from {outcome.pages} pages")
-        else:
-            self.steps.fail(step, outcome.error or "failed")
-        return outcome
+            return DocumentOutcome.failed_from(child_id, failure_reason(exc), doc.filename)

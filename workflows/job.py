@@ -182,6 +182,19 @@ class JobWorkflow:
         return task
 
     @staticmethod
+    async def together(*work: Awaitable[Any]) -> list[Any]:
+        """Run steps beside each other; when one fails for good, the others are stopped (and have ended)
+        before its failure goes on: nothing of a failed job keeps calling a model or waiting for an operator."""
+        tasks = [asyncio.ensure_future(w) for w in work]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    @staticmethod
     async def stop(task: asyncio.Task[Any]) -> None:
         """Cancel work run `beside` (its steps' activities are asked to stop) and wait for the task to end.
         How it ended no longer matters (a step of it may have failed for good already): the caller's reason

@@ -1,12 +1,14 @@
 """Removing a document (DELETE /v1/documents/{document_id}).
 
-RemoveDocumentWorkflow (one job per removal; kind `remove_document`)
-  remove_document_chunks  nobody finds the document any more (the collection's cached answers go too)
-  -> forget_document      its ingestion job leaves Temporal: it is no longer listed, and the same bytes
-                          uploaded again are ingested anew
+RemoveDocumentWorkflow (one job per removal; kind `remove_document`; takes no running slot)
+  confirm_removal         the ingestion run the removal was asked for is still the document's latest
+                          (the same bytes uploaded again since: that upload wins, nothing is removed)
+  -> remove_document_chunks  nobody finds the document any more (the collection's cached answers go too)
+  -> forget_document      that run and the ones before it leave Temporal: the document is no longer
+                          listed, and the same bytes uploaded again are ingested anew
 
-The chunks go first: a removal that fails between the two steps leaves a document listed that nobody
-finds, never one found that is not listed.
+The chunks go first: a removal that stops between the two leaves a document listed (as `removing`)
+that nobody finds, never one found that is not listed.
 """
 
 from __future__ import annotations
@@ -24,17 +26,24 @@ with workflow.unsafe.imports_passed_through():
 
 @workflow.defn
 class RemoveDocumentWorkflow(JobWorkflow):
-    PLANNED = (IngestActivities.remove_document_chunks, JobActivities.forget_document)
+    PLANNED = (JobActivities.confirm_removal, IngestActivities.remove_document_chunks, JobActivities.forget_document)
 
     @workflow.run
     async def run(self, doc: RemoveDocumentInput) -> RemovalResult:
         return await self.run_job(lambda: self._remove(doc), accepted={
             "document_id": doc.document_id, "filename": doc.filename, "collection": doc.collection})
 
+    def takes_slot(self) -> bool:
+        """A person who removes a document wants it gone now, not after the tenant's queued jobs; a removal
+        is two quick writes."""
+        return False
+
     async def _remove(self, doc: RemoveDocumentInput) -> RemovalResult:
+        ingestion = ForgetDocumentInput(workflow_id=document_workflow_id(doc.tenant, doc.document_id),
+                                        run_id=doc.run_id, run_started_at=doc.run_started_at)
+        await self.step(JobActivities.confirm_removal, ingestion)
         removed = await self.step(IngestActivities.remove_document_chunks, RemoveInput(
             tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection))
-        forgotten = await self.step(JobActivities.forget_document, ForgetDocumentInput(
-            workflow_id=document_workflow_id(doc.tenant, doc.document_id)))
+        forgotten = await self.step(JobActivities.forget_document, ingestion)
         return RemovalResult(document_id=doc.document_id, filename=doc.filename, collection=doc.collection,
                              chunks_removed=removed.removed, ingestion_runs_forgotten=forgotten.runs)

@@ -9,6 +9,7 @@ be dropped silently).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
@@ -23,6 +24,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.events import JobEvents
 
 BUDGET_KEYS = {"max_llm_calls", "max_tokens", "max_seconds"}
+# A review whose wait is cancelled (the job cancelled, or a chat turn failing beside it) is withdrawn at once:
+# a decision sent then is refused instead of accepted and ignored. Earlier jobs kept it pending to their end.
+WITHDRAWN_PATCH = "review-withdrawn-when-its-wait-stops"
 
 
 class Reviews:
@@ -55,6 +59,11 @@ class Reviews:
                 decision = self.decision
             except TimeoutError:
                 decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
+            except asyncio.CancelledError:
+                if workflow.patched(WITHDRAWN_PATCH):
+                    self.pending = None
+                    self._on_change()
+                raise
         record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
                               decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
                               instructions=decision.instructions, extra_depth=decision.extra_depth,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Annotated, NamedTuple
 
 from fastapi import APIRouter, File, Form, Path, Query, Request, UploadFile
@@ -118,7 +118,7 @@ async def _store_upload(upload: UploadFile, name: str, kind: str, blobs: BlobSto
 
 @router.post("", status_code=202, summary="Upload documents; answers at once with an ingestion job",
              response_description=ACCEPTED,
-             responses=error_responses({400: "empty_file", 409: "document_being_removed",
+             responses=error_responses({400: "empty_file", 409: "document_being_removed, upload_still_running",
                                         413: "too_many_files, file_too_large",
                                         415: "unsupported_file_type", 422: f"{INVALID_REQUEST}, invalid_collection",
                                         503: TEMPORAL_DOWN}))
@@ -199,6 +199,18 @@ async def _refuse_documents_being_removed(client: Client, tenant: str, documents
                            job_id=removal)
 
 
+async def _removed_after(client: Client, tenant: str, document_id: str, since: datetime, timeout: timedelta) -> bool:
+    try:
+        removal = await client.get_workflow_handle(removal_workflow_id(tenant, document_id)).describe(
+            rpc_timeout=timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return removal.start_time >= since and removal.status in (WorkflowExecutionStatus.RUNNING,
+                                                              WorkflowExecutionStatus.COMPLETED)
+
+
 async def _already_done_or_running(client: Client, job_id: str, tenant: str, document_ids: list[str],
                                    timeout: timedelta) -> bool:
     """True when the same upload is running or has already indexed every document, none of them removed since."""
@@ -210,6 +222,12 @@ async def _already_done_or_running(client: Client, job_id: str, tenant: str, doc
             return False
         raise
     if desc.status == WorkflowExecutionStatus.RUNNING:
+        removed = [d for d, gone in zip(document_ids, await asyncio.gather(*(
+            _removed_after(client, tenant, d, desc.start_time, timeout) for d in document_ids))) if gone]
+        if removed:
+            raise ApiError(409, "upload_still_running", f"the same upload (job {job_id}) is still running, and "
+                           f"{len(removed)} of its documents were removed since it began: send it again once that "
+                           "job has ended, or upload those files on their own", job_id=job_id)
         return True
     if desc.status == WorkflowExecutionStatus.COMPLETED:
         result = await handle.result(rpc_timeout=timeout)
@@ -237,7 +255,7 @@ async def remove_document(
     with audit.recorded(settings.data_dir, action="remove_document", document_id=document_id,
                         job_id=document_workflow_id(caller.tenant, document_id), **caller.on_record) as details:
         accepted = await _start_removal(request, client, caller, settings, timeout, document_id)
-        details["removal_job"] = accepted.job_id
+        details.update(removal_job=accepted.job_id, duplicate=accepted.duplicate)
     return accepted
 
 
@@ -263,7 +281,8 @@ async def _start_removal(request: Request, client: Client, caller: Caller, setti
     try:
         await client.start_workflow(
             RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=caller.tenant, document_id=document_id,
-                                                            collection=collection, filename=filename),
+                                                            collection=collection, filename=filename,
+                                                            run_id=desc.run_id, run_started_at=desc.start_time),
             id=job_id, task_queue=settings.task_queue, priority=caller.priority,
             # The same document uploaded again after a removal may be removed again.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
@@ -294,13 +313,13 @@ async def list_documents(client: ClientDep, cursors: CursorsDep, caller: CallerD
     query = job_views.list_query(caller.tenant, kind="ingest_document", extra=extra)
     executions, next_cursor = await job_views.list_page(client, cursors, query, limit, cursor, timeout)
     views = [_document_view(e) for e in executions]
-    if any(view.status == "indexed" for view in views):
+    if views:
         removals = job_views.list_query(caller.tenant, kind="remove_document", extra=extra) + \
             " AND ExecutionStatus = 'Running'"
         being_removed = {e.typed_search_attributes.get(sa.DOCUMENT_ID)
                          for e in await job_views.list_jobs(client, removals, 1000, timeout)}
         for view in views:
-            if view.document_id in being_removed and view.status == "indexed":
+            if view.document_id in being_removed:
                 view.status = "removing"  # listed until its removal has deleted its job
     # Why a document failed, or waits for an operator (dead-lettered), without opening its job.
     stuck = [(view, e) for view, e in zip(views, executions) if view.status in ("failed", "dead_lettered")]
