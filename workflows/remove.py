@@ -35,7 +35,7 @@ class RemoveDocumentWorkflow(JobWorkflow):
 
     def takes_slot(self) -> bool:
         """A person who removes a document wants it gone now, not after the tenant's queued jobs; a removal
-        is two quick writes."""
+        is a few quick calls, none to a model."""
         return False
 
     async def _remove(self, doc: RemoveDocumentInput) -> RemovalResult:
