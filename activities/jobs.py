@@ -82,7 +82,7 @@ class JobActivities:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return StepResult(attempt=activity.info().attempt)  # forgotten already (an earlier attempt)
             raise
-        if latest.run_id != req.run_id:
+        if latest.run_id != req.run_id:  # (no run asked for: the job had gone, and is back)
             raise InputError(f"the document was uploaded again (job {req.workflow_id}) after its removal was "
                              "asked for: nothing was removed; remove it again once that upload has ended")
         return StepResult(attempt=activity.info().attempt)
@@ -93,8 +93,10 @@ class JobActivities:
         """Delete the removed document's ingestion runs from Temporal: the document is no longer listed, and
         the same bytes uploaded again are a new run of its job. Returns once the server no longer has them."""
         listed = [e async for e in self.client.list_workflows(f"WorkflowId = '{req.workflow_id}'")]
-        runs = {req.run_id} | {e.run_id for e in listed if e.status != WorkflowExecutionStatus.RUNNING
-                               and e.start_time <= req.run_started_at}
+        runs = {e.run_id for e in listed if e.status != WorkflowExecutionStatus.RUNNING
+                and req.run_started_at is not None and e.start_time <= req.run_started_at}
+        if req.run_id is not None:
+            runs.add(req.run_id)
         for run_id in runs:
             try:
                 await self.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(

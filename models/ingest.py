@@ -70,13 +70,14 @@ def removal_workflow_id(tenant: str, document_id: str) -> str:
 
 class RemoveDocumentInput(BaseModel):
     """DELETE /v1/documents/{document_id}: the document as its ingestion job names it, and that job's run
-    when the removal was asked for (the latest; it had ended)."""
+    when the removal was asked for (the latest; it had ended). No run: the job is gone (older than the
+    namespace's retention), the chunks are removed from the collection the request named."""
     tenant: str = DEFAULT_TENANT
     document_id: str
     collection: str
     filename: str = ""
-    run_id: str
-    run_started_at: datetime
+    run_id: str | None = None
+    run_started_at: datetime | None = None
 
 
 class RemovalResult(BaseModel):
@@ -172,8 +173,8 @@ class ForgetDocumentInput(BaseModel):
     """The document's ingestion job, and its run the removal was asked for: that run and the ones before it
     go; a newer one (the same bytes uploaded again since) stays."""
     workflow_id: str
-    run_id: str
-    run_started_at: datetime
+    run_id: str | None = None
+    run_started_at: datetime | None = None
 
 
 class ForgetDocumentOutput(StepResult):

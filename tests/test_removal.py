@@ -118,3 +118,27 @@ async def test_an_upload_that_meets_a_removal_ingests_the_document_anew(stack):
     assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
     assert (await ActivityEnvironment().run(jobs.await_document, wait)).status == "removed"
     assert run.run_id and not await jobs._known(doc_job, run.run_id)
+
+
+async def test_a_document_older_than_the_retention_is_removed_from_the_collection_named(stack):
+    """Past the namespace's retention a document's ingestion job is gone, yet its chunks are still found
+    (search hits name its id). Naming its collection removes them; without it the 404 says what to do."""
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    body = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    doc_id = body["documents"][0]["document_id"]
+    doc_job = stack.workflow_id(f"doc-{doc_id}")
+    # What retention does to it: Temporal deletes the job.
+    await ActivityEnvironment().run(JobActivities(stack.client).forget_document, ForgetDocumentInput(
+        workflow_id=doc_job, run_id=(await stack.client.get_workflow_handle(doc_job).describe()).run_id))
+    [hit] = [h for h in await stack.search("copper spout of the teapot", collection) if h["document_id"] == doc_id]
+
+    r = await stack.http.delete(f"/v1/documents/{hit['document_id']}")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "document_not_found"), r.text
+    assert "?collection=" in r.json()["error"]["message"]
+    r = await stack.http.delete(f"/v1/documents/{doc_id}", params={"collection": collection})
+    assert r.status_code == 202, r.text
+    job = await stack.wait_done(r.json()["job_id"])
+    assert job["status"] == "completed", job
+    assert job["result"]["chunks_removed"] >= 1 and job["result"]["ingestion_runs_forgotten"] == 0
+    assert doc_id not in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}

@@ -199,6 +199,17 @@ async def _refuse_documents_being_removed(client: Client, tenant: str, documents
                            job_id=removal)
 
 
+async def _ingestion_of(client: Client, ingestion: str, tenant: str, timeout: timedelta):  # noqa: ANN202
+    """The document's ingestion job (its latest run), or None when there is none of this tenant."""
+    try:
+        desc = await client.get_workflow_handle(ingestion).describe(rpc_timeout=timeout)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise
+    return desc if job_views.owned(desc, tenant) else None
+
+
 async def _removed_after(client: Client, tenant: str, document_id: str, since: datetime, timeout: timedelta) -> bool:
     try:
         removal = await client.get_workflow_handle(removal_workflow_id(tenant, document_id)).describe(
@@ -245,8 +256,11 @@ async def _already_done_or_running(client: Client, job_id: str, tenant: str, doc
                                           422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def remove_document(
     request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep, timeout: RpcTimeoutDep,
-    document_id: Annotated[str, Path(pattern=DOCUMENT_ID_PATTERN, description="As `POST /v1/documents` and "
-                                                                            "`GET /v1/documents` give it")],
+    document_id: Annotated[str, Path(pattern=DOCUMENT_ID_PATTERN, description="As `POST /v1/documents`, "
+                                                                            "`GET /v1/documents` and search hits give it")],
+    collection: Annotated[str | None, Query(pattern=COLLECTION_PATTERN, description=(
+        "Needed only for a document indexed longer ago than the retention (its ingestion job is gone): "
+        "the collection its chunks are in"))] = None,
 ) -> DocumentRemovalAccepted:
     """The removal job takes the document's chunks out of the index (no search or answer finds it, and the
     collection's cached answers go), then its ingestion job out of Temporal: it is no longer listed, and the
@@ -254,35 +268,37 @@ async def remove_document(
     is refused with 409: cancel or discard its job first."""
     with audit.recorded(settings.data_dir, action="remove_document", document_id=document_id,
                         job_id=document_workflow_id(caller.tenant, document_id), **caller.on_record) as details:
-        accepted = await _start_removal(request, client, caller, settings, timeout, document_id)
+        accepted = await _start_removal(request, client, caller, settings, timeout, document_id,
+                                        validate_collection(collection) if collection is not None else None)
         details.update(removal_job=accepted.job_id, duplicate=accepted.duplicate)
     return accepted
 
 
 async def _start_removal(request: Request, client: Client, caller: Caller, settings: Settings, timeout: timedelta,
-                         document_id: str) -> DocumentRemovalAccepted:
+                         document_id: str, named: str | None) -> DocumentRemovalAccepted:
     ingestion = document_workflow_id(caller.tenant, document_id)
-    try:
-        desc = await client.get_workflow_handle(ingestion).describe(rpc_timeout=timeout)
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            raise ApiError(404, "document_not_found", f"no document {document_id} (removed, or never uploaded "
-                                                      "with this tenant's keys)") from None
-        raise
-    if not job_views.owned(desc, caller.tenant):
-        raise ApiError(404, "document_not_found", f"no document {document_id}")
-    if desc.status == WorkflowExecutionStatus.RUNNING:
+    desc = await _ingestion_of(client, ingestion, caller.tenant, timeout)
+    if desc is None and named is None:
+        raise ApiError(404, "document_not_found", f"no ingestion job of document {document_id}: removed, never "
+                       "uploaded with this tenant's keys, or indexed longer ago than the retention (the namespace's, "
+                       "RAGLINE_TEMPORAL_RETENTION); for the last, name its collection (?collection=) and its chunks "
+                       "are removed")
+    if desc is not None and desc.status == WorkflowExecutionStatus.RUNNING:
         raise ApiError(409, "document_busy", f"document {document_id} is still being ingested by job {ingestion} "
                        f"({job_views.job_status(desc)}): cancel it (POST /v1/jobs/{ingestion}/cancel), discard it "
                        "if it waits for an operator, or wait for it to end", job_id=ingestion)
-    attrs = desc.typed_search_attributes
-    collection, filename = attrs.get(sa.COLLECTION) or "default", attrs.get(sa.FILENAME) or ""
+    attrs = desc.typed_search_attributes if desc is not None else None
+    collection = (attrs.get(sa.COLLECTION) if attrs else None) or named or "default"
+    filename = (attrs.get(sa.FILENAME) if attrs else None) or ""
+    if named is not None and named != collection:
+        raise ApiError(404, "document_not_found", f"document {document_id} is not in collection {named}")
     job_id = removal_workflow_id(caller.tenant, document_id)
     try:
         await client.start_workflow(
             RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=caller.tenant, document_id=document_id,
                                                             collection=collection, filename=filename,
-                                                            run_id=desc.run_id, run_started_at=desc.start_time),
+                                                            run_id=desc.run_id if desc else None,
+                                                            run_started_at=desc.start_time if desc else None),
             id=job_id, task_queue=settings.task_queue, priority=caller.priority,
             # The same document uploaded again after a removal may be removed again.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
