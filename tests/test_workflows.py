@@ -472,8 +472,11 @@ async def test_a_cancelled_document_removes_its_chunks_after_the_write_in_flight
         await handle.cancel()
         with pytest.raises(WorkflowFailureError):
             await handle.result()
+        steps = {s.name: s.status for s in (await handle.query(IngestDocumentWorkflow.progress)).steps}
     undo = fakes.one("remove_document_chunks")
     assert all(w.finished is not None and w.finished < undo.started for w in fakes.named("index_chunks")), fakes.calls
+    # Its batches stopped: the job's view says so rather than "running" for ever.
+    assert steps["embed_chunks"] == steps["index_chunks"] == "cancelled", steps
 
 
 async def _asyncify(value):

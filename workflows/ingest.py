@@ -134,6 +134,7 @@ class IngestDocumentWorkflow(JobWorkflow):
                 for task in running:
                     task.cancel()
                 await asyncio.gather(*running, return_exceptions=True)
+                self.steps.cancel_running(EMBED, INDEX)  # the batches that had not ended never will
                 raise
         for step in (EMBED, INDEX):
             self.steps.complete(step)

@@ -86,6 +86,12 @@ class StepLog:
         if step.status != "failed":
             step.status, step.finished_at = "cancelled", workflow.now()
 
+    def cancel_running(self, *names: str) -> None:
+        """Steps of many calls (a document's batches) that were stopped before all of them had ended."""
+        for name in names:
+            if name in self._steps and self._steps[name].status == "running":
+                self.cancel(name)
+
     def skip_pending(self) -> None:
         for step in self._steps.values():
             if step.status == "pending":
