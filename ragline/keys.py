@@ -178,8 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="create a key and print it once")
     c.add_argument("--tenant", required=True)
-    c.add_argument("--role", choices=["member", "reviewer", "operator"], default="member")
-    c.add_argument("--name")
+    c.add_argument("--role", choices=["member", "reviewer", "operator"], default="member",
+                   help="member (default): any job of the tenant; reviewer: also reviews and operator decisions; "
+                        "operator: a reviewer that may also use the codec endpoint")
+    c.add_argument("--name", help="shown in the audit log")
     c.add_argument("--rpm", type=int, help="requests per minute for this key")
     sub.add_parser("list", help="list keys (tenant, name, role; never the keys)")
     parser.add_argument("--file", type=Path, help="keys file (default: RAGLINE_API_KEYS_FILE)")
