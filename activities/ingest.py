@@ -93,6 +93,8 @@ class IngestActivities:
         """Undo the batches a failed ingestion indexed, or remove a document on request: nobody should find a
         document that is not there. The collection's version changes with it, so its cached answers go too."""
         before = self.index.count(req.tenant, req.collection, req.document_id)
+        if before == 0:  # nothing indexed (nor a collection made for a name given by mistake)
+            return PruneOutput(points=0, removed=0, attempt=_attempt())
         self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0)
         left = self.index.count(req.tenant, req.collection, req.document_id)
         return PruneOutput(points=left, removed=before - left, attempt=_attempt())

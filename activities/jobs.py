@@ -43,16 +43,28 @@ class JobActivities:
         return outcome
 
     async def _removed_since(self, req: AwaitDocumentInput) -> bool:
-        """A removal asked for after the indexed run ended (the run stays known until the removal ends)."""
+        """A removal asked for after the indexed run ended took it out (the run stays known until the
+        removal ends). One still running is waited for: ingested anew before it ends, the document's new
+        chunks could be among the ones it removes."""
+        removal_job = self.client.get_workflow_handle(req.removal_id)
         try:
             run = await self.client.get_workflow_handle(req.workflow_id).describe()
-            removal = await self.client.get_workflow_handle(req.removal_id).describe()
+            removal = await removal_job.describe()
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return not await self._known(req.workflow_id)  # no removal, or the run itself is gone
             raise
-        return removal.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED) and \
-            run.close_time is not None and removal.start_time >= run.close_time
+        if run.close_time is None or removal.start_time < run.close_time:
+            return False  # a removal of an earlier run
+        if removal.status == WorkflowExecutionStatus.RUNNING:
+            activity.heartbeat({"waiting_for": req.removal_id})
+            async with heartbeating():
+                try:
+                    await removal_job.result()
+                except (WorkflowFailureError, RPCError):
+                    pass  # it did not complete: read below
+            removal = await removal_job.describe()
+        return removal.status == WorkflowExecutionStatus.COMPLETED
 
     @staticmethod
     def _removed(req: AwaitDocumentInput) -> DocumentOutcome:

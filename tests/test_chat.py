@@ -329,8 +329,11 @@ async def test_a_summary_discarded_while_its_answer_waits_for_review_fails_the_t
     assert job_id not in [i["job_id"] for i in (await stack.http.get("/v1/reviews")).json()["reviews"]]
     r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "editor"})
     assert r.status_code == 409, r.text
+    # Withdrawn, not left pending in the ended job.
+    assert await stack.client.get_workflow_handle(job_id).query("review_request") is None
     types = [e["type"] for _, e in await read_events(stack, job_id)]
-    assert "ragline.review.requested" in types and "ragline.review.decided" not in types
+    assert "ragline.review.requested" in types and "ragline.review.withdrawn" in types
+    assert "ragline.review.decided" not in types
     assert "ragline.answer.completed" not in types and types[-1] == "ragline.job.failed"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import datetime, timezone
 
@@ -9,10 +10,14 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
 from activities.jobs import JobActivities
-from models.ingest import AwaitDocumentInput, ForgetDocumentInput, removal_workflow_id
+from models.ingest import AwaitDocumentInput, ForgetDocumentInput, RemoveDocumentInput, removal_workflow_id
 from ragline import audit
+from temporal import search_attributes as sa
 from tests.helpers import eventually
+from workflows.remove import RemoveDocumentWorkflow
 
 TEAPOT = b"The blue teapot of Harwick has a copper spout and holds two litres of tea."
 KETTLE = b"The black kettle of Harwick whistles when the water boils on the stove."
@@ -46,13 +51,6 @@ async def test_a_removed_document_is_found_by_no_search_or_answer_and_may_be_upl
     [entry] = [e for e in audit.read(stack.settings.data_dir) if e.get("document_id") == doc_id]
     assert (entry["action"], entry["outcome"], entry["key_name"], entry["removal_job"]) == \
         ("remove_document", "accepted", "acme-member", accepted["job_id"])
-    # Until the removal has deleted the document's job (seconds: the server deletes a closed run once its
-    # queue has recorded its progress) the document is listed as being removed, and its bytes are refused.
-    listed = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
-    assert {d["document_id"]: d["status"] for d in listed}[doc_id] == "removing"
-    r = await stack.http.post("/v1/documents", files=[("files", ("teapot.txt", TEAPOT))], data={"collection": collection})
-    assert (r.status_code, r.json()["error"]["code"]) == (409, "document_being_removed"), r.text
-    assert accepted["job_id"] in r.json()["error"]["message"]
     job = await stack.wait_done(accepted["job_id"])
     assert job["status"] == "completed" and job["kind"] == "remove_document", job
     assert job["result"]["chunks_removed"] >= 1 and job["result"]["ingestion_runs_forgotten"] == 1
@@ -113,7 +111,7 @@ async def test_an_upload_that_meets_a_removal_ingests_the_document_anew(stack):
 
     r = await stack.http.delete(f"/v1/documents/{doc_id}")
     assert r.status_code == 202, r.text
-    # While the removal runs (its run is still known) and after it (the run is gone): removed.
+    # Asked while the removal runs (it waits for its end) and after it (the run is gone): removed.
     assert (await ActivityEnvironment().run(jobs.await_document, wait)).status == "removed"
     assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
     assert (await ActivityEnvironment().run(jobs.await_document, wait)).status == "removed"
@@ -142,3 +140,46 @@ async def test_a_document_older_than_the_retention_is_removed_from_the_collectio
     assert job["status"] == "completed", job
     assert job["result"]["chunks_removed"] >= 1 and job["result"]["ingestion_runs_forgotten"] == 0
     assert doc_id not in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
+
+
+async def test_while_a_removal_runs_the_document_is_listed_so_its_bytes_wait_and_so_does_an_upload_reaching_it(stack):
+    """A removal that no worker takes (held on a queue nobody polls, so it runs as long as the test wants):
+    the document is listed as `removing`, an upload of its bytes is refused, and an upload that reaches it
+    waits for the removal's end before it decides (a removal that did not complete removed nothing)."""
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    body = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    doc_id = body["documents"][0]["document_id"]
+    doc_job = stack.workflow_id(f"doc-{doc_id}")
+    run = await stack.client.get_workflow_handle(doc_job).describe()
+    held = await stack.client.start_workflow(
+        RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=stack.tenant, document_id=doc_id, collection=collection,
+                                                        filename="teapot.txt", run_id=run.run_id,
+                                                        run_started_at=run.start_time),
+        id=removal_workflow_id(stack.tenant, doc_id), task_queue=f"nobody-{uuid.uuid4().hex[:6]}",
+        search_attributes=TypedSearchAttributes([
+            SearchAttributePair(sa.JOB_KIND, "remove_document"), SearchAttributePair(sa.JOB_STATUS, "queued"),
+            SearchAttributePair(sa.COLLECTION, collection), SearchAttributePair(sa.DOCUMENT_ID, doc_id),
+            SearchAttributePair(sa.TENANT, stack.tenant)]))
+    try:
+        async def listed_as_removing() -> bool:
+            documents = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
+            return {d["document_id"]: d["status"] for d in documents}.get(doc_id) == "removing"
+        await eventually(listed_as_removing, what="the document listed as removing")
+        r = await stack.http.post("/v1/documents", files=[("files", ("teapot.txt", TEAPOT))],
+                                  data={"collection": collection})
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "document_being_removed"), r.text
+        assert held.id in r.json()["error"]["message"]
+
+        waiting = asyncio.Event()
+        env = ActivityEnvironment()
+        env.on_heartbeat = lambda *details: waiting.set()
+        asked = asyncio.create_task(env.run(JobActivities(stack.client).await_document, AwaitDocumentInput(
+            workflow_id=doc_job, removal_id=held.id)))
+        await asyncio.wait_for(waiting.wait(), 30)  # it waits for the removal
+        assert not asked.done()
+    finally:
+        await held.terminate(reason="test: the removal never ran")
+    assert (await asyncio.wait_for(asked, 30)).status == "indexed"  # nothing was removed
+    again = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
+    assert again["duplicate"] is True

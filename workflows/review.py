@@ -61,8 +61,10 @@ class Reviews:
                 decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
             except asyncio.CancelledError:
                 if workflow.patched(WITHDRAWN_PATCH):
-                    self.pending = None
+                    withdrawn, self.pending = self.pending, None
                     self._on_change()
+                    self._events.emit("ragline.review.withdrawn", {"requested_at": withdrawn.requested_at.isoformat(),
+                                                                   "reason": reason})
                 raise
         record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
                               decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
