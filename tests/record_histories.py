@@ -9,7 +9,8 @@ workflow code (README: "Running on a cluster"); never to make a failing replay p
 Scenarios: an ingestion (two documents: the batch and its children), a document removed, a chat session with several turns
 that continues as new, an agent tree whose depth guard waits for a review that approves it, an agent
 whose broken tool call gets a corrective plan, a turn whose passages overflow the model's context (the
-summary first), a chat turn dead-lettered by a failing model and retried by an operator, an evaluation, a search, and a tenant
+summary first), a chat turn dead-lettered by a failing model and retried by an operator, a held answer whose
+summary is discarded while its review waits, an evaluation, a search, and a tenant
 capped at one running job whose second turn waits for its slot (the gate's history too).
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
@@ -183,6 +184,19 @@ async def record() -> list[Path]:
             assert (await stack.wait_done(parked["job_id"]))["status"] == "completed"
             await asyncio.sleep(1)
             saved += await _save(client, "dead-letter-retry", f"WorkflowId = '{parked['job_id']}'")
+
+            # A held answer whose summary parks while the review waits and is discarded: the entities still
+            # running are stopped, the review withdrawn, the turn failed.
+            stack.llm.script("summarize", ["503"] * ATTEMPTS)
+            stack.llm.script("extract_entities", [{"content": "[]", "delay": 30}])
+            held = await stack.http.post("/v1/chats", json={
+                "message": "Question: who lights the lamps?", "collection": "record", "require_review": True})
+            held_id = held.json()["job_id"]
+            assert (await stack.wait_job(held_id, until=("dead_lettered",)))["status"] == "dead_lettered"
+            await stack.http.post(f"/v1/jobs/{held_id}/discard", json={"operator": "rec", "reason": "model down"})
+            assert (await stack.wait_done(held_id))["status"] == "failed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-review-discarded", f"WorkflowId = '{held_id}'")
 
             # An evaluation of the collection against two golden questions.
             golden = (b'{"question": "What colour is the lighthouse?", "expected_document": "a.txt"}\n'
