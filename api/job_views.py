@@ -165,14 +165,18 @@ async def list_jobs(client: Client, query: str, limit: int, rpc_timeout: timedel
     return list(seen.values())
 
 
-async def exists(client: Client, workflow_id: str, rpc_timeout: timedelta) -> bool:
+async def describe_or_none(client: Client, workflow_id: str, rpc_timeout: timedelta):  # noqa: ANN201
+    """The workflow's latest run, or None when Temporal has none under that id."""
     try:
-        await client.get_workflow_handle(workflow_id).describe(rpc_timeout=rpc_timeout)
+        return await client.get_workflow_handle(workflow_id).describe(rpc_timeout=rpc_timeout)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            return False
+            return None
         raise
-    return True
+
+
+async def exists(client: Client, workflow_id: str, rpc_timeout: timedelta) -> bool:
+    return await describe_or_none(client, workflow_id, rpc_timeout) is not None
 
 
 def not_found(job_id: str) -> ApiError:

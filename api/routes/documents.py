@@ -183,13 +183,8 @@ async def _refuse_documents_being_removed(client: Client, tenant: str, documents
     still there, and the upload would be taken for one already indexed."""
     async def removing(document_id: str) -> str | None:
         removal = removal_workflow_id(tenant, document_id)
-        try:
-            desc = await client.get_workflow_handle(removal).describe(rpc_timeout=timeout)
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                return None
-            raise
-        return removal if desc.status == WorkflowExecutionStatus.RUNNING else None
+        desc = await job_views.describe_or_none(client, removal, timeout)
+        return removal if desc is not None and desc.status == WorkflowExecutionStatus.RUNNING else None
 
     removals = await asyncio.gather(*(removing(d) for d in documents))
     for doc, removal in zip(documents.values(), removals):
@@ -201,25 +196,14 @@ async def _refuse_documents_being_removed(client: Client, tenant: str, documents
 
 async def _ingestion_of(client: Client, ingestion: str, tenant: str, timeout: timedelta):  # noqa: ANN202
     """The document's ingestion job (its latest run), or None when there is none of this tenant."""
-    try:
-        desc = await client.get_workflow_handle(ingestion).describe(rpc_timeout=timeout)
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            return None
-        raise
-    return desc if job_views.owned(desc, tenant) else None
+    desc = await job_views.describe_or_none(client, ingestion, timeout)
+    return desc if desc is not None and job_views.owned(desc, tenant) else None
 
 
 async def _removed_after(client: Client, tenant: str, document_id: str, since: datetime, timeout: timedelta) -> bool:
-    try:
-        removal = await client.get_workflow_handle(removal_workflow_id(tenant, document_id)).describe(
-            rpc_timeout=timeout)
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
-    return removal.start_time >= since and removal.status in (WorkflowExecutionStatus.RUNNING,
-                                                              WorkflowExecutionStatus.COMPLETED)
+    removal = await job_views.describe_or_none(client, removal_workflow_id(tenant, document_id), timeout)
+    return removal is not None and removal.start_time >= since and removal.status in (
+        WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED)
 
 
 async def _already_done_or_running(client: Client, job_id: str, tenant: str, document_ids: list[str],
