@@ -141,7 +141,8 @@ async def main(rounds: int, out: Path | None) -> None:
         finally:
             server.terminate()
             await server.wait()
-    print("\n| layout | " + " | ".join(f"{s} (s)" for s in STEPS) + " | follow-up first piece (s) | turn's three calls (s) |")
+    columns = [f"{s} (s)" for s in STEPS] + ["follow-up first piece (s)", "turn's three calls (s)"]
+    print("\n| layout | " + " | ".join(columns) + " |")
     print("| --- |" + " --- |" * (len(STEPS) + 2))
     for layout, rows in results.items():
         med = {s: statistics.median(r[s]["seconds"] for r in rows) for s in STEPS}

@@ -6,8 +6,8 @@ tests/histories/<scenario>--<WorkflowType>--<n>.json (their workflow ids in
 tests/histories/workflow_ids.json). Re-record after a deliberate, versioned change to
 workflow code (README: "Running on a cluster"); never to make a failing replay pass.
 
-Scenarios: an ingestion (two documents: the batch and its children), a document removed, a chat session with several turns
-that continues as new, an agent tree whose depth guard waits for a review that approves it, an agent
+Scenarios: an ingestion (two documents: the batch and its children), a document removed, a chat session
+with several turns that continues as new, an agent tree whose depth guard waits for a review that approves it, an agent
 whose broken tool call gets a corrective plan, a turn whose passages overflow the model's context (the
 summary first), a chat turn dead-lettered by a failing model and retried by an operator, a held answer whose
 summary is discarded while its review waits, an evaluation, a search, and a tenant

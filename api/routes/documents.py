@@ -240,8 +240,8 @@ async def _already_done_or_running(client: Client, job_id: str, tenant: str, doc
                                           422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def remove_document(
     request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep, timeout: RpcTimeoutDep,
-    document_id: Annotated[str, Path(pattern=DOCUMENT_ID_PATTERN, description="As `POST /v1/documents`, "
-                                                                            "`GET /v1/documents` and search hits give it")],
+    document_id: Annotated[str, Path(pattern=DOCUMENT_ID_PATTERN, description=(
+        "As `POST /v1/documents`, `GET /v1/documents` and search hits give it"))],
     collection: Annotated[str | None, Query(pattern=COLLECTION_PATTERN, description=(
         "Needed only for a document indexed longer ago than the retention (its ingestion job is gone): "
         "the collection its chunks are in"))] = None,
