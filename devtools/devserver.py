@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
+import json
 import shutil
 import signal
 import socket
@@ -125,9 +125,10 @@ def derived_ports(settings: Settings) -> dict[str, int]:
             "--http-port": port + 10, "--metrics-port": port + 11}
 
 
-def dev_server_command(settings: Settings | None = None, ui_codec_endpoint: str | None = None) -> list[str]:
-    """argv of `temporal server start-dev` for these settings; with `ui_codec_endpoint`, the Web UI
-    decodes (and encodes what a person types) through that codec server."""
+def dev_server_command(settings: Settings | None = None, env_file: Path | None = None) -> list[str]:
+    """argv of `temporal server start-dev` for these settings; `env_file` is a CLI environment file
+    whose values are defaults for its flags (how the Web UI's codec endpoint gets in: see
+    `write_cli_env_file`)."""
     settings = _settings(settings)
     ports = derived_ports(settings)
     argv = [
@@ -146,15 +147,23 @@ def dev_server_command(settings: Settings | None = None, ui_codec_endpoint: str 
     ]
     if settings.temporal_namespace != "default":
         argv += ["--namespace", settings.temporal_namespace]
-    if ui_codec_endpoint:
-        argv += ["--ui-codec-endpoint", ui_codec_endpoint]
+    if env_file is not None:
+        argv += ["--env-file", str(env_file)]
     argv += ["--log-level", "warn", "--color", "never"]
     return argv + dynamic_config_flags() + cli_flags()
 
 
-def _masked(argv: list[str]) -> str:
-    """The command line for the log, without the operator key of a codec endpoint in it."""
-    return re.sub(r"/codec/k/[^/\s]+", "/codec/k/***", subprocess.list2cmdline(argv))
+def write_cli_env_file(path: Path, ui_codec_endpoint: str) -> None:
+    """A `temporal` CLI environment file (readable by its owner only) that sets `--ui-codec-endpoint`.
+
+    The endpoint carries an operator key in its path: as a flag it would show in every `ps` listing
+    on the machine. The CLI reads the file at start; the caller removes it once the server is up."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        # JSON strings are YAML strings: the URL needs no YAML escaping of its own.
+        f.write(f"env:\n  default:\n    ui-codec-endpoint: {json.dumps(ui_codec_endpoint)}\n")
 
 
 def _split_address(address: str) -> tuple[str, int]:
@@ -266,8 +275,12 @@ class DevServer:
         return Path(self.settings.data_dir) / "logs" / "temporal.log"
 
     @property
+    def cli_env_path(self) -> Path:
+        return Path(self.settings.data_dir) / ".temporal-cli-env.yaml"
+
+    @property
     def command(self) -> list[str]:
-        return dev_server_command(self.settings, self.ui_codec_endpoint)
+        return dev_server_command(self.settings, self.cli_env_path if self.ui_codec_endpoint else None)
 
     @property
     def pid(self) -> int | None:
@@ -305,8 +318,10 @@ class DevServer:
         with log:
             self._log_offset = log.tell()
             log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: "
-                      f"{_masked(argv)}\n".encode())
+                      f"{subprocess.list2cmdline(argv)}\n".encode())
             log.flush()
+            if self.ui_codec_endpoint:
+                write_cli_env_file(self.cli_env_path, self.ui_codec_endpoint)
             self.process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                 start_new_session=True)  # own process group: Ctrl-C goes to us, we stop it in order
@@ -317,6 +332,8 @@ class DevServer:
         except BaseException:
             await self.stop()
             raise
+        finally:
+            self.cli_env_path.unlink(missing_ok=True)  # read at start; the key is in no file from now on
 
     async def _wait_ready(self) -> None:
         loop = asyncio.get_running_loop()

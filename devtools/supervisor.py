@@ -576,8 +576,9 @@ class Supervisor:
             self.new_api_key = api_keys.create(path, "default", "operator", "default")
 
     def _ui_codec_endpoint(self) -> str | None:
-        """An operator key for the Web UI's codec endpoint, new at every start (the last one is removed):
-        it lives only in the dev server's command line, which the log shows masked."""
+        """An operator key for the Web UI's codec endpoint, new at every start (the last one is removed).
+        The dev server reads it from a file it alone may read, removed once it is up (never its
+        command line, which any `ps` shows)."""
         from ragline import keys as api_keys
 
         s = self.settings

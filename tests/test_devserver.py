@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
@@ -21,6 +22,23 @@ def _free_grpc_port() -> int:
     return free_server_port()
 
 
+def _process_tree(pid: int | None) -> list[int]:
+    """`pid` and its descendants, from /proc."""
+    assert pid is not None
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(p := todo.pop())
+        todo += children.get(p, [])
+    return tree
+
+
 def test_command_flags(tmp_path: Path) -> None:
     s = Settings(data_dir=tmp_path, temporal_address="127.0.0.1:7300", temporal_ui_port=8300,
                  temporal_namespace="ragline")
@@ -34,6 +52,8 @@ def test_command_flags(tmp_path: Path) -> None:
                  "--dynamic-config-value matching.numTaskqueueReadPartitions=1"):
         assert part in joined
     assert "--namespace" not in dev_server_command(Settings(data_dir=tmp_path))
+    assert "--env-file" not in argv
+    assert f"--env-file {tmp_path / 'cli-env.yaml'}" in " ".join(dev_server_command(s, tmp_path / "cli-env.yaml"))
 
 
 @pytest.mark.asyncio
@@ -41,7 +61,8 @@ async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
     port = _free_grpc_port()
     settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{port}",
                         temporal_ui_port=port + 5)
-    server = DevServer(settings)
+    codec_endpoint = "http://127.0.0.1:9/codec/k/rgl_not-for-ps"
+    server = DevServer(settings, ui_codec_endpoint=codec_endpoint)
     assert not await temporal_reachable(server.address)
 
     # First run: up, search attributes registered, start a workflow nobody will run.
@@ -49,6 +70,15 @@ async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
     try:
         assert server.running()
         assert await temporal_reachable(server.address)
+        # The Web UI's codec endpoint (an operator key in its path) is in force, yet in no command line
+        # any user of the machine can list, nor left in a file.
+        async with httpx.AsyncClient() as http:
+            ui = (await http.get(f"{server.ui_url}/api/v1/settings", timeout=10)).json()
+        assert ui["Codec"]["Endpoint"] == codec_endpoint
+        for pid in _process_tree(server.pid):
+            assert b"rgl_not-for-ps" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert not server.cli_env_path.exists()
+        assert "rgl_not-for-ps" not in server.log_path.read_text()
         client = await Client.connect(server.address, namespace=settings.temporal_namespace)
         resp = await client.operator_service.list_search_attributes(
             ListSearchAttributesRequest(namespace=settings.temporal_namespace))
