@@ -84,7 +84,9 @@ class IngestActivities:
     @activity.defn
     @translate_errors
     def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
-        self.index.prune(req.tenant, req.collection, req.document_id, req.keep_chunks)
+        """The document's last step: chunks of an older chunking go, and the ones just indexed become
+        searchable (index_chunks writes them pending), all of them at once."""
+        self.index.publish(req.tenant, req.collection, req.document_id, req.keep_chunks)
         return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())
 
     @activity.defn

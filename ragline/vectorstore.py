@@ -3,7 +3,7 @@ RAGLINE_QDRANT_URL is set.
 
 Retrieval is hybrid: e5 dense vectors (searched once per language group) and a BM25-style sparse
 index, fused by weighted reciprocal rank. Each tenant's collection has a version, bumped by every
-write, which keys the answer cache.
+write that changes what a search finds, which keys the answer cache.
 
 The embedded store is a single-process database, so only the worker of role `vector` (or `all`) opens
 it; the API and the other roles reach it through activities on the vector queue (temporal/queues.py).
@@ -54,6 +54,11 @@ RRF_K = 2
 DENSE_WEIGHT = 1.0
 LEXICAL_WEIGHT = 0.3
 LANGUAGES = ("en", "zh")
+# Chunks are written marked pending and found by no search until their document's last step publishes
+# them: a document is found whole or not at all (not the first batches of one still being indexed, or
+# parked for an operator). Points written before the mark existed have no such field: always found.
+PENDING = "pending"
+_PENDING = models.FieldCondition(key=PENDING, match=models.MatchValue(value=True))
 
 
 @dataclass
@@ -101,6 +106,7 @@ class VectorIndex:
                     type=models.KeywordIndexType.KEYWORD, is_tenant=True))
                 for field in ("document_id", "collection", "lang"):
                     self.client.create_payload_index(name, field, models.PayloadSchemaType.KEYWORD)
+                self.client.create_payload_index(name, PENDING, models.PayloadSchemaType.BOOL)
         self._known.add(name)
         return name
 
@@ -114,7 +120,7 @@ class VectorIndex:
 
     def _point(self, name: str, tenant: str, p: ChunkPoint) -> models.PointStruct:
         text = p.payload.get("text", "")
-        payload = {**p.payload, "tenant": tenant, "lang": lexical.language(text)}
+        payload = {**p.payload, "tenant": tenant, "lang": lexical.language(text), PENDING: True}
         if not self._hybrid(name):
             return models.PointStruct(id=point_id(p.document_id, p.chunk_index), vector=p.vector, payload=payload)
         ids, values = lexical.document_vector(text)
@@ -122,11 +128,23 @@ class VectorIndex:
             DENSE: p.vector, LEXICAL: models.SparseVector(indices=ids, values=values)})
 
     def upsert(self, tenant: str, collection: str, points: list[ChunkPoint]) -> int:
+        """Writes chunks pending: no search finds them before `publish` (so no cached answer is stale)."""
         with self._lock:
             name = self._ensure_collection(collection)
             self.client.upsert(name, wait=True, points=[self._point(name, tenant, p) for p in points])
-            self._bump(tenant, collection)
         return len(points)
+
+    def publish(self, tenant: str, collection: str, document_id: str, chunks: int) -> None:
+        """A document's chunks as indexed now become what searches find: the ones beyond `chunks` (left by an
+        older chunking) go, the pending ones are published, and the collection's cached answers go."""
+        with self._lock:
+            name = self._ensure_collection(collection)
+            mine = [_tenant(tenant), models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))]
+            self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
+                must=[*mine, models.FieldCondition(key="chunk", range=models.Range(gte=chunks))])))
+            self.client.delete_payload(name, keys=[PENDING], wait=True, points=models.FilterSelector(
+                filter=models.Filter(must=[*mine, _PENDING])))
+            self._bump(tenant, collection)
 
     # -- the collection's version (per tenant) -----------------------------------------------------
     def _meta(self) -> str:
@@ -157,7 +175,7 @@ class VectorIndex:
             payload={"tenant": tenant, "collection": collection, "version": version})])
 
     def prune(self, tenant: str, collection: str, document_id: str, keep_chunks: int) -> None:
-        """Remove points of a document beyond its current chunk count (left by an older chunking)."""
+        """Remove points of a document from chunk `keep_chunks` on (0: all of them)."""
         with self._lock:
             name = self._ensure_collection(collection)
             self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
@@ -186,11 +204,12 @@ class VectorIndex:
             if not self.client.collection_exists(name):
                 return []
             mine = _tenant(tenant)
+            found = models.Filter(must=[mine], must_not=[_PENDING])
             if text is None or not self._hybrid(name):
                 using = DENSE if self._hybrid(name) else None
                 result = self.client.query_points(name, query=vector, using=using, limit=top_k, with_payload=True,
                                                   with_vectors=[using] if using else True,
-                                                  query_filter=models.Filter(must=[mine]))
+                                                  query_filter=found)
                 return [Hit(score=p.score, payload=p.payload or {}, cosine=p.score, vector=_dense(p))
                         for p in result.points]
             ids, values = lexical.query_vector(text)
@@ -198,14 +217,14 @@ class VectorIndex:
             # ragline/relevance.py), fetched below, where a server would send every candidate's.
             requests = [models.QueryRequest(
                 query=vector, using=DENSE, limit=CANDIDATES, with_payload=True,
-                filter=models.Filter(must=[
+                filter=models.Filter(must_not=[_PENDING], must=[
                     mine, models.FieldCondition(key="lang", match=models.MatchValue(value=lang))]))
                 for lang in LANGUAGES]
             weights = [DENSE_WEIGHT] * len(LANGUAGES)
             if ids:
                 requests.append(models.QueryRequest(query=models.SparseVector(indices=ids, values=values),
                                                     using=LEXICAL, limit=CANDIDATES, with_payload=True,
-                                                    with_vector=[DENSE], filter=models.Filter(must=[mine])))
+                                                    with_vector=[DENSE], filter=found))
                 weights.append(LEXICAL_WEIGHT)
             responses = self.client.query_batch_points(name, requests=requests)
             fused: dict[str, float] = {}

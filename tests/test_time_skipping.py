@@ -54,6 +54,7 @@ async def test_untouched_dead_letter_fails_after_ttl(private_llm, tmp_path):
         index.upsert("default", "ttl", [ChunkPoint(document_id="d1", chunk_index=0, vector=[1.0] + [0.0] * 383,
                                         payload={"document_id": "d1", "filename": "f.txt", "page": 1,
                                                  "chunk": 0, "text": "The sky is blue."})])
+        index.publish("default", "ttl", "d1", chunks=1)
         job_id = f"ttl-{uuid.uuid4().hex[:6]}"
         handle = await client.start_workflow(
             ChatTurnWorkflow.run, TurnInput(job_id=job_id, session_id="s", turn=1, question=ChatQuestion(

@@ -6,8 +6,8 @@ IngestWorkflow (one job per upload request)
   fan in:  each document's outcome; one bad file does not fail the others
 
 IngestDocumentWorkflow (one per document id = collection + content hash)
-  extract_text -> chunk_text -> [embed_chunks -> index_chunks] per batch, batches in parallel
-  -> prune_stale_chunks
+  extract_text -> chunk_text -> [embed_chunks -> index_chunks (pending: nobody finds them)] per batch,
+  batches in parallel -> prune_stale_chunks (an older chunking's chunks go, the new ones become searchable)
   on failure or cancel after indexing began: the batches in flight stop and end, then
   remove_document_chunks (undo the batches indexed)
 """
