@@ -63,6 +63,7 @@ def index_documents(settings, embedder, index, paths: list[Path]) -> dict[str, s
         index.upsert(TENANT, COLLECTION, [ChunkPoint(document_id=document_id, chunk_index=c.index, vector=v, payload={
             "document_id": document_id, "filename": path.name, "collection": COLLECTION, "page": c.page,
             "chunk": c.index, "text": c.text}) for c, v in zip(chunks, vectors)])
+        index.publish(TENANT, COLLECTION, document_id, chunks=len(chunks))
         languages[path.name] = lexical.language("\n".join(p.text for p in pages))
     return languages
 

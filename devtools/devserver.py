@@ -149,6 +149,7 @@ def dev_server_command(settings: Settings | None = None, env_file: Path | None =
         argv += ["--namespace", settings.temporal_namespace]
     if env_file is not None:
         argv += ["--env-file", str(env_file)]
+    argv += ["--env", "default"]  # the CLI's own environment, whatever TEMPORAL_ENV the shell has
     argv += ["--log-level", "warn", "--color", "never"]
     return argv + dynamic_config_flags() + cli_flags()
 
@@ -320,11 +321,16 @@ class DevServer:
             log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: "
                       f"{subprocess.list2cmdline(argv)}\n".encode())
             log.flush()
-            if self.ui_codec_endpoint:
-                write_cli_env_file(self.cli_env_path, self.ui_codec_endpoint)
-            self.process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                start_new_session=True)  # own process group: Ctrl-C goes to us, we stop it in order
+            try:
+                if self.ui_codec_endpoint:
+                    write_cli_env_file(self.cli_env_path, self.ui_codec_endpoint)
+                self.process = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent,
+                    start_new_session=True)  # own process group: Ctrl-C goes to us, we stop it in order
+            except BaseException:
+                self.cli_env_path.unlink(missing_ok=True)
+                raise
 
         try:
             await self._wait_ready()

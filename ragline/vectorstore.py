@@ -106,7 +106,8 @@ class VectorIndex:
                     type=models.KeywordIndexType.KEYWORD, is_tenant=True))
                 for field in ("document_id", "collection", "lang"):
                     self.client.create_payload_index(name, field, models.PayloadSchemaType.KEYWORD)
-                self.client.create_payload_index(name, PENDING, models.PayloadSchemaType.BOOL)
+        if not self.embedded:  # also on a collection made before the mark: every search filters on it
+            self.client.create_payload_index(name, PENDING, models.PayloadSchemaType.BOOL)
         self._known.add(name)
         return name
 
@@ -140,11 +141,13 @@ class VectorIndex:
         with self._lock:
             name = self._ensure_collection(collection)
             mine = [_tenant(tenant), models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))]
-            self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
-                must=[*mine, models.FieldCondition(key="chunk", range=models.Range(gte=chunks))])))
-            self.client.delete_payload(name, keys=[PENDING], wait=True, points=models.FilterSelector(
-                filter=models.Filter(must=[*mine, _PENDING])))
-            self._bump(tenant, collection)
+            try:
+                self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
+                    must=[*mine, models.FieldCondition(key="chunk", range=models.Range(gte=chunks))])))
+                self.client.delete_payload(name, keys=[PENDING], wait=True, points=models.FilterSelector(
+                    filter=models.Filter(must=[*mine, _PENDING])))
+            finally:  # a delete that went through changed what searches find, even if the next call failed
+                self._bump(tenant, collection)
 
     # -- the collection's version (per tenant) -----------------------------------------------------
     def _meta(self) -> str:
@@ -184,7 +187,8 @@ class VectorIndex:
                       models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))])))
             self._bump(tenant, collection)
 
-    def count(self, tenant: str, collection: str, document_id: str | None = None) -> int:
+    def count(self, tenant: str, collection: str, document_id: str | None = None, *, searchable: bool = False) -> int:
+        """The tenant's chunks in a collection (of one document): all of them, or only the ones searches find."""
         with self._lock:
             name = qdrant_collection(collection)
             if not self.client.collection_exists(name):
@@ -192,7 +196,8 @@ class VectorIndex:
             must = [_tenant(tenant)]
             if document_id:
                 must.append(models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)))
-            return self.client.count(name, count_filter=models.Filter(must=must), exact=True).count
+            found = models.Filter(must=must, must_not=[_PENDING] if searchable else None)
+            return self.client.count(name, count_filter=found, exact=True).count
 
     def search(self, tenant: str, collection: str, vector: list[float], top_k: int,
                text: str | None = None) -> list[Hit]:

@@ -57,7 +57,8 @@ def test_command_flags(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_dev_server_lifecycle_and_durability(tmp_path: Path) -> None:
+async def test_dev_server_lifecycle_and_durability(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEMPORAL_ENV", "prod")  # a shell's CLI environment does not stop the dev server
     port = _free_grpc_port()
     settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{port}",
                         temporal_ui_port=port + 5)
