@@ -508,7 +508,8 @@ async def send_update(client: Client, tenant: str, job_id: str, name: str, paylo
     validator: 409 with its reason (422 when the decision itself is invalid); job ended: 409.
     `update_id`: the same decision sent again under it gets the first one's acknowledgement (Temporal
     keeps an Update's outcome by id while the job runs)."""
-    job_id = (await describe_job(client, tenant, job_id, rpc_timeout)).job_id
+    view = await describe_job(client, tenant, job_id, rpc_timeout)
+    job_id = view.job_id
     try:
         ack = await client.get_workflow_handle(job_id).execute_update(
             name, payload, id=update_id, result_type=result_type, rpc_timeout=rpc_timeout)
@@ -518,6 +519,9 @@ async def send_update(client: Client, tenant: str, job_id: str, name: str, paylo
             raise ApiError(422, "invalid_review", message) from None
         raise ApiError(409, refused_code, message) from None
     except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND and view.status == "queued":  # a turn its session has not started
+            raise ApiError(409, "job_not_started", f"turn {job_id} is accepted and its session has not started "
+                                                   "it yet (no worker has run the session)") from None
         if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
             raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
         raise

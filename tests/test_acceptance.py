@@ -54,6 +54,10 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
         created = {(await stack.http.get(f"/v1/jobs/{turns[2]['job_id']}")).json()["created_at"] for _ in range(2)}
         assert len(created) == 1
         assert (await stack.http.get(f"/v1/jobs/chat-{session}.{'0' * 20}")).status_code == 404
+        # A decision on a turn no worker has started yet is refused as that, not as one on a job that ended.
+        r = await stack.http.post(f"/v1/jobs/{turns[0]['job_id']}/review", json={"decision": "approve",
+                                                                               "reviewer": "Ada"})
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "job_not_started"), r.text
         # A stream opened now follows a turn whose job no worker has started yet; so does one opened on
         # an API process that did not accept the turn (here: this one, made to forget), from the history.
         stream = asyncio.ensure_future(read_events(stack, turns[1]["job_id"]))

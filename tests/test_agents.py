@@ -404,6 +404,27 @@ async def _held_answer(stack, llm, question: str, collection: str) -> tuple[str,
     return job_id, answer_call.user_message
 
 
+async def test_two_reviewers_deciding_at_once_get_one_decision_taken_and_one_refused(stack):
+    """Two decisions sent at the same moment may reach the job in one workflow task: the first is taken,
+    the second refused (409), never both acknowledged with one silently dropped."""
+    seed = await stack.upload(TIDES, collection="reviewed-twice")
+    await stack.wait_job(seed["job_id"])
+    with stack.llm.scope() as llm:
+        job_id, _ = await _held_answer(stack, llm, "When is high tide at Vell?", "reviewed-twice")
+    decisions = [{"decision": "approve", "reviewer": "ana"}, {"decision": "reject", "reviewer": "ben"}]
+    answers = await asyncio.gather(*(stack.http.post(f"/v1/jobs/{job_id}/review", json=d) for d in decisions))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200, 409], [r.text for r in answers]
+    [taken] = [d for d, r in zip(decisions, answers) if r.status_code == 200]
+    [refused] = [r for r in answers if r.status_code == 409]
+    # (refused by the job, or by Temporal when the job has ended with the first decision)
+    assert refused.json()["error"]["code"] in ("not_waiting_for_review", "job_closed"), refused.text
+    job = await stack.wait_done(job_id)
+    assert job["status"] == ("completed" if taken["decision"] == "approve" else "failed"), job
+    decided = [e["data"] for _, e in await read_events(stack, job_id) if e["type"] == "ragline.review.decided"]
+    assert [(d["decision"], d["reviewer"]) for d in decided] == [(taken["decision"], taken["reviewer"])]
+
+
 async def test_a_reviewers_answer_is_released_with_its_own_citations_not_the_models(stack):
     """The model cites the tide passage; the reviewer writes about the lamps and cites theirs. The turn shows
     the reviewer's text with the lamp passage, not the model's citation of a text nobody sees."""

@@ -5,6 +5,8 @@ token), so no fault reaches another test's requests and each test counts only it
 
 from __future__ import annotations
 
+import asyncio
+
 import uuid
 
 import pytest
@@ -84,6 +86,21 @@ async def test_discard_ends_a_parked_job_as_failed(stack, dlq_docs):
     assert failed["status"] == "failed"
     assert "discarded by bo: not needed" in failed["error"]["message"]
     assert (await stack.http.post("/v1/jobs/no-such-job/discard", json={})).status_code == 404
+
+
+async def test_a_retry_and_a_discard_sent_at_once_are_one_decision(stack, dlq_docs):
+    """Two operators deciding at the same moment: one decision is taken, the other refused (409), never
+    both acknowledged while only one counts."""
+    with stack.llm.scope() as llm:
+        job = await _park_a_turn(stack, llm, "Who keeps the lighthouse lit?")
+        bodies = [("retry", {"operator": "ana"}), ("discard", {"operator": "bo"})]
+        answers = await asyncio.gather(*(stack.http.post(f"/v1/jobs/{job['job_id']}/{action}", json=body)
+                                         for action, body in bodies))
+        assert sorted(r.status_code for r in answers) == [200, 409], [r.text for r in answers]
+        [taken] = [action for (action, _), r in zip(bodies, answers) if r.status_code == 200]
+        ended = await stack.wait_done(job["job_id"])
+    assert ended["status"] == ("completed" if taken == "retry" else "failed"), ended
+    assert [d["action"] for d in ended["operator_decisions"]] == [taken]
 
 
 async def test_a_turn_behind_a_parked_one_says_what_it_waits_for(stack, dlq_docs):

@@ -34,6 +34,7 @@ class DeadLetters:
         self.decisions: list[OperatorDecision] = []
         self._releases = 0
         self._discard: OperatorRequest | None = None
+        self._decided: set[str] = set()  # parked steps an operator has decided on, until they go on
 
     async def park(self, step: str, *, attempts: int, reason: str, error_type: str | None) -> None:
         """Wait for an operator. Returns when they retry; raises a non-retryable ApplicationError when
@@ -73,12 +74,17 @@ class DeadLetters:
 
     def _unpark(self, step: str) -> None:
         self.parked.pop(step, None)
+        self._decided.discard(step)
         self._on_change()
 
     # -- what an operator may do -------------------------------------------------------------------
     def validate(self, status: str) -> None:
         if not self.parked:
             raise ApplicationError(f"the job is {status}, not dead_lettered: nothing to retry or discard",
+                                   type="NotDeadLettered")
+        if self._decided >= set(self.parked):  # a decision sent at the same moment was taken first
+            last = self.decisions[-1]
+            raise ApplicationError(f"an operator already decided: {last.action} by {last.operator or 'an operator'}",
                                    type="NotDeadLettered")
 
     def retry(self, req: OperatorRequest) -> OperatorAck:
@@ -91,6 +97,7 @@ class DeadLetters:
 
     def _record(self, action, req: OperatorRequest) -> OperatorAck:
         steps = sorted(self.parked)
+        self._decided.update(steps)
         self.decisions.append(OperatorDecision(action=action, operator=req.operator, reason=req.reason,
                                                steps=steps, at=workflow.now()))
         return OperatorAck(action=action, steps=steps)

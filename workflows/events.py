@@ -26,6 +26,8 @@ with workflow.unsafe.imports_passed_through():
 
 # Histories recorded before the terminal event waited for a watching subscriber replay without it.
 LINGER_PATCH = "events-linger-for-subscriber"
+# ... and a cancel that came after the terminal event ended the job cancelled, whatever that event said.
+TERMINAL_EVENT_STANDS_PATCH = "cancel-after-terminal-event-changes-nothing"
 # Histories recorded before step events could ride along replay with every event published at once:
 # the polls they record returned at those points.
 HOLD_PATCH = "events-ride-along"
@@ -120,13 +122,21 @@ class JobEvents:
         replaying the whole history."""
         poll_waiting = self._subscriber_waiting()
         self.emit(type_, data)  # a waiting poll returns with it; the next one finds it in the log
-        if linger and self._watched and not poll_waiting and workflow.patched(LINGER_PATCH):
-            try:
-                await workflow.wait_condition(self._subscriber_waiting, timeout=policies.subscriber_grace())
-            except asyncio.TimeoutError:
-                pass  # the subscriber has gone: it can read the rest from the closed run
-        self.stream.detach_pollers()
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        try:
+            if linger and self._watched and not poll_waiting and workflow.patched(LINGER_PATCH):
+                try:
+                    await workflow.wait_condition(self._subscriber_waiting, timeout=policies.subscriber_grace())
+                except asyncio.TimeoutError:
+                    pass  # the subscriber has gone: it can read the rest from the closed run
+            self.stream.detach_pollers()
+            await workflow.wait_condition(workflow.all_handlers_finished)
+        except asyncio.CancelledError:
+            # A cancel that arrives once the terminal event is out changes nothing: the job ends as that
+            # event said (a completed job keeps its result). Earlier jobs ended cancelled.
+            if not workflow.patched(TERMINAL_EVENT_STANDS_PATCH):
+                raise
+            self.stream.detach_pollers()
+            await workflow.wait_condition(workflow.all_handlers_finished)
 
     @staticmethod
     def _subscriber_waiting() -> bool:

@@ -58,7 +58,8 @@ class Reviews:
                 await workflow.wait_condition(lambda: self.decision is not None, timeout=timeout)
                 decision = self.decision
             except TimeoutError:
-                decision = ReviewDecision(decision="reject", reviewer="system", comment="review timed out")
+                decision = self.decision = ReviewDecision(decision="reject", reviewer="system",
+                                                          comment="review timed out")
             except asyncio.CancelledError:
                 if workflow.patched(WITHDRAWN_PATCH):
                     withdrawn, self.pending = self.pending, None
@@ -93,6 +94,9 @@ class Reviews:
     def validate(self, decision: ReviewDecision) -> None:
         if self.pending is None:
             raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
+        if self.decision is not None:  # taken in this workflow task, by a decision sent at the same moment
+            raise ApplicationError(f"this review was already decided ({self.decision.decision} by "
+                                   f"{self.decision.reviewer})", type="NotWaitingForReview")
         if decision.requested_at is not None and decision.requested_at != self.pending.requested_at:
             raise ApplicationError(
                 f"the review requested at {decision.requested_at.isoformat()} is no longer waiting; this job now "
