@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, Self
 
+import structlog
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_serializer
 
@@ -86,6 +87,7 @@ class Accepted(BaseModel):
 
     @classmethod
     def for_job(cls, request: Request, job_id: str, **fields: Any) -> Self:
+        structlog.contextvars.bind_contextvars(job_id=job_id)  # the request's access line names its job
         base = str(request.base_url).rstrip("/")
         status_path, events_path = _job_paths(request.app)
         return cls(job_id=job_id, status_url=base + status_path.replace(_JOB_ID, job_id),

@@ -233,17 +233,25 @@ def worker_specs(settings: Settings, env: Mapping[str, str] | None = None) -> li
     Unset: one process of role `all`, named "worker" as before. The vector role goes first: with the
     embedded store it is the one process that opens it."""
     workers = settings.worker_processes
+
+    def metrics_port_free(port: int) -> Preflight | None:
+        # Taken, the worker would serve no metrics and Prometheus would scrape whatever holds the port.
+        return port_free(settings.worker_metrics_host, port, "RAGLINE_WORKER_METRICS_PORT") if port else None
+
     if workers == [("all", 1)]:
-        return [ProcessSpec(name="worker", argv=[sys.executable, "worker.py"], alive_for=2.0, env=dict(env or {}))]
+        return [ProcessSpec(name="worker", argv=[sys.executable, "worker.py"], alive_for=2.0, env=dict(env or {}),
+                            preflight=metrics_port_free(settings.worker_metrics_port))]
     order = {"vector": 0, "all": 0, "workflows": 1, "cpu": 2, "llm": 3}
     specs = []
     for role, count in sorted(workers, key=lambda rc: order[rc[0]]):
         for i in range(1, count + 1):
             own = dict(env or {})
-            if settings.worker_metrics_port:  # one metrics port per process: the first, then the next ones
-                own["RAGLINE_WORKER_METRICS_PORT"] = str(settings.worker_metrics_port + len(specs))
+            port = settings.worker_metrics_port and settings.worker_metrics_port + len(specs)
+            if port:  # one metrics port per process: the first, then the next ones
+                own["RAGLINE_WORKER_METRICS_PORT"] = str(port)
             specs.append(ProcessSpec(name=f"worker-{role}-{i}" if count > 1 else f"worker-{role}",
-                                     argv=[sys.executable, "worker.py", "--role", role], alive_for=2.0, env=own))
+                                     argv=[sys.executable, "worker.py", "--role", role], alive_for=2.0, env=own,
+                                     preflight=metrics_port_free(port)))
     return specs
 
 

@@ -84,7 +84,7 @@ class RemovalResult(BaseModel):
     document_id: str
     filename: str
     collection: str
-    status: Literal["removed"] = "removed"
+    status: Literal["removed", "not_found"] = "removed"  # not_found: nothing of the tenant's had that id
     chunks_removed: int
     ingestion_runs_forgotten: int
 

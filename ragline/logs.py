@@ -1,15 +1,18 @@
 """structlog setup: one line per event, with job ids bound where known (inside activities: job_id, step,
-attempt, bound by temporal.telemetry.StepTelemetry) and the trace id of the current span; and the
-Temporal SDK's reports of expected activity failures cut to one line, without a traceback."""
+attempt, bound by temporal.telemetry.StepTelemetry; in the API: tenant, key) and the trace id of the
+current span. The standard library's records (uvicorn's access lines, the HTTP client's, pypdf's, the
+Temporal SDK's) go through the same processors (structlog's ProcessorFormatter), so they carry them too.
+The SDK's reports of expected activity failures are cut to one line, without a traceback."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import structlog
 from temporalio.exceptions import ApplicationError
 
-from ragline.errors import non_retryable_types
+from ragline.errors import TransientError, non_retryable_types
 from ragline.tracing import add_trace_id
 
 # The logger the Temporal SDK reports failed activity attempts on ("Completing activity as failed").
@@ -29,32 +32,71 @@ class ExpectedFailureFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, ApplicationError) and error.non_retryable and error.type in self.expected:
-            activity = getattr(record, "temporal_activity", None) or {}  # the SDK's extra on its records
+        if not isinstance(error, ApplicationError):
+            return True
+        activity = getattr(record, "temporal_activity", None) or {}  # the SDK's extra on its records
+        if error.non_retryable and error.type in self.expected:
             record.msg = "activity %s of job %s failed, not retried: %s: %s"
             record.args = (activity.get("activity_type"), activity.get("workflow_id"), error.type, error.message)
             record.exc_info = record.exc_text = None
+        elif not error.non_retryable and error.type == TransientError.__name__:
+            # A provider's 503 or timeout is weather, not a bug: during an outage a traceback per attempt
+            # buries everything else in the log.
+            record.msg = "activity %s of job %s failed on attempt %s, retried by its policy: %s"
+            record.args = (activity.get("activity_type"), activity.get("workflow_id"), activity.get("attempt"),
+                           error.message)
+            record.exc_info = record.exc_text = None
         return True
+
+
+# uvicorn configures these before it imports the app, each with a handler of its own that does not
+# pass records on: they are sent through the root handler instead, to carry the same fields.
+UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+RAGLINE_HANDLER = "ragline"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (a test's capture, replaced per test)."""
+
+    @property
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
 
 
 def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) -> None:
     """`redact` (RAGLINE_REDACT_PII): phone numbers, e-mail addresses and ID numbers are masked in
     every log line, whatever logged them (structlog events and the standard library's records)."""
-    logging.basicConfig(level=level.upper(), format="%(message)s")
     sdk_activity = logging.getLogger(SDK_ACTIVITY_LOGGER)
     if not any(isinstance(f, ExpectedFailureFilter) for f in sdk_activity.filters):
         sdk_activity.addFilter(ExpectedFailureFilter())
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     masking = []
     if redact:
-        from ragline.redact import RedactingFilter, structlog_processor
+        from ragline.redact import structlog_processor
 
         masking = [structlog_processor]
-        for handler in logging.getLogger().handlers:
-            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-                handler.addFilter(RedactingFilter())
+    shared = [structlog.contextvars.merge_contextvars, add_trace_id, structlog.processors.add_log_level,
+              structlog.processors.TimeStamper(fmt="iso")]
+    handler = _StderrHandler()
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared, processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                                              *masking, renderer]))
+    if redact:  # also before formatting: a record's message is masked whichever handler writes it
+        from ragline.redact import RedactingFilter
+
+        handler.addFilter(RedactingFilter())
+    handler.name = RAGLINE_HANDLER
+    root = logging.getLogger()
+    root.handlers = [h for h in root.handlers if h.name != RAGLINE_HANDLER] + [handler]  # configured again: one
+    root.setLevel(level.upper())
+    for name in UVICORN_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = [], True
     structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, add_trace_id, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso"), *masking, renderer],
+        processors=[*shared, *masking, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
     )

@@ -1,5 +1,6 @@
-"""What an operator reads on the console: an expected input error (the job fails with its reason) is one
-line, a bug or a retryable failure keeps its traceback. Activities fail in a real worker, on the session's
+"""What an operator reads on the console: an expected input error (the job fails with its reason) or a
+provider's transient failure is one line, a bug keeps its traceback; every line, the standard library's
+too, carries the job and trace it was written for. Activities fail in a real worker, on the session's
 Temporal dev server, so that the lines are the Temporal SDK's own; the API's 4xx answers log none."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
+import structlog
 from temporalio import activity, workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
@@ -80,10 +82,39 @@ async def test_an_input_error_is_one_line_without_a_traceback(temporal_env, capl
     assert line.temporal_activity["workflow_id"] in message and "\n" not in message
 
 
-@pytest.mark.parametrize("step", [step_with_a_bug, call_an_unreachable_model])
-async def test_a_bug_or_a_retryable_failure_keeps_its_traceback(temporal_env, caplog, configured_logs, step):
-    [line] = await _failure_lines(temporal_env.client, caplog, step)
+async def test_a_bug_keeps_its_traceback(temporal_env, caplog, configured_logs):
+    [line] = await _failure_lines(temporal_env.client, caplog, step_with_a_bug)
     assert line.exc_info is not None and "Traceback (most recent call last)" in caplog.text
+
+
+async def test_a_transient_failure_is_one_line_that_says_it_is_retried(temporal_env, caplog, configured_logs):
+    """During a model outage every attempt of every step fails: a traceback each would bury the log."""
+    [line] = await _failure_lines(temporal_env.client, caplog, call_an_unreachable_model)
+    assert line.exc_info is None and "Traceback" not in caplog.text
+    message = line.getMessage()
+    assert "call_an_unreachable_model" in message and "on attempt 1, retried by its policy" in message
+    assert "cannot reach the model endpoint" in message and "\n" not in message
+
+
+def test_standard_library_lines_carry_the_job_and_the_trace(capfd, configured_logs):
+    """The HTTP client's, pypdf's or uvicorn's lines, written while a step of a job runs (or a request is
+    served), carry that job's fields and the trace id, as Ragline's own lines do."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    capfd.readouterr()
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("step") as span, \
+            structlog.contextvars.bound_contextvars(job_id="acme.doc-1", step="extract_text", attempt=2):
+        logging.getLogger("httpx").info("HTTP Request: POST http://model/v1/chat/completions")
+        logging.getLogger("uvicorn.access").info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:1", "POST", "/v1/chats",
+                                                 "1.1", 202)
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    captured = capfd.readouterr()
+    lines = [line for line in captured.err.splitlines() if "acme.doc-1" in line]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "step=extract_text" in line and "attempt=2" in line and f"trace_id={trace_id}" in line, line
 
 
 async def test_the_api_answers_4xx_without_a_traceback(tmp_path, caplog, capsys):

@@ -87,6 +87,18 @@ async def test_a_document_is_removed_only_by_its_own_tenant(stack):
     r = await stack.other_http.delete(f"/v1/documents/{doc_id}")
     assert (r.status_code, r.json()["error"]["code"]) == (404, "document_not_found"), r.text
     assert doc_id in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
+    # Naming the collection (the way to reach a document past the retention) finds nothing of its own either,
+    # and says so.
+    r = await stack.other_http.delete(f"/v1/documents/{doc_id}", params={"collection": collection})
+    assert r.status_code == 202, r.text
+
+    async def ended() -> dict | None:
+        job = (await stack.other_http.get(f"/v1/jobs/{r.json()['job_id']}")).json()
+        return job if job["status"] in ("completed", "failed") else None
+    job = await eventually(ended, what="the other tenant's removal")
+    assert job["status"] == "completed" and job["result"]["status"] == "not_found", job
+    assert job["result"]["chunks_removed"] == 0
+    assert doc_id in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
     r = await stack.http.delete("/v1/documents/not-a-document-id")
     assert r.status_code == 422, r.text
 

@@ -3,6 +3,8 @@ to a cluster (Temporal TLS / API key, a Qdrant server): built and checked withou
 
 from __future__ import annotations
 
+import socket
+
 import concurrent.futures
 import os
 import subprocess
@@ -47,6 +49,21 @@ def test_workers_setting_becomes_processes_per_role(tmp_path):
     # Unset: today's single process, role all.
     [single] = worker_specs(Settings(data_dir=tmp_path))
     assert (single.name, list(single.argv[1:])) == ("worker", ["worker.py"])
+
+
+def test_a_worker_metrics_port_already_taken_stops_make_run_with_the_setting_to_change(tmp_path):
+    """Taken by another program (a second stack), the worker would serve no metrics while the banner
+    named the port, and Prometheus would scrape the other program."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for settings in (Settings(data_dir=tmp_path, worker_metrics_port=port),
+                         Settings(data_dir=tmp_path, worker_metrics_port=port, workers="all:1,llm:1")):
+            problem = worker_specs(settings)[0].preflight()
+            assert f"127.0.0.1:{port} is already in use" in problem and "RAGLINE_WORKER_METRICS_PORT" in problem
+    assert worker_specs(Settings(data_dir=tmp_path, worker_metrics_port=port))[0].preflight() is None
+    assert worker_specs(Settings(data_dir=tmp_path, worker_metrics_port=0))[0].preflight is None
 
 
 @pytest.mark.parametrize("value, message", [

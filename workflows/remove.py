@@ -45,5 +45,8 @@ class RemoveDocumentWorkflow(JobWorkflow):
         removed = await self.step(IngestActivities.remove_document_chunks, RemoveInput(
             tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection))
         forgotten = await self.step(JobActivities.forget_document, ingestion)
+        # Named with ?collection= past the retention, an id may have nothing of this tenant's behind it.
+        found = removed.removed or forgotten.runs
         return RemovalResult(document_id=doc.document_id, filename=doc.filename, collection=doc.collection,
-                             chunks_removed=removed.removed, ingestion_runs_forgotten=forgotten.runs)
+                             status="removed" if found else "not_found", chunks_removed=removed.removed,
+                             ingestion_runs_forgotten=forgotten.runs)

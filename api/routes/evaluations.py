@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import structlog
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -68,6 +69,7 @@ async def create_evaluation(request: Request, client: ClientDep, caller: CallerD
     if not duplicate:
         observability.job_accepted("evaluation")
     base = str(request.base_url).rstrip("/")
+    structlog.contextvars.bind_contextvars(job_id=job_id)  # the request's access line names its job
     return EvaluationAccepted(job_id=job_id, collection=collection, questions=len(questions), duplicate=duplicate,
                               status_url=f"{base}/v1/jobs/{job_id}", events_url=f"{base}/v1/jobs/{job_id}/events")
 
