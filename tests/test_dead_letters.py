@@ -75,6 +75,28 @@ async def test_exhausted_step_parks_and_retry_resumes_at_that_step(stack, dlq_do
     assert again.status_code == 409 and again.json()["error"]["code"] == "job_closed", again.text
 
 
+async def test_a_step_retried_by_an_operator_into_the_same_outage_counts_every_attempt(stack, dlq_docs):
+    """Retried while the provider is still down, the step parks again: it and its dead letter count the
+    attempts of both rounds, and so does the step once it completes."""
+    with stack.llm.scope() as llm:
+        job = await _park_a_turn(stack, llm, "What lights the lighthouse lamp?")
+        llm.script("answer", ["503"] * ATTEMPTS)  # still down for the whole next round
+        assert (await stack.http.post(f"/v1/jobs/{job['job_id']}/retry", json={})).status_code == 200
+
+        async def parked_again() -> dict | None:
+            view = (await stack.http.get(f"/v1/jobs/{job['job_id']}")).json()
+            return view if view["status"] == "dead_lettered" and llm.count("answer") == 2 * ATTEMPTS else None
+        again = await eventually(parked_again, what="the turn parked a second time")
+        [letter] = again["error"]["details"]
+        assert letter["attempts"] == 2 * ATTEMPTS, letter
+        steps = {s["name"]: s for s in again["steps"]}
+        assert steps["generate_answer"]["attempts"] == 2 * ATTEMPTS
+        assert (await stack.http.post(f"/v1/jobs/{job['job_id']}/retry", json={})).status_code == 200
+        done = await stack.wait_done(job["job_id"])
+    assert done["status"] == "completed"
+    assert {s["name"]: s for s in done["steps"]}["generate_answer"]["attempts"] == 2 * ATTEMPTS + 1
+
+
 async def test_discard_ends_a_parked_job_as_failed(stack, dlq_docs):
     with stack.llm.scope() as llm:
         job = await _park_a_turn(stack, llm, "Why are coasts rocky?")

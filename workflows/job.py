@@ -229,8 +229,8 @@ class JobWorkflow:
                 if not exhausted_retries(exc):
                     self.steps.fail(step, reason, attempts=failed_attempt(exc))
                     raise
-                attempts = policies.policy(name).retry.maximum_attempts
-                self.steps.failed_attempts(step, attempts=attempts, error=reason)
+                attempts = self.steps.failed_attempts(step, attempts=policies.policy(name).retry.maximum_attempts,
+                                                      error=reason)
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
                     raise _FellBack(await on_exhausted())
