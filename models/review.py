@@ -60,10 +60,21 @@ class RejectedInput(BaseModel):
     error: str
     at: datetime
 
+    def shown_to_all(self, withheld: list[str]) -> RejectedInput:
+        """Without what only reviewers may read (a reviewer's revised answer, sent malformed)."""
+        if not withheld or not isinstance(self.payload, dict):
+            return self
+        return self.model_copy(update={"payload": without(self.payload, withheld)})
+
 
 class PendingReview(ReviewRequest):
     """The `review_request` query: what waits for a person, and bad inputs sent so far."""
     rejected_inputs: list[RejectedInput] = []
+
+    def as_a_member_sees(self) -> dict[str, Any]:
+        """The fields a member key reads: the proposal and the rejected inputs without what is withheld."""
+        return {"proposed_action": self.shown_to_all(),
+                "rejected_inputs": [r.shown_to_all(self.withheld) for r in self.rejected_inputs]}
 
 
 class ReviewRecord(BaseModel):

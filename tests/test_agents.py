@@ -404,6 +404,32 @@ async def _held_answer(stack, llm, question: str, collection: str) -> tuple[str,
     return job_id, answer_call.user_message
 
 
+async def test_a_reviewers_malformed_revision_of_a_held_answer_stays_with_reviewers(stack):
+    """A revision sent as a signal that fails validation is recorded for the reviewers to see what went
+    wrong; its text (the answer to be released) is, like the held answer, not for member keys."""
+    seed = await stack.upload(TIDES, collection="reviewed-bad-signal")
+    await stack.wait_job(seed["job_id"])
+    with stack.llm.scope() as llm:
+        job_id, _ = await _held_answer(stack, llm, "When is high tide at Vell?", "reviewed-bad-signal")
+    secret = "High tide at Vell is at noon, says the harbour master [1]."
+    await _cli(stack, "workflow", "signal", "-w", job_id, "--name", "review", "--input",
+               json.dumps({"decision": "revise", "reviewer": "dee", "answer": secret, "extra_depth": -1}))
+
+    async def rejected(http) -> list[dict]:  # noqa: ANN001
+        reviews = [r for r in (await http.get("/v1/reviews")).json()["reviews"] if r["job_id"] == job_id]
+        return reviews[0]["rejected_inputs"] if reviews else []
+    [as_reviewer] = await eventually(lambda: rejected(stack.http), timeout=10, what="the bad signal recorded")
+    assert as_reviewer["payload"]["answer"] == secret and "extra_depth" in as_reviewer["error"]
+    [as_member] = await rejected(stack.member_http)
+    assert "answer" not in as_member["payload"] and as_member["payload"]["reviewer"] == "dee"
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "dee"})
+    assert r.status_code == 200, r.text
+    await stack.wait_done(job_id)
+    events = await read_events(stack, job_id)  # what every key of the tenant reads
+    assert [e for _, e in events if e["type"] == "ragline.review.rejected_input"]
+    assert secret not in json.dumps(events, ensure_ascii=False)
+
+
 async def test_two_reviewers_deciding_at_once_get_one_decision_taken_and_one_refused(stack):
     """Two decisions sent at the same moment may reach the job in one workflow task: the first is taken,
     the second refused (409), never both acknowledged with one silently dropped."""

@@ -124,7 +124,9 @@ class Reviews:
             message = exc.message if isinstance(exc, ApplicationError) else str(exc)
             entry = RejectedInput(payload=payload, error=message, at=workflow.now())
             self.rejected_inputs.append(entry)
-            self._events.emit("ragline.review.rejected_input", entry.model_dump(mode="json"))
+            # The stream is read by any key of the tenant: what only reviewers may read stays out of it.
+            shown = entry.shown_to_all(self.pending.withheld if self.pending else [])
+            self._events.emit("ragline.review.rejected_input", shown.model_dump(mode="json"))
             workflow.logger.warning("review signal rejected: %s", message)
             return
         self.decision = decision

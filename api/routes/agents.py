@@ -108,7 +108,7 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
         item = ReviewItem(job_id=execution.id, workflow_id=execution.id,
                           kind=execution.typed_search_attributes.get(sa.JOB_KIND), **request)
         # A held answer is for reviewers' eyes: a member sees that it waits, not what it says.
-        return item if caller.is_reviewer else item.model_copy(update={"proposed_action": item.shown_to_all()})
+        return item if caller.is_reviewer else item.model_copy(update=item.as_a_member_sees())
 
     reviews = [i for i in await asyncio.gather(*(item(e) for e in executions)) if i]
     return ReviewList(reviews=reviews, unreadable=sorted(unreadable))
