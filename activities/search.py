@@ -60,8 +60,9 @@ def find_passages_for_turn(embedder: Embedder, index: VectorIndex, tenant: str, 
 
 def no_documents_warnings(index: VectorIndex, tenant: str, collection: str, hits: list[SearchHit]) -> list[str]:
     """A warning when a search found nothing because the tenant has no documents in the collection (a
-    misspelt name, nothing uploaded yet or still being indexed; another tenant's documents do not count). The collection is
-    counted only when nothing was found, so a search that finds something pays nothing for it."""
+    misspelt name, nothing uploaded yet or still being indexed; another tenant's documents do not count).
+    The collection is counted only when nothing was found, so a search that finds something pays nothing
+    for it."""
     if hits or index.count(tenant, collection, searchable=True) > 0:
         return []
     return [prompts.no_documents_warning(collection)]

@@ -64,6 +64,7 @@ class ProcessSpec:
     preflight:     run once (in a thread) before anything is started; returns an error message to
                    fail fast (e.g. "port in use"), or None. It may also prepare what the process needs
                    (the llm's preflight assembles and verifies its model file).
+    stop_timeout:  seconds from SIGTERM to SIGKILL.
     """
     name: str
     argv: Sequence[str]
@@ -73,6 +74,7 @@ class ProcessSpec:
     preflight: Preflight | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path = PROJECT_ROOT
+    stop_timeout: float = STOP_TIMEOUT
 
 
 def http_ready(url: str, *, require_ok: bool = False, timeout: float = 2.0) -> ReadyCheck:
@@ -144,6 +146,9 @@ def llm_spec(settings: Settings) -> ProcessSpec:
         ready=http_ready(f"http://127.0.0.1:{port}/v1/models", require_ok=True),
         ready_timeout=300,  # model loading
         preflight=llm_preflight(settings),
+        # It keeps nothing, and finishes a generation whose client (the worker, stopped before it) has
+        # gone before it stops: seconds of a Ctrl-C for nothing.
+        stop_timeout=3.0,
     )
 
 
@@ -723,7 +728,7 @@ class Supervisor:
         for m in reversed(self.managed):
             if m.alive():
                 say(f"stopping {m.name} (pid {m.proc.pid})")  # type: ignore[union-attr]
-            await m.stop(0.5 if self.forced else STOP_TIMEOUT)
+            await m.stop(0.5 if self.forced else m.spec.stop_timeout)
         if self.devserver is not None and self.devserver.running():
             say(f"stopping Temporal dev server (pid {self.devserver.pid})")
             if self.forced:

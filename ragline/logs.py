@@ -93,9 +93,10 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
     root = logging.getLogger()
     root.handlers = [h for h in root.handlers if h.name != RAGLINE_HANDLER] + [handler]  # configured again: one
     root.setLevel(level.upper())
-    for name in UVICORN_LOGGERS:
+    for name in UVICORN_LOGGERS:  # at RAGLINE_LOG_LEVEL too, whatever uvicorn was told
         logger = logging.getLogger(name)
-        logger.handlers, logger.propagate = [], True
+        logger.handlers, logger.propagate, logger.disabled = [], True, False
+        logger.setLevel(logging.NOTSET)
     structlog.configure(
         processors=[*shared, *masking, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),

@@ -140,7 +140,8 @@ class VectorIndex:
         older chunking) go, the pending ones are published, and the collection's cached answers go."""
         with self._lock:
             name = self._ensure_collection(collection)
-            mine = [_tenant(tenant), models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))]
+            mine = [_tenant(tenant),
+                    models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))]
             try:
                 self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
                     must=[*mine, models.FieldCondition(key="chunk", range=models.Range(gte=chunks))])))

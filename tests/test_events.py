@@ -6,11 +6,16 @@ import asyncio
 import json
 import uuid
 
-import httpx
-from temporalio.api.enums.v1 import EventType
+from datetime import timedelta
 
+import httpx
+from temporalio import activity, workflow
+from temporalio.api.enums.v1 import EventType
+from temporalio.worker import Worker
+
+from api.routes.events import _progress_event
 from tests.conftest import running_stack, shared_pdf
-from tests.helpers import read_events, waiting_reviews
+from tests.helpers import eventually, read_events, waiting_reviews
 
 
 async def test_ingestion_events_stream_and_resume(stack):
@@ -176,3 +181,38 @@ async def test_a_turn_whose_answer_waits_for_review_shows_its_steps_as_they_happ
         decided = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "reject", "reviewer": "ed"})
         assert decided.status_code == 200, decided.text
     assert answer_done_when_shown is False  # shown while the answer was still being written
+
+
+@activity.defn(name="held_step")
+async def held_step() -> None:
+    await asyncio.Event().wait()  # runs until the test ends the workflow
+
+
+@workflow.defn(name="TwoStepsUnderWay", sandboxed=False)
+class TwoStepsUnderWay:
+    @workflow.run
+    async def run(self, queue: str) -> None:
+        options = {"start_to_close_timeout": timedelta(minutes=5)}
+        await asyncio.gather(workflow.execute_activity("held_step", task_queue=queue, **options),
+                             workflow.execute_activity("held_step", task_queue=f"{queue}-nobody-polls", **options))
+
+
+async def test_the_progress_event_tells_a_step_that_runs_from_one_waiting_for_a_worker(temporal_env):
+    """`ragline.job.running`, sent on a quiet stream: a step a worker runs says how long it has run; one
+    no worker has picked up yet (a local model's one slot is busy, say) says it waits, and since when."""
+    client, queue = temporal_env.client, f"progress-{uuid.uuid4().hex[:8]}"
+    async with Worker(client, task_queue=queue, workflows=[TwoStepsUnderWay], activities=[held_step]):
+        handle = await client.start_workflow(TwoStepsUnderWay.run, queue, id=queue, task_queue=queue)
+        try:
+            async def both_pending() -> dict | None:
+                event = await _progress_event(client, handle.id, timedelta(seconds=5))
+                states = sorted(s["state"] for s in event["data"]["running"]) if event else []
+                return event if states == ["running", "waiting"] else None
+            event = await eventually(both_pending, what="one step running, one waiting")
+        finally:
+            await handle.terminate("test over")
+    assert event["type"] == "ragline.job.running" and event["subject"] == handle.id
+    running, waiting = sorted(event["data"]["running"], key=lambda s: s["state"])
+    assert running["step"] == waiting["step"] == "held_step"
+    assert running["running_for_s"] >= 0 and running["waiting_for_s"] is None
+    assert waiting["waiting_for_s"] >= 0 and waiting["running_for_s"] is None

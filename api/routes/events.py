@@ -18,6 +18,7 @@ from typing import Annotated
 import structlog
 from fastapi import APIRouter, Header, Query, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -166,11 +167,16 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
     now = datetime.now(timezone.utc)
     running = []
     for pending in desc.raw_description.pending_activities:
-        started = pending.last_started_time.ToDatetime(tzinfo=timezone.utc) if pending.HasField("last_started_time") else None
+        # Scheduled, not started: it waits for a worker's slot (a local model's one slot, say), or between attempts.
+        started = pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+        since = pending.last_started_time if started else pending.scheduled_time
+        since_at = since.ToDatetime(tzinfo=timezone.utc) if since.seconds else None
         running.append({
             "step": pending.activity_type.name,
             "attempt": pending.attempt,
-            "running_for_s": round((now - started).total_seconds(), 1) if started else None,
+            "state": "running" if started else "waiting",
+            "running_for_s": round((now - since_at).total_seconds(), 1) if started and since_at else None,
+            "waiting_for_s": round((now - since_at).total_seconds(), 1) if not started and since_at else None,
             "last_error": pending.last_failure.message or None,
         })
     if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
