@@ -73,7 +73,10 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
     sdk_activity = logging.getLogger(SDK_ACTIVITY_LOGGER)
     if not any(isinstance(f, ExpectedFailureFilter) for f in sdk_activity.filters):
         sdk_activity.addFilter(ExpectedFailureFilter())
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    # Tracebacks as plain text (never rich's, which prints every frame's locals: a PDF's password, a
+    # request's headers), made before masking so that an exception's message is masked too.
+    renderer = structlog.processors.JSONRenderer() if json else \
+        structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     masking = []
     if redact:
         from ragline.redact import structlog_processor
@@ -84,7 +87,7 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
     handler = _StderrHandler()
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared, processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                                              *masking, renderer]))
+                                              structlog.processors.format_exc_info, *masking, renderer]))
     if redact:  # also before formatting: a record's message is masked whichever handler writes it
         from ragline.redact import RedactingFilter
 
@@ -98,6 +101,6 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
         logger.handlers, logger.propagate, logger.disabled = [], True, False
         logger.setLevel(logging.NOTSET)
     structlog.configure(
-        processors=[*shared, *masking, renderer],
+        processors=[*shared, structlog.processors.format_exc_info, *masking, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
     )

@@ -119,9 +119,11 @@ class VectorIndex:
             self._layouts[name] = isinstance(vectors, dict) and DENSE in vectors
         return self._layouts[name]
 
-    def _point(self, name: str, tenant: str, p: ChunkPoint) -> models.PointStruct:
+    def _point(self, name: str, tenant: str, p: ChunkPoint, *, pending: bool = True) -> models.PointStruct:
         text = p.payload.get("text", "")
-        payload = {**p.payload, "tenant": tenant, "lang": lexical.language(text), PENDING: True}
+        payload = {**p.payload, "tenant": tenant, "lang": lexical.language(text)}
+        if pending:
+            payload[PENDING] = True
         if not self._hybrid(name):
             return models.PointStruct(id=point_id(p.document_id, p.chunk_index), vector=p.vector, payload=payload)
         ids, values = lexical.document_vector(text)
@@ -129,10 +131,16 @@ class VectorIndex:
             DENSE: p.vector, LEXICAL: models.SparseVector(indices=ids, values=values)})
 
     def upsert(self, tenant: str, collection: str, points: list[ChunkPoint]) -> int:
-        """Writes chunks pending: no search finds them before `publish` (so no cached answer is stale)."""
+        """Writes chunks pending: no search finds them before `publish` (so no cached answer is stale). A
+        chunk already published stays found: the same document indexed again (the same bytes, once its
+        ingestion job has passed the retention) is not hidden while it is."""
         with self._lock:
             name = self._ensure_collection(collection)
-            self.client.upsert(name, wait=True, points=[self._point(name, tenant, p) for p in points])
+            ids = [point_id(p.document_id, p.chunk_index) for p in points]
+            found = {str(r.id) for r in self.client.retrieve(name, ids=ids, with_payload=[PENDING])
+                     if not (r.payload or {}).get(PENDING)}
+            self.client.upsert(name, wait=True, points=[self._point(name, tenant, p, pending=i not in found)
+                                                        for p, i in zip(points, ids)])
         return len(points)
 
     def publish(self, tenant: str, collection: str, document_id: str, chunks: int) -> None:

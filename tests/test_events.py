@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 
 from datetime import timedelta
+from pathlib import Path
 
 import httpx
+import pytest
 from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateStage
+from temporalio.contrib.workflow_streams import PollInput, PollResult
 from temporalio.worker import Worker
 
+import worker
 from api.routes.events import _progress_event
+from temporal import policies
 from tests.conftest import running_stack, shared_pdf
 from tests.helpers import eventually, read_events, waiting_reviews
+from workflows.events import JobEvents
 
 
 async def test_ingestion_events_stream_and_resume(stack):
@@ -216,3 +224,50 @@ async def test_the_progress_event_tells_a_step_that_runs_from_one_waiting_for_a_
     assert running["step"] == waiting["step"] == "held_step"
     assert running["running_for_s"] >= 0 and running["waiting_for_s"] is None
     assert waiting["waiting_for_s"] >= 0 and waiting["running_for_s"] is None
+
+
+@workflow.defn(name="EndsWhileWatched", sandboxed=False)
+class EndsWhileWatched:
+    """A job's events alone: one step event when told, its terminal event when told."""
+
+    def __init__(self) -> None:
+        self.events = JobEvents()
+        self.told: list[str] = []
+
+    @workflow.run
+    async def run(self) -> str:
+        await workflow.wait_condition(lambda: "step" in self.told)
+        self.events.emit("ragline.step.started", {"step": "one"})
+        await workflow.wait_condition(lambda: "end" in self.told)
+        await self.events.close("ragline.job.completed", {})
+        return "completed"
+
+    @workflow.signal
+    def tell(self, what: str) -> None:
+        self.told.append(what)
+
+
+async def test_a_cancel_that_comes_as_a_job_ends_leaves_it_as_it_ended(temporal_env, restore_policies):
+    """A job someone watches waits a moment after its terminal event for the watcher's next poll
+    (`[events] subscriber_grace`). It is over by then: a cancel arriving in that moment changes nothing,
+    and the job whose stream said `ragline.job.completed` ends completed, with its result."""
+    policies.load(Path(__file__).resolve().parent / "fast_policies.toml", worker.activity_names())
+    policies._loaded = dataclasses.replace(policies.loaded(), subscriber_grace=timedelta(seconds=30))  # a window
+    client, queue = temporal_env.client, f"ends-watched-{uuid.uuid4().hex[:8]}"
+    async with Worker(client, task_queue=queue, workflows=[EndsWhileWatched]):
+        handle = await client.start_workflow(EndsWhileWatched.run, id=queue, task_queue=queue)
+        # A watcher's poll waits when the step event comes (the job is watched from then on); the watcher
+        # then leaves without polling again, as a closed tab does.
+        poll = await handle.start_update("__temporal_workflow_stream_poll", PollInput(from_offset=0),
+                                         wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=PollResult)
+        await handle.signal(EndsWhileWatched.tell, "step")
+        assert len((await poll.result()).items) == 1
+        await handle.signal(EndsWhileWatched.tell, "end")
+        async for event in handle.fetch_history_events(wait_new_event=True):
+            if event.event_type == EventType.EVENT_TYPE_TIMER_STARTED:
+                break  # the terminal event is out; the job waits for the watcher's next poll
+        else:
+            pytest.fail("the job ended without waiting for its watcher's next poll")
+        await handle.cancel()
+        assert await handle.result() == "completed"
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED

@@ -5,6 +5,7 @@ Temporal dev server, so that the lines are the Temporal SDK's own; the API's 4xx
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from datetime import timedelta
@@ -144,3 +145,22 @@ async def test_the_step_line_names_the_error_of_our_taxonomy(temporal_env, capfd
                                                           task_queue=queue) == "failed"
     [line] = [line for line in capfd.readouterr().out.splitlines() if "step attempt failed" in line and queue in line]
     assert "error_type=InputError" in line and "outcome=non_retryable_error" in line, line
+
+
+def test_a_library_line_with_an_exception_keeps_its_traceback_masked_in_json(capfd):
+    """RAGLINE_LOG_JSON with RAGLINE_REDACT_PII: a library's record of an exception (the SDK's failed
+    attempt, uvicorn's failed request) still carries its traceback, as text a log pipeline can read,
+    with personal data masked in it too; no frame's local variables are printed."""
+    logs.configure(json=True, redact=True)
+    try:
+        password = "s3cret-pdf-password"  # a local of the failing frame
+        raise ValueError(f"cannot reach ana@example.com ({len(password)})")
+    except ValueError:
+        capfd.readouterr()
+        logging.getLogger(logs.SDK_ACTIVITY_LOGGER).warning("Completing activity as failed", exc_info=True)
+    finally:
+        logs.configure()
+    [line] = [json.loads(x) for x in capfd.readouterr().err.splitlines() if "Completing activity" in x]
+    assert line["level"] == "warning" and line["exception"].startswith("Traceback (most recent call last)")
+    assert "ValueError: cannot reach [email]" in line["exception"], line
+    assert "ana@example.com" not in json.dumps(line) and "s3cret-pdf-password" not in json.dumps(line)

@@ -34,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
     from temporal import search_attributes as sa
     from temporal.errors import failed_attempt
     from workflows.dead_letters import DeadLetters
-    from workflows.events import HOLD_PATCH, JobEvents
+    from workflows.events import HOLD_PATCH, TERMINAL_EVENT_STANDS_PATCH, JobEvents
     from workflows.failures import exhausted_retries, failure_reason, failure_type
     from workflows.review import Reviews
     from workflows.slot import RunningSlot
@@ -113,7 +113,13 @@ class JobWorkflow:
                 details = ({**first, **extra}, *details[1:]) if first else (extra, *details)
             raise ApplicationError(reason, *details, type=failure_type(exc), non_retryable=True) from exc
         finally:
-            await self.slot.release()
+            try:
+                await self.slot.release()
+            except asyncio.CancelledError:
+                # A cancel that comes once the terminal event is out changes nothing (workflows/events.py);
+                # the gate's sweep frees a slot whose release it stopped.
+                if not workflow.patched(TERMINAL_EVENT_STANDS_PATCH):
+                    raise
 
     def failure_details(self) -> dict[str, Any]:
         """What the job's failure carries for whoever started it, beside the reason (its first detail)."""
@@ -211,6 +217,7 @@ class JobWorkflow:
         When the activity exhausts its retries the job parks until an operator retries or discards it.
         `options` go to the activity's start beside its policy's (a cancellation type a patch decides)."""
         name = policies.activity_name(activity)
+        rounds = 0  # times an operator retried this call after it had used up its attempts
         while True:
             await self.slot.take_back()  # lent while a person decided
             self._calls_running += 1  # a parked call does not count: it waits for a person
@@ -229,8 +236,9 @@ class JobWorkflow:
                 if not exhausted_retries(exc):
                     self.steps.fail(step, reason, attempts=failed_attempt(exc))
                     raise
-                attempts = self.steps.failed_attempts(step, attempts=policies.policy(name).retry.maximum_attempts,
-                                                      error=reason)
+                # Each round used up the policy's attempts (a batch step counts its own call's, not its siblings').
+                attempts = (rounds + 1) * policies.policy(name).retry.maximum_attempts
+                self.steps.failed_attempts(step, attempts=attempts, error=reason)
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
                     raise _FellBack(await on_exhausted())
@@ -245,6 +253,7 @@ class JobWorkflow:
                     self.steps.cancel(step)  # stopped while parked
                     raise
                 self.steps.resume(step)
+                rounds += 1
 
     # -- status ----------------------------------------------------------------------------------
     def status(self) -> JobStatus:

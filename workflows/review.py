@@ -27,6 +27,9 @@ BUDGET_KEYS = {"max_llm_calls", "max_tokens", "max_seconds"}
 # A review whose wait is cancelled (the job cancelled, or a chat turn failing beside it) is withdrawn at once:
 # a decision sent then is refused instead of accepted and ignored. Earlier jobs kept it pending to their end.
 WITHDRAWN_PATCH = "review-withdrawn-when-its-wait-stops"
+# A second `review` signal that comes before the job has acted on the first is refused (recorded as rejected
+# input). Signal handlers run on replay: histories from before took the last one.
+SECOND_DECISION_PATCH = "review-second-decision-refused"
 
 
 class Reviews:
@@ -91,10 +94,12 @@ class Reviews:
         except ValidationError as exc:
             raise ApplicationError(f"invalid review: {validation_summary(exc)}", type="InvalidReview") from None
 
-    def validate(self, decision: ReviewDecision) -> None:
+    def validate(self, decision: ReviewDecision, *, refuse_second: bool = True) -> None:
+        """`refuse_second`: refuse a decision that comes after one the job has not acted on yet (sent at the
+        same moment, or the review timed out meanwhile)."""
         if self.pending is None:
             raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
-        if self.decision is not None:  # taken in this workflow task, by a decision sent at the same moment
+        if refuse_second and self.decision is not None:
             raise ApplicationError(f"this review was already decided ({self.decision.decision} by "
                                    f"{self.decision.reviewer})", type="NotWaitingForReview")
         if decision.requested_at is not None and decision.requested_at != self.pending.requested_at:
@@ -119,13 +124,16 @@ class Reviews:
     def accept_signal(self, payload: Any) -> None:
         try:
             decision = self.parse(payload)
-            self.validate(decision)
+            second = self.decision is not None and workflow.patched(SECOND_DECISION_PATCH)
+            self.validate(decision, refuse_second=second)
         except (ApplicationError, TypeError) as exc:
             message = exc.message if isinstance(exc, ApplicationError) else str(exc)
             entry = RejectedInput(payload=payload, error=message, at=workflow.now())
             self.rejected_inputs.append(entry)
-            # The stream is read by any key of the tenant: what only reviewers may read stays out of it.
-            shown = entry.shown_to_all(self.pending.withheld if self.pending else [])
+            # The stream is read by any key of the tenant: what only reviewers may read stays out of it
+            # (of the review still waiting, or of the one just decided).
+            withheld = self.pending.withheld if self.pending else self.history[-1].withheld if self.history else []
+            shown = entry.shown_to_all(withheld)
             self._events.emit("ragline.review.rejected_input", shown.model_dump(mode="json"))
             workflow.logger.warning("review signal rejected: %s", message)
             return

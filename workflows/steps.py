@@ -53,15 +53,13 @@ class StepLog:
         if name in self._steps:
             self._steps[name].detail = detail[:500]
 
-    def failed_attempts(self, name: str, *, attempts: int, error: str) -> int:
-        """The step's retries are used up; it waits (dead-lettered) rather than failing. Answers its
-        attempts so far, those before an operator's retry included."""
-        total = self._attempts_before.get(name, 0) + attempts
+    def failed_attempts(self, name: str, *, attempts: int, error: str) -> None:
+        """The step's retries are used up; it waits (dead-lettered) rather than failing. `attempts`: all
+        of them so far, those before an operator's retry included."""
         step = self._steps.get(name)
         if step is not None:
             step.error = error
-            step.attempts = max(step.attempts, total)
-        return total
+            step.attempts = max(step.attempts, attempts)
 
     def park(self, name: str) -> None:
         """The step waits for an operator (its error and attempts stay shown)."""

@@ -167,16 +167,19 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
     now = datetime.now(timezone.utc)
     running = []
     for pending in desc.raw_description.pending_activities:
-        # Scheduled, not started: it waits for a worker's slot (a local model's one slot, say), or between attempts.
-        started = pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+        # Scheduled, not started: it waits for a worker's slot (a local model's one slot, say), or for its
+        # next attempt (then its scheduled time is that attempt's, still to come: counted from the last one).
+        started = pending.state != PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED
         since = pending.last_started_time if started else pending.scheduled_time
-        since_at = since.ToDatetime(tzinfo=timezone.utc) if since.seconds else None
+        if not started and (not since.seconds or since.ToDatetime(tzinfo=timezone.utc) > now):
+            since = pending.last_attempt_complete_time
+        seconds = max(0.0, (now - since.ToDatetime(tzinfo=timezone.utc)).total_seconds()) if since.seconds else None
         running.append({
             "step": pending.activity_type.name,
             "attempt": pending.attempt,
             "state": "running" if started else "waiting",
-            "running_for_s": round((now - since_at).total_seconds(), 1) if started and since_at else None,
-            "waiting_for_s": round((now - since_at).total_seconds(), 1) if not started and since_at else None,
+            "running_for_s": round(seconds, 1) if started and seconds is not None else None,
+            "waiting_for_s": round(seconds, 1) if not started and seconds is not None else None,
             "last_error": pending.last_failure.message or None,
         })
     if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
