@@ -43,7 +43,7 @@ from ragline.settings import Settings, get_settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import policies, queues
 from temporal.client import connect
-from temporal.telemetry import ServerStatsPoller, StepTelemetry, metrics_runtime
+from temporal.telemetry import ServerStatsPoller, StepTelemetry, worker_runtime
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
@@ -349,20 +349,19 @@ async def main(argv: list[str] | None = None) -> int:
             log.error("cannot open the vector store", error=exc.message)
             return 3
     tracing.configure("ragline-worker")
-    runtime = None
-    if settings.worker_metrics_port:
-        address = f"{settings.worker_metrics_host}:{settings.worker_metrics_port}"
-        try:
-            runtime = metrics_runtime(address)
-        except ValueError as exc:
-            log.error("cannot serve worker metrics (RAGLINE_WORKER_METRICS_PORT)", address=address, error=str(exc))
-            return 4
+    address = f"{settings.worker_metrics_host}:{settings.worker_metrics_port}" if settings.worker_metrics_port else None
+    try:
+        runtime = worker_runtime(address)
+    except ValueError as exc:
+        log.error("cannot serve worker metrics (RAGLINE_WORKER_METRICS_PORT)", address=address, error=str(exc))
+        return 4
+    if address:
         log.info("worker metrics", url=f"http://{address}/metrics")
     client = await connect(settings, identity=f"ragline-{role}@{socket.gethostname()}:{os.getpid()}",
                            runtime=runtime)
     if role in ("all", "workflows"):
         await ensure_registered(client, settings.temporal_namespace)
-    poller = asyncio.create_task(ServerStatsPoller(client, settings, runtime).run()) if runtime else None
+    poller = asyncio.create_task(ServerStatsPoller(client, settings, runtime).run()) if address else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

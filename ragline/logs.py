@@ -31,10 +31,13 @@ class ExpectedFailureFilter(logging.Filter):
         self.expected = non_retryable_types()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        activity = getattr(record, "temporal_activity", None) or {}  # the SDK's extra on its records
+        if activity:  # written after the step's own context closed: its fields, from the SDK's record
+            record.job_id, record.step = activity.get("workflow_id"), activity.get("activity_type")
+            record.attempt = activity.get("attempt")
         error = record.exc_info[1] if record.exc_info else None
         if not isinstance(error, ApplicationError):
             return True
-        activity = getattr(record, "temporal_activity", None) or {}  # the SDK's extra on its records
         if error.non_retryable and error.type in self.expected:
             record.msg = "activity %s of job %s failed, not retried: %s: %s"
             record.args = (activity.get("activity_type"), activity.get("workflow_id"), error.type, error.message)
@@ -42,7 +45,7 @@ class ExpectedFailureFilter(logging.Filter):
         elif not error.non_retryable and error.type == TransientError.__name__:
             # A provider's 503 or timeout is weather, not a bug: during an outage a traceback per attempt
             # buries everything else in the log.
-            record.msg = "activity %s of job %s failed on attempt %s, retried by its policy: %s"
+            record.msg = "activity %s of job %s failed on attempt %s (transient: retried while its policy allows): %s"
             record.args = (activity.get("activity_type"), activity.get("workflow_id"), activity.get("attempt"),
                            error.message)
             record.exc_info = record.exc_text = None
@@ -53,6 +56,7 @@ class ExpectedFailureFilter(logging.Filter):
 # pass records on: they are sent through the root handler instead, to carry the same fields.
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 RAGLINE_HANDLER = "ragline"
+STEP_FIELDS = ("job_id", "step", "attempt")  # a library record's own (ExpectedFailureFilter sets them)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -86,7 +90,7 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
               structlog.processors.TimeStamper(fmt="iso")]
     handler = _StderrHandler()
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared, processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+        foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder(allow=STEP_FIELDS)], processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                                               structlog.processors.format_exc_info, *masking, renderer]))
     if redact:  # also before formatting: a record's message is masked whichever handler writes it
         from ragline.redact import RedactingFilter

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any
+from urllib.parse import unquote
 
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
 # Chinese resident ID (18: 17 digits + digit/X; 15 digits, old), US SSN.
@@ -63,6 +64,8 @@ class RedactingFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         masked = redact(message)
+        if "%" in masked and (decoded := unquote(masked)) != (unmasked := redact(decoded)):
+            masked = unmasked  # a URL-encoded path (uvicorn's access line): jane.doe%40example.com
         if masked != message:
             record.msg, record.args = masked, None
         return True

@@ -6,6 +6,7 @@ activity attempt and ties its log lines to the job, and a poller for what only t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -18,7 +19,9 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError, CancelledError
-from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.runtime import (
+    LogForwardingConfig, LoggingConfig, PrometheusConfig, Runtime, TelemetryConfig, TelemetryFilter,
+)
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from ragline import metrics, tracing
@@ -29,12 +32,25 @@ from temporal import search_attributes as sa
 log = structlog.get_logger("ragline.telemetry")
 
 
+def core_logging() -> LoggingConfig:
+    """The SDK core's own lines (Rust: "workflow task duration exceeded…", poll errors) forwarded to Python
+    logging, so that they are formatted, masked and JSON like every other line, not colour-coded text."""
+    return LoggingConfig(filter=TelemetryFilter(core_level="WARN", other_level="WARN"),
+                         forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")))
+
+
+def worker_runtime(metrics_address: str | None = None) -> Runtime:
+    """The worker process's Runtime: the core's lines forwarded (`core_logging`), and with `metrics_address`
+    its metrics (the SDK's and Ragline's) served at http://<metrics_address>/metrics. Build it once per
+    process (the port binds at once), before any client that should use it."""
+    return Runtime(telemetry=TelemetryConfig(logging=core_logging(), metrics=PrometheusConfig(
+        bind_address=metrics_address, counters_total_suffix=True, durations_as_seconds=True,
+        histogram_bucket_overrides=metrics.HISTOGRAM_BUCKETS) if metrics_address else None))
+
+
 def metrics_runtime(bind_address: str) -> Runtime:
-    """A Runtime whose metrics (the SDK's and Ragline's) are served at http://<bind_address>/metrics.
-    Build it once per process (the port binds at once), before any client that should use it."""
-    return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
-        bind_address=bind_address, counters_total_suffix=True, durations_as_seconds=True,
-        histogram_bucket_overrides=metrics.HISTOGRAM_BUCKETS)))
+    """`worker_runtime` serving metrics at `bind_address`."""
+    return worker_runtime(bind_address)
 
 
 class StepTelemetry(Interceptor):

@@ -93,7 +93,10 @@ async def test_a_transient_failure_is_one_line_that_says_it_is_retried(temporal_
     [line] = await _failure_lines(temporal_env.client, caplog, call_an_unreachable_model)
     assert line.exc_info is None and "Traceback" not in caplog.text
     message = line.getMessage()
-    assert "call_an_unreachable_model" in message and "on attempt 1, retried by its policy" in message
+    assert "call_an_unreachable_model" in message and "on attempt 1 (transient: retried while" in message
+    # Written after the step's own context closed, it carries the step's fields from the SDK's record.
+    assert (line.job_id, line.step, line.attempt) == (line.temporal_activity["workflow_id"],
+                                                      "call_an_unreachable_model", 1)
     assert "cannot reach the model endpoint" in message and "\n" not in message
 
 
@@ -164,3 +167,16 @@ def test_a_library_line_with_an_exception_keeps_its_traceback_masked_in_json(cap
     assert line["level"] == "warning" and line["exception"].startswith("Traceback (most recent call last)")
     assert "ValueError: cannot reach [email]" in line["exception"], line
     assert "ana@example.com" not in json.dumps(line) and "s3cret-pdf-password" not in json.dumps(line)
+
+
+def test_an_access_line_masks_personal_data_in_a_url_encoded_path():
+    """uvicorn logs the path as sent, URL-encoded: an e-mail in it reads jane.doe%40example.com."""
+    from ragline.redact import RedactingFilter
+
+    for path in ("/v1/jobs/jane.doe%40example.com", "/v1/chats/call%20%2B1%20415%20555%200199"):
+        record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                   ("127.0.0.1:1", "GET", path, "1.1", 422), None)
+        RedactingFilter().filter(record)
+        message = record.getMessage()
+        assert "jane.doe" not in message and "555" not in message, message  # (a phone keeps its last digits)
+        assert message.endswith('HTTP/1.1" 422'), message
