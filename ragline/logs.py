@@ -90,8 +90,9 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
               structlog.processors.TimeStamper(fmt="iso")]
     handler = _StderrHandler()
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder(allow=STEP_FIELDS)], processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                                              structlog.processors.format_exc_info, *masking, renderer]))
+        foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder(allow=STEP_FIELDS)],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,
+                    *masking, renderer]))
     if redact:  # also before formatting: a record's message is masked whichever handler writes it
         from ragline.redact import RedactingFilter
 
