@@ -41,7 +41,7 @@ def connect_options(settings: Settings) -> dict[str, Any]:
 
 async def connect(settings: Settings, *, lazy: bool = False, identity: str | None = None,
                   runtime: Runtime | None = None) -> Client:
-    """`runtime`: the process's metrics Runtime (temporal.telemetry.metrics_runtime), else the SDK's default.
+    """`runtime`: the process's metrics Runtime (temporal.telemetry.worker_runtime), else the SDK's default.
     The tracing interceptor sits on the client only: workers built from it inherit it."""
     kwargs: dict[str, Any] = {"identity": identity} if identity else {}
     if runtime is not None:

@@ -48,11 +48,6 @@ def worker_runtime(metrics_address: str | None = None) -> Runtime:
         histogram_bucket_overrides=metrics.HISTOGRAM_BUCKETS) if metrics_address else None))
 
 
-def metrics_runtime(bind_address: str) -> Runtime:
-    """`worker_runtime` serving metrics at `bind_address`."""
-    return worker_runtime(bind_address)
-
-
 class StepTelemetry(Interceptor):
     """Per activity attempt: duration and outcome (ragline_step_duration_seconds, ragline_step_attempts_total),
     and log lines bound to job_id, step, attempt and the trace id. Runs inside the tracing interceptor's

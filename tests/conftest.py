@@ -44,7 +44,7 @@ from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import search_attributes as sa
 from temporal.client import connect
-from temporal.telemetry import ServerStatsPoller, metrics_runtime as _metrics_runtime
+from temporal.telemetry import ServerStatsPoller, worker_runtime
 from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM
 from worker import build_worker
@@ -88,7 +88,7 @@ def metrics_runtime():
     in-process worker's client uses it, so its scrape holds every test stack (labelled by task_queue)."""
     if "runtime" not in _RUNTIME:
         port = free_port()
-        _RUNTIME.update(runtime=_metrics_runtime(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}/metrics",
+        _RUNTIME.update(runtime=worker_runtime(f"127.0.0.1:{port}"), url=f"http://127.0.0.1:{port}/metrics",
                         port=port)
     return _RUNTIME["runtime"]
 
