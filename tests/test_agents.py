@@ -59,6 +59,14 @@ async def test_depth_guard_waits_and_cli_approval_continues(stack):
         assert review["job_id"] == f"{job_id}.1.1.1"
         assert (await stack.http.get(f"/v1/jobs/{review['job_id']}")).json()["status"] == "waiting_review"
 
+        async def root_names_its_waiting_child() -> dict | None:  # told up the tree, by signals
+            steps = (await stack.http.get(f"/v1/jobs/{job_id}")).json()["steps"]
+            step = next((s for s in steps if s["name"] == "delegate 1"), None)
+            return step if step and f"{job_id}.1 waits for a person" in (step["detail"] or "") else None
+
+        step = await eventually(root_names_its_waiting_child, what="the root's delegation naming its child")
+        assert step["status"] == "running", step
+
         # Approve with the real `temporal` CLI, as an operator would.
         payload = {"decision": "approve", "reviewer": "cli-operator", "comment": "one more level", "extra_depth": 1}
         await _cli(stack, "workflow", "update", "execute", "-w", review["workflow_id"], "--name", "review",

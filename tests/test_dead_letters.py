@@ -290,29 +290,48 @@ async def test_a_parked_document_says_why_and_lends_its_uploads_slot(temporal_en
 @pytest.mark.parametrize("action, ends", [("discard", "failed"), ("cancel", "cancelled")])
 async def test_a_document_that_does_not_complete_leaves_nothing_to_find(temporal_env, private_llm, tmp_path,
                                                                         action, ends):
-    """A document whose last batch of embeddings keeps failing parks with its other batches already
-    indexed, which no search finds while it waits (a document is found whole or not at all).
+    """A document whose first batch of embeddings keeps failing parks while its other batches are indexed,
+    which no search finds while it waits (a document is found whole or not at all). Its job shows the step
+    parked (not running, as the batches after it made it), the list its pages, and the upload names it.
     Discarded or cancelled, it ends so, and what it had indexed goes with it."""
     llm = private_llm
     address = temporal_env.client.service_client.config.target_host
     async with running_stack(address, llm, tmp_path, task_queue=f"ragline-doc-{action}", embed_batch_size=4,
-                             embeddings_base_url=llm.base_url, embeddings_model="scripted") as stack:
+                             embed_parallelism=2, embeddings_base_url=llm.base_url,
+                             embeddings_model="scripted") as stack:
         with llm.scope() as failing:
             failing.script_fn("embeddings", lambda body: {"fault": "503"})  # only batches with the token
             paragraphs = [f"Paragraph {i}: the tide tables of harbour {i} list high water at {i} o'clock. " * 6
                           for i in range(10)]
-            text = "\n\n".join(paragraphs) + f" {failing.token}"
+            # The first batch parks; the others go on beside it, and start after it parked.
+            text = f"{failing.token} " + "\n\n".join(paragraphs)
             upload = await stack.upload(("tides.txt", text.encode()), collection="undo")
             [document] = upload["documents"]
 
-            async def parked_with_batches_indexed() -> dict | None:
-                job = (await stack.http.get(f"/v1/jobs/{upload['job_id']}")).json()
+            async def parked_with_the_other_batches_indexed() -> dict | None:
                 docs = (await stack.http.get("/v1/documents", params={"collection": "undo"})).json()["documents"]
                 doc = next((d for d in docs if d["status"] == "dead_lettered"), None)
-                indexed = stack.index.count(stack.tenant, "undo", document["document_id"])
-                return doc if doc and indexed and job["status"] == "running" else None
+                if doc is None:
+                    return None
+                steps = {s["name"]: s for s in (await stack.http.get(f"/v1/jobs/{doc['job_id']}")).json()["steps"]}
+                done, _, batches = (steps["index_chunks"]["detail"] or "0/0").partition(" ")[0].partition("/")
+                return (doc, steps) if int(done) == int(batches) - 1 else None
 
-            doc = await eventually(parked_with_batches_indexed, timeout=60, what="the document parked, part indexed")
+            doc, steps = await eventually(parked_with_the_other_batches_indexed, timeout=60,
+                                          what="the document parked, its other batches indexed")
+            assert int(steps["index_chunks"]["detail"].split("/")[1].split()[0]) > 2, steps  # batches after the park
+            # Its listing and its job agree: the step waits for an operator while its siblings ran on.
+            assert steps["embed_chunks"]["status"] == "dead_lettered", steps
+            assert doc["pages"] == 1 and doc["error"], doc
+
+            async def upload_says_where_to_look() -> dict | None:  # told by the document, by signal
+                job = (await stack.http.get(f"/v1/jobs/{upload['job_id']}")).json()
+                [step] = [s for s in job["steps"] if s["name"] == "document:tides.txt"]
+                return job if "waits for a person" in (step["detail"] or "") else None
+
+            job = await eventually(upload_says_where_to_look, what="the upload's step naming its parked document")
+            [step] = [s for s in job["steps"] if s["name"] == "document:tides.txt"]
+            assert job["status"] == step["status"] == "running" and doc["job_id"] in step["detail"], job
             # Its first batches are in the store, yet no search finds them.
             assert await stack.search("When is high water at harbour 1?", collection="undo") == []
 

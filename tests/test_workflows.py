@@ -35,7 +35,7 @@ from models.chat import (
     HistoryItem, RetrieveInput, RetrieveOutput, SessionState, SummaryOutput, TurnContext, TurnInput, TurnOutcome,
     TurnResult, Usage, session_workflow_id, turn_job_id,
 )
-from models.jobs import StepResult
+from models.jobs import OperatorRequest, StepResult, StepState
 from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
     AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
@@ -84,6 +84,8 @@ class Fakes:
     extract_fails: dict[str, ApplicationError] = field(default_factory=dict)
     embed_fails_once: bool = False
     embed_rejects: set[int] = field(default_factory=set)  # batches (by start) the embedder refuses for good
+    embed_down: set[int] = field(default_factory=set)  # batches (by start) whose every attempt fails, retryably
+    embed_held: asyncio.Event | None = None  # the other batches' embeddings wait for it
     index_seconds: float = 0  # how long a batch's write takes
     plan: Callable[[PlanInput], PlanOutput] | None = None
     side_step_seconds: float = 0.2
@@ -131,6 +133,10 @@ class Fakes:
         self._end(call)
         if self.embed_fails_once and call.attempt == 1 and req.start == 0:
             raise ApplicationError("embedder busy", type="TransientError")
+        if req.start in self.embed_down:
+            raise ApplicationError("embedder down", type="TransientError")
+        if self.embed_held is not None:
+            await self.embed_held.wait()
         if req.start in self.embed_rejects:
             await asyncio.sleep(0.3)  # while another batch is being written
             raise ApplicationError("the provider refused this batch", type="ProviderRejectedError", non_retryable=True)
@@ -460,6 +466,35 @@ async def test_a_failed_document_removes_its_chunks_after_the_batches_in_flight_
     writes = fakes.named("index_chunks")
     assert writes and all(w.finished is not None and w.finished < undo.started for w in writes), fakes.calls
     assert steps["embed_chunks"].status == "failed"
+
+
+async def test_a_parked_batch_shows_its_step_parked_while_the_batches_after_it_run(env):
+    """Batch 0's embeddings fail until it parks; batch 4 only starts after that (batch 2 holds the other
+    place). The step stays shown as waiting for an operator, not running, and an operator's discard
+    ends the job failed."""
+    fakes = Fakes(embed_down={0}, embed_held=asyncio.Event())
+    doc = document("a.txt", "parked-batch")
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
+                                                 id=document_workflow_id(doc.tenant, doc.document_id))
+
+        async def steps_when(ready: Callable[[dict[str, StepState]], bool]) -> dict[str, StepState] | None:
+            steps = {s.name: s for s in (await handle.query(IngestDocumentWorkflow.progress)).steps}
+            return steps if ready(steps) else None
+
+        await eventually(lambda: steps_when(lambda s: s["embed_chunks"].status == "dead_lettered"), timeout=20,
+                         what="batch 0 parked")
+        fakes.embed_held.set()
+        steps = await eventually(lambda: steps_when(lambda s: s["index_chunks"].detail == "2/3 batches"), timeout=20,
+                                 what="batches 2 and 4 indexed")
+        assert [c.arg.start for c in fakes.named("index_chunks")] == [2, 4]
+        assert steps["embed_chunks"].status == "dead_lettered", steps
+        assert steps["embed_chunks"].detail == "2/3 batches", steps
+        await handle.execute_update("discard", OperatorRequest(operator="ops"))
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        steps = {s.name: s.status for s in (await handle.query(IngestDocumentWorkflow.progress)).steps}
+    assert steps["embed_chunks"] == "failed", steps
 
 
 async def test_a_cancelled_document_removes_its_chunks_after_the_write_in_flight_has_ended(env):

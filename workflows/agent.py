@@ -226,9 +226,10 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         child_id = agent_workflow_id(workflow.info().workflow_id, index)
         node = AgentNode(goal=goal, depth=inp.depth + 1, job_id=child_id, status="running")
         self.children.append(node)
-        self.steps.start(f"delegate {index}", detail=goal)
+        step = f"delegate {index}"
+        self.steps.start(step, detail=goal)
         try:
-            async with self.waits.child(child_id):  # waiting for a reviewer, it lends the tree's slot
+            async with self.waits.child(child_id, step):  # waiting for a reviewer, it lends the tree's slot
                 result = await workflow.execute_child_workflow(
                     AgentWorkflow.run,
                     AgentInput(tenant=inp.tenant, goal=goal, collection=inp.collection, depth=inp.depth + 1,
@@ -241,7 +242,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                         SearchAttributePair(sa.COLLECTION, inp.collection), SearchAttributePair(sa.TENANT, inp.tenant)]))
         except ChildWorkflowError as exc:
             node.status, node.answer = "failed", failure_reason(exc)
-            self.steps.fail(f"delegate {index}", node.answer)
+            self.steps.fail(step, node.answer)
             if workflow.patched(FAILED_CHILD_SPEND_PATCH):  # what it spent before failing was paid for
                 self.spent.add(spent_before_failing(exc))
             return f"(failed: {node.answer})", False
@@ -249,7 +250,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.child_decisions.extend(result.decisions)
         self.rejected.extend(g for g in result.rejected if g not in self.rejected)
         node.status, node.answer, node.children = result.status, result.answer, result.tree.children
-        self.steps.complete(f"delegate {index}", detail=goal)
+        self.steps.complete(step, detail=goal)
         return result.answer, bool(result.rejected)
 
     # -- guards and review ----------------------------------------------------------------------------

@@ -43,6 +43,9 @@ INDEX = policies.activity_name(IngestActivities.index_chunks)
 # An upload that finds its document indexed by an earlier job asks whether a removal (DELETE) took it out
 # since, and then ingests it anew. Earlier uploads took the earlier outcome as it was.
 REMOVED_PATCH = "upload-after-removal-ingests-anew"
+# The documents list shows a document's pages once they are extracted, not only once it is indexed
+# (a document parked for an operator showed none). Earlier histories set them at the end only.
+PAGES_PATCH = "document-pages-shown-after-extraction"
 
 
 @workflow.defn
@@ -59,6 +62,8 @@ class IngestDocumentWorkflow(JobWorkflow):
         extracted = await self.step(IngestActivities.extract_text, ExtractInput(
             document_id=doc.document_id, blob_ref=doc.blob_ref, filename=doc.filename, kind=doc.kind,
             password=doc.password, max_pages=doc.max_pages))
+        if workflow.patched(PAGES_PATCH):
+            self.upsert_attributes(sa.PAGES.value_set(extracted.pages))
         chunked = await self.step(IngestActivities.chunk_text, ChunkInput(
             document_id=doc.document_id, pages_ref=extracted.pages_ref))
         try:
@@ -180,7 +185,7 @@ class IngestWorkflow(JobWorkflow):
         """The document's outcome: its own job, started here, or the one another upload started."""
         child_id = document_workflow_id(doc.tenant, doc.document_id)
         try:
-            async with self.waits.child(child_id):  # parked for an operator, it lends this job's slot
+            async with self.waits.child(child_id, step):  # parked for an operator, it lends this job's slot
                 return await workflow.execute_child_workflow(
                     IngestDocumentWorkflow.run, doc, id=child_id, id_reuse_policy=reuse,
                     parent_close_policy=workflow.ParentClosePolicy.ABANDON,

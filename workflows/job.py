@@ -151,8 +151,10 @@ class JobWorkflow:
         kind = info.typed_search_attributes.get(sa.JOB_KIND) or info.workflow_type
         metrics.job_finished(workflow.metric_meter(), kind, status)
 
-    def _child_waiting(self, child_id: str, waiting: bool) -> None:
+    def _child_waiting(self, child_id: str, step: str | None, waiting: bool) -> None:
         """A person following this job learns that a job it waits on waits for a person (or no longer)."""
+        if step is not None:
+            self.steps.child_waits(step, child_id, waiting)
         self.events.emit("ragline.job.child_waiting", {"job_id": child_id, "waiting": waiting}, in_signal=True)
 
     def begin(self) -> None:

@@ -18,6 +18,8 @@ class StepLog:
         self._on_change = on_change
         self._steps = {name: StepState(name=name) for name in planned}
         self._attempts_before: dict[str, int] = {}  # attempts made before an operator's retry
+        self._parked: dict[str, int] = {}  # calls of a step (a document's batches) waiting for an operator
+        self._detail_before_wait: dict[str, str | None] = {}
 
     @property
     def started(self) -> bool:
@@ -27,7 +29,7 @@ class StepLog:
         step = self._steps.setdefault(name, StepState(name=name))
         if detail is not None:
             step.detail = detail
-        if step.status != "running":
+        if step.status != "running" and not self._parked.get(name):
             step.status, step.started_at, step.error = "running", workflow.now(), None
             self._events.emit("ragline.step.started", {"step": name, "detail": step.detail})
             self._on_change()
@@ -62,15 +64,30 @@ class StepLog:
             step.attempts = max(step.attempts, attempts)
 
     def park(self, name: str) -> None:
-        """The step waits for an operator (its error and attempts stay shown)."""
+        """The step waits for an operator (its error and attempts stay shown), for as long as any call of
+        it does: a sibling batch that starts meanwhile does not show it running."""
         if (step := self._steps.get(name)) is not None:
             step.status = "dead_lettered"
+            self._parked[name] = self._parked.get(name, 0) + 1
 
     def resume(self, name: str) -> None:
         """An operator retries the parked step: it runs again, its attempts counted on from where they were."""
+        self._parked[name] = max(0, self._parked.get(name, 0) - 1)
         if (step := self._steps.get(name)) is not None:
             step.status, step.error = "running", None
             self._attempts_before[name] = step.attempts
+
+    def child_waits(self, name: str, child_id: str, waiting: bool) -> None:
+        """The job this step runs as a child (an upload's document, a sub-agent) waits for a person, or
+        no longer: the step, which shows running, says where to look."""
+        step = self._steps.get(name)
+        if step is None or step.status != "running":
+            return
+        if waiting:
+            self._detail_before_wait.setdefault(name, step.detail)
+            step.detail = f"its job {child_id} waits for a person (an operator or a reviewer)"
+        elif name in self._detail_before_wait:
+            step.detail = self._detail_before_wait.pop(name)
 
     def fail(self, name: str, error: str, *, attempts: int | None = None) -> None:
         """`attempts`: the attempt it failed on, when its failure says (temporal.errors.failed_attempt)."""

@@ -34,16 +34,17 @@ SIGNAL = "child_waiting"
 
 class PersonWaits:
     def __init__(self, slot: RunningSlot, *, within_parent: Callable[[], bool], busy: Callable[[], int] = lambda: 0,
-                 on_child: Callable[[str, bool], None] = lambda child_id, waiting: None) -> None:
+                 on_child: Callable[[str, str | None, bool], None] = lambda child_id, step, waiting: None) -> None:
         """`within_parent`: whether this job runs within its parent's slot (and so tells it); `busy`: how
         many of its activities run now (a job with work under way does not wait, even if one of its
-        parallel steps does); `on_child`: told when a child starts or stops waiting for a person."""
+        parallel steps does); `on_child`: told when a child starts or stops waiting for a person (with the
+        step that waits on it)."""
         self._slot = slot
         self._within_parent = within_parent
         self._busy = busy
         self._on_child = on_child
         self._own = 0                       # the job's own waits for a person going on now
-        self._children: set[str] = set()    # children it waits on now
+        self._children: dict[str, str | None] = {}  # children it waits on now, and the step of each
         self._waiting: set[str] = set()     # those of them that wait for a person
         self._heard: dict[str, int] = {}    # the latest signal's seq per child
         self._told = False                  # what the parent was told last
@@ -63,15 +64,15 @@ class PersonWaits:
             self._changed()
 
     @asynccontextmanager
-    async def child(self, child_id: str) -> AsyncIterator[None]:
-        """The job waits on the child job `child_id` for the block."""
+    async def child(self, child_id: str, step: str | None = None) -> AsyncIterator[None]:
+        """The job waits on the child job `child_id` for the block (as its step `step`)."""
         if self._lending is None and not self._within_parent() and workflow.patched(PATCH):
             self._lending = asyncio.ensure_future(self._lend_while_children_wait())
-        self._children.add(child_id)
+        self._children[child_id] = step
         try:
             yield
         finally:
-            self._children.discard(child_id)
+            self._children.pop(child_id, None)
             self._waiting.discard(child_id)
             self._changed()
 
@@ -88,11 +89,11 @@ class PersonWaits:
         else:
             self._waiting.discard(news.job_id)
         if was != news.waiting:
-            self._on_child(news.job_id, news.waiting)
+            self._on_child(news.job_id, self._children[news.job_id], news.waiting)
         self._changed()
 
     def children_wait(self) -> bool:
-        return bool(self._children) and self._children <= self._waiting
+        return bool(self._children) and self._children.keys() <= self._waiting
 
     def waiting(self) -> bool:
         """Nothing of the job runs: it, or every child it waits on, waits for a person."""
