@@ -51,12 +51,27 @@ class AgentNode(BaseModel):
     children: list["AgentNode"] = []
 
 
+class Grant(BaseModel):
+    """What reviewers added to budgets in a subtree (approve or revise with `extra_budget`)."""
+    llm_calls: int = 0
+    tokens: int = 0
+    seconds: float = 0
+
+    def add(self, other: "Grant") -> None:
+        self.llm_calls += other.llm_calls
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+
+
 class AgentResult(BaseModel):
     answer: str
     status: Literal["finished", "stopped"]
     tree: AgentNode
     llm_calls: int
     tokens: int
+    # Added by reviewers in this subtree: the parent's budget grows by it too, since it pays for what the
+    # subtree spent (else an approved extension below trips every ancestor's budget guard in turn).
+    granted: Grant = Grant()
     decisions: list[ReviewRecord] = []
     # Sub-goals rejected by a reviewer in this subtree (the parent stops proposing them too).
     rejected: list[str] = []

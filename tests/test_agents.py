@@ -165,6 +165,64 @@ async def test_a_rejected_delegation_is_not_proposed_again(stack):
     assert sorted(j["job_id"] for j in tree) == [job_id, f"{job_id}.1", f"{job_id}.1.1"]
 
 
+async def test_a_rejection_stops_the_sub_agents_running_beside_it(stack):
+    """Two sub-agents wait for a review each. A reviewer rejects one: the other's review is withdrawn at
+    once (nobody is asked about a tree that is stopping), it finishes with what it has, and the root
+    finishes too, every call counted. Before, the other waited for its reviewer (up to a day)."""
+    def plan(body: dict) -> dict:
+        depth = plan_depth(body)
+        if depth == 0 and fresh_plan(body):
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"survey the {side} pier {token}"}}
+                                   for side in ("north", "south")]}
+        if depth == 1 and fresh_plan(body):
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"deeper {plan_goal(body)}"}}]}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer at depth {depth}"}}]}
+
+    with stack.llm.scope() as llm:
+        token = llm.token
+        llm.script_fn("agent", plan)
+        job_id = await _start(stack, f"Survey the piers {token}", max_depth=1)
+        reviews = await waiting_reviews(stack, job_id, count=2)
+        assert sorted(r["job_id"] for r in reviews) == [f"{job_id}.1", f"{job_id}.2"], reviews
+        r = await stack.http.post(f"/v1/jobs/{job_id}.1/review", json={"decision": "reject", "reviewer": "ed"})
+        assert r.status_code == 200, r.text
+        job = await stack.wait_done(job_id, timeout=60)
+        calls = llm.count("agent")
+    assert job["status"] == "completed", job
+    result = job["result"]
+    assert result["status"] == "stopped" and [d["decision"] for d in result["decisions"]] == ["reject"], result
+    assert [c["status"] for c in result["tree"]["children"]] == ["stopped", "stopped"], result["tree"]
+    assert result["llm_calls"] == calls == 3, result  # the root's plan and each sub-agent's
+    assert await _tree_reviews(stack, job_id) == []
+    events = [e["type"] for _, e in await read_events(stack, f"{job_id}.2")]
+    assert "ragline.review.withdrawn" in events and "ragline.review.decided" not in events, events
+
+
+async def test_a_sub_agent_a_person_cancels_is_not_delegated_again(stack):
+    """A person cancels a sub-agent waiting for its review. Its parent shows the delegation cancelled (not
+    failed) and does not propose the same sub-goal again: the model, which would, is told not to."""
+    def plan(body: dict) -> dict:
+        depth = plan_depth(body)
+        if depth == 0:
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"survey the lighthouse {token}"}}]}
+        return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"deeper {plan_goal(body)}"}}]}
+
+    with stack.llm.scope() as llm:
+        token = llm.token
+        llm.script_fn("agent", plan)
+        job_id = await _start(stack, f"Survey the coast {token}", max_depth=1)
+        [review] = await waiting_reviews(stack, job_id)
+        assert review["job_id"] == f"{job_id}.1"
+        r = await stack.http.post(f"/v1/jobs/{job_id}.1/cancel")
+        assert r.status_code == 202, r.text
+        job = await stack.wait_done(job_id, timeout=60)
+    assert job["status"] == "completed", job
+    steps = {s["name"]: s for s in job["steps"]}
+    assert steps["delegate 1"]["status"] == "cancelled" and "delegate 2" not in steps, steps
+    assert steps["delegate 1"]["detail"] == f"survey the lighthouse {token}", steps  # no longer "waits for"
+    assert [c["status"] for c in job["result"]["tree"]["children"]] == ["cancelled"], job["result"]["tree"]
+
+
 async def test_loop_guard_trips_on_a_repeated_goal(stack):
     def loop(body: dict) -> dict:
         if fresh_plan(body):
@@ -214,6 +272,41 @@ async def test_a_revise_on_a_spent_budget_brings_its_extra_budget(stack):
     assert job["status"] == "completed", job
     result = job["result"]
     assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the lamps follow the tides", 3)
+
+
+async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack):
+    """The root (3 model calls) hands its sub-agent the 2 it has left after its first plan; the sub-agent
+    searches twice, asks for more and is granted 2, and finishes. The root, which pays for the 3 calls
+    below it, plans its answer without asking a reviewer again: the extension was granted for that spend.
+    Before, each ancestor's budget guard tripped in turn (4 of 3)."""
+    def plan(body: dict) -> dict:
+        if plan_depth(body) == 0:
+            if fresh_plan(body):
+                return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"count the lamps {token}"}}]}
+            return {"tool_calls": [{"name": "finish", "arguments": {"answer": "the root's answer"}}]}
+        observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
+        searches = observed.count("\n- ") + observed.startswith("- ")
+        if searches < 2:
+            return {"tool_calls": [{"name": "search_documents",
+                                    "arguments": {"query": ("tide tables", "lamp schedule")[searches]}}]}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "twelve lamps"}}]}
+
+    with stack.llm.scope() as llm:
+        token = llm.token
+        llm.script_fn("agent", plan)
+        job_id = await _start(stack, f"Survey the harbour {token}", max_depth=2,
+                              budget={"max_llm_calls": 3, "max_tokens": 100000, "max_seconds": 600})
+        [review] = await waiting_reviews(stack, job_id)
+        assert (review["reason"], review["depth"]) == ("budget", 1), review
+        r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review", json={
+            "decision": "approve", "reviewer": "di", "extra_budget": {"max_llm_calls": 2}})
+        assert r.status_code == 200, r.text
+        job = await stack.wait_done(job_id)
+        asked = [d["depth"] for d in job["result"]["decisions"]] if job["status"] == "completed" else None
+    assert job["status"] == "completed", job
+    result = job["result"]
+    assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the root's answer", 5), result
+    assert asked == [1], job["result"]["decisions"]
 
 
 async def test_signal_reviews_record_bad_input_and_accept_good_input(stack):

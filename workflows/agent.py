@@ -15,24 +15,24 @@ AgentWorkflow (id agent-<uuid>, children <parent id>.<n>)
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.exceptions import ChildWorkflowError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from activities.agent import AgentActivities
     from models.agent import (
-        TOOL_DELEGATE, TOOL_FINISH, TOOL_SEARCH, AgentInput, AgentNode, AgentResult, Budget, PlanCorrection,
-        PlanInput, SearchDocumentsInput, Spend, agent_workflow_id,
+        TOOL_DELEGATE, TOOL_FINISH, TOOL_SEARCH, AgentInput, AgentNode, AgentResult, Budget, Grant,
+        PlanCorrection, PlanInput, SearchDocumentsInput, Spend, agent_workflow_id,
     )
     from models.review import ReviewDecision, ReviewRecord
     from temporal import search_attributes as sa
     from workflows.failures import failure_reason
     from workflows.job import JobWorkflow
-    from workflows.review import ReviewHandlers
+    from workflows.review import ReviewHandlers, ReviewWithdrawn
 
 MAX_TURNS = 8            # planning rounds per agent
 MAX_OBSERVATIONS = 8     # observations kept for the next plan (each is short)
@@ -49,13 +49,35 @@ SPENT_DETAIL = "spent"
 SEARCH_PROGRESS_PATCH = "agent-search-makes-progress"
 # A `revise` brings its extensions (extra_depth, extra_budget) as an `approve` does; earlier ones dropped them.
 REVISE_EXTENDS_PATCH = "agent-revise-extends"
+# What reviewers granted below an agent extends its budget too: the subtree's spend it pays for included
+# the extension. Earlier parents asked for a review of their own budget once such a child returned.
+CHILD_GRANTS_PATCH = "agent-child-grants-extend-ancestors"
+GRANTED_DETAIL = "granted"
+# A rejection anywhere in a tree stops the sub-agents running beside it: each is told (signal `stop`) and
+# finishes with what it has, a review it waits for withdrawn, and tells its own children. Earlier trees let
+# them run on (and ask people for decisions) until the last one ended.
+STOP_SIGNAL = "stop"
+SIBLINGS_STOP_PATCH = "agent-rejection-stops-running-siblings"
+# A sub-agent a person cancelled is not delegated again (its goal counts as refused). Earlier parents took
+# it for a failure, and could propose the same sub-goal in their next plan.
+CANCELLED_CHILD_PATCH = "agent-cancelled-child-not-delegated-again"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
     """What a failed sub-agent spent, from its failure (nothing, from a child of older code)."""
-    details = getattr(exc.cause, "details", None) or ()
-    spent = details[0].get(SPENT_DETAIL) if details and isinstance(details[0], dict) else None
+    spent = _failure_detail(exc, SPENT_DETAIL)
     return Spend.model_validate(spent) if isinstance(spent, dict) else Spend()
+
+
+def granted_before_failing(exc: ChildWorkflowError) -> Grant:
+    """What reviewers granted a failed sub-agent's subtree, from its failure."""
+    granted = _failure_detail(exc, GRANTED_DETAIL)
+    return Grant.model_validate(granted) if isinstance(granted, dict) else Grant()
+
+
+def _failure_detail(exc: ChildWorkflowError, key: str) -> Any:
+    details = getattr(exc.cause, "details", None) or ()
+    return details[0].get(key) if details and isinstance(details[0], dict) else None
 
 
 def normalise_goal(goal: str) -> str:
@@ -77,6 +99,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
     def __init__(self) -> None:
         super().__init__()
         self.spent = Spend()
+        self.granted = Grant()  # seconds: set at the end, from how far the deadline moved
         self.children: list[AgentNode] = []
         self.child_decisions: list[ReviewRecord] = []
         self.observations: list[str] = []
@@ -85,6 +108,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self._searched: set[str] = set()  # queries searched, normalised
         # What the search guard told the model: an observation for its next plan, not something it found.
         self._told: set[str] = set()
+        self._stop_asked = False
+        self._searches_in_turn: dict[int, int] = {}
 
     @workflow.run
     async def run(self, inp: AgentInput) -> AgentResult:
@@ -92,13 +117,23 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.max_depth = inp.max_depth
         self.budget = inp.budget.model_copy()
         self.deadline = inp.deadline or workflow.now() + timedelta(seconds=inp.budget.max_seconds)
+        self._first_deadline = self.deadline
         self.rejected = list(inp.rejected)
         self.events.context = {"depth": inp.depth}
         return await self.run_job(self._agent, accepted={
             "goal": inp.goal, "depth": inp.depth, "max_depth": inp.max_depth})
 
+    @workflow.signal(name=STOP_SIGNAL)
+    def stop(self) -> None:
+        """Finish with what it has (a reviewer rejected something elsewhere in its tree; or a person asks)."""
+        self._stop_asked = True
+
     def failure_details(self) -> dict[str, Any]:
-        return {SPENT_DETAIL: self.spent.model_dump()}
+        return {SPENT_DETAIL: self.spent.model_dump(), GRANTED_DETAIL: self._granted().model_dump()}
+
+    def _granted(self) -> Grant:
+        moved = (self.deadline - self._first_deadline).total_seconds()
+        return self.granted.model_copy(update={"seconds": max(0.0, moved)})
 
     async def _agent(self) -> AgentResult:
         self.begin()
@@ -111,6 +146,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         inherited = set(self.inp.rejected)
         return AgentResult(
             answer=answer, status=status, llm_calls=self.spent.llm_calls, tokens=self.spent.tokens,
+            granted=self._granted(),
             decisions=[*self.reviews.history, *self.child_decisions],
             rejected=[g for g in self.rejected if g not in inherited],
             tree=AgentNode(goal=self.inp.goal, depth=self.inp.depth, job_id=workflow.info().workflow_id,
@@ -125,6 +161,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         turn = 0
         # A correction due after the last round still gets its round: a malformed call is never the end.
         while turn < MAX_TURNS or correction is not None:
+            if self._stop_asked:
+                raise Stop()
             turn += 1
             over = self._over_budget()
             if over:
@@ -173,10 +211,13 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                        "something else, or call finish with what the observations show")
             return
         self._searched.add(normalise_goal(query))
+        # A plan may search more than once: each search is a step of its own in the job's view.
+        self._searches_in_turn[turn] = n = self._searches_in_turn.get(turn, 0) + 1
+        name = f"search {turn}" if n == 1 else f"search {turn}.{n}"
         found = await self.step(AgentActivities.search_documents, SearchDocumentsInput(
-            tenant=inp.tenant, query=query, collection=inp.collection), name=f"search {turn}")
+            tenant=inp.tenant, query=query, collection=inp.collection), name=name)
         if progress:
-            self.steps.note(f"search {turn}", f"query: {query!r}")
+            self.steps.note(name, f"query: {query!r}")
             if found.observation in self.observations:
                 self._tell(f"search_documents({query!r}) found the same passages as an earlier search: search for "
                            "something else, or call finish")
@@ -195,6 +236,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         subgoals = [g for g in subgoals if normalise_goal(g) not in refused]
         if not subgoals:
             return
+        if self._stop_asked:
+            raise Stop()
         guard = self._delegation_guard(subgoals)
         if guard is not None:
             reason, detail = guard
@@ -214,8 +257,16 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             max_seconds=self.budget.max_seconds)
         base = len(self.children)
         await self.slot.take_back()  # lent while a reviewer decided on this delegation: the children run within it
-        results = await asyncio.gather(*(self._child(base + i + 1, goal, child_budget)
-                                         for i, goal in enumerate(subgoals)))
+        children = [asyncio.ensure_future(self._child(base + i + 1, goal, child_budget))
+                    for i, goal in enumerate(subgoals)]
+        ids = [agent_workflow_id(workflow.info().workflow_id, base + i + 1) for i in range(len(subgoals))]
+        watch = asyncio.ensure_future(self._stop_children_when_rejected(children, ids)) \
+            if workflow.patched(SIBLINGS_STOP_PATCH) else None
+        try:
+            results = await asyncio.gather(*children)
+        finally:
+            if watch is not None:
+                watch.cancel()
         self.observations.extend(f"sub-agent on {goal!r}: {answer}" for goal, (answer, _) in zip(subgoals, results))
         if any(rejected_below for _, rejected_below in results):
             raise Stop()  # a reviewer rejected something below: the tree finishes with what it has
@@ -227,31 +278,56 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         node = AgentNode(goal=goal, depth=inp.depth + 1, job_id=child_id, status="running")
         self.children.append(node)
         step = f"delegate {index}"
+        deadline_given = self.deadline
         self.steps.start(step, detail=goal)
         try:
             async with self.waits.child(child_id, step):  # waiting for a reviewer, it lends the tree's slot
                 result = await workflow.execute_child_workflow(
                     AgentWorkflow.run,
                     AgentInput(tenant=inp.tenant, goal=goal, collection=inp.collection, depth=inp.depth + 1,
-                               max_depth=self.max_depth, budget=budget, deadline=self.deadline,
+                               max_depth=self.max_depth, budget=budget, deadline=deadline_given,
                                ancestors=[*inp.ancestors, inp.goal], rejected=self.rejected,
                                review_timeout_seconds=inp.review_timeout_seconds),
                     id=child_id,
                     search_attributes=TypedSearchAttributes([
                         SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
-                        SearchAttributePair(sa.COLLECTION, inp.collection), SearchAttributePair(sa.TENANT, inp.tenant)]))
+                        SearchAttributePair(sa.COLLECTION, inp.collection),
+                        SearchAttributePair(sa.TENANT, inp.tenant)]))
         except ChildWorkflowError as exc:
-            node.status, node.answer = "failed", failure_reason(exc)
-            self.steps.fail(step, node.answer)
             if workflow.patched(FAILED_CHILD_SPEND_PATCH):  # what it spent before failing was paid for
                 self.spent.add(spent_before_failing(exc))
+            self._take_on(granted_before_failing(exc), deadline_given)
+            if is_cancelled_exception(exc):
+                node.status, node.answer = "cancelled", "cancelled by a person"
+                self.steps.cancel(step)
+                if workflow.patched(CANCELLED_CHILD_PATCH):
+                    self.rejected.append(goal)
+                return "(cancelled by a person: do not propose it again)", False
+            node.status, node.answer = "failed", failure_reason(exc)
+            self.steps.fail(step, node.answer)
             return f"(failed: {node.answer})", False
         self.spent.add(Spend(llm_calls=result.llm_calls, tokens=result.tokens))
+        self._take_on(result.granted, deadline_given)
         self.child_decisions.extend(result.decisions)
         self.rejected.extend(g for g in result.rejected if g not in self.rejected)
         node.status, node.answer, node.children = result.status, result.answer, result.tree.children
         self.steps.complete(step, detail=goal)
         return result.answer, bool(result.rejected)
+
+    async def _stop_children_when_rejected(self, children: list[asyncio.Future[tuple[str, bool]]],
+                                           ids: list[str]) -> None:
+        """Once a child comes back with a rejection below it, or this agent is told to stop, the children
+        still running are told to stop too: they finish with what they have (and what they spent counts)."""
+        def rejected_below() -> bool:
+            return any(c.done() and not c.cancelled() and c.exception() is None and c.result()[1] for c in children)
+
+        await workflow.wait_condition(lambda: self._stop_asked or rejected_below() or all(c.done() for c in children))
+        for child, child_id in zip(children, ids):
+            if not child.done():
+                try:
+                    await workflow.get_external_workflow_handle(child_id).signal(STOP_SIGNAL)
+                except Exception as exc:  # noqa: BLE001 - it ended meanwhile: nothing to stop
+                    workflow.logger.info("could not tell sub-agent %s to stop: %s", child_id, exc)
 
     # -- guards and review ----------------------------------------------------------------------------
     def _delegation_guard(self, subgoals: list[str]) -> tuple[str, str] | None:
@@ -279,15 +355,30 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             return f"time budget used up ({self.budget.max_seconds:g} s)"
         return None
 
+    def _take_on(self, granted: Grant, deadline_given: datetime) -> None:
+        """Reviewers granted a child's subtree more than it was given: this agent's budget grows by as much."""
+        if not (granted.llm_calls or granted.tokens or granted.seconds) or not workflow.patched(CHILD_GRANTS_PATCH):
+            return
+        self.budget.max_llm_calls += granted.llm_calls
+        self.budget.max_tokens += granted.tokens
+        self.granted.add(Grant(llm_calls=granted.llm_calls, tokens=granted.tokens))
+        # Children share the deadline they were given: the latest one a reviewer moved it to holds here too.
+        self.deadline = max(self.deadline, deadline_given + timedelta(seconds=granted.seconds))
+
     async def _review(self, reason: str, detail: str, proposed: dict) -> ReviewDecision:
-        decision = await self.reviews.ask(
-            reason=reason, detail=detail, proposed_action=proposed, goal=self.inp.goal, depth=self.inp.depth,
-            timeout=timedelta(seconds=self.inp.review_timeout_seconds))
+        try:
+            decision = await self.reviews.ask(
+                reason=reason, detail=detail, proposed_action=proposed, goal=self.inp.goal, depth=self.inp.depth,
+                timeout=timedelta(seconds=self.inp.review_timeout_seconds), withdraw_when=lambda: self._stop_asked)
+        except ReviewWithdrawn:
+            raise Stop() from None
         if decision.decision == "approve" or (decision.decision == "revise" and workflow.patched(REVISE_EXTENDS_PATCH)):
             self.max_depth += decision.extra_depth
             extra = decision.extra_budget
-            self.budget.max_llm_calls += int(extra.get("max_llm_calls", 0))
-            self.budget.max_tokens += int(extra.get("max_tokens", 0))
+            grant = Grant(llm_calls=int(extra.get("max_llm_calls", 0)), tokens=int(extra.get("max_tokens", 0)))
+            self.budget.max_llm_calls += grant.llm_calls
+            self.budget.max_tokens += grant.tokens
+            self.granted.add(grant)
             if extra.get("max_seconds"):
                 self.budget.max_seconds += extra["max_seconds"]
                 self.deadline += timedelta(seconds=extra["max_seconds"])

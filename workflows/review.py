@@ -32,6 +32,10 @@ WITHDRAWN_PATCH = "review-withdrawn-when-its-wait-stops"
 SECOND_DECISION_PATCH = "review-second-decision-refused"
 
 
+class ReviewWithdrawn(Exception):
+    """The job stopped waiting for the review before anyone decided (its `withdraw_when` came true)."""
+
+
 class Reviews:
     def __init__(self, events: JobEvents, on_change: Callable[[], None],
                  while_waiting: Callable[[], AbstractAsyncContextManager] = nullcontext) -> None:
@@ -46,29 +50,34 @@ class Reviews:
         self.revise_needs_answer = False
 
     async def ask(self, *, reason: str, detail: str, proposed_action: dict, goal: str, depth: int,
-                  timeout: timedelta, withheld: tuple[str, ...] = ()) -> ReviewDecision:
-        """`withheld`: keys of `proposed_action` only reviewers may read (workflows/chat.py: a held answer)."""
+                  timeout: timedelta, withheld: tuple[str, ...] = (),
+                  withdraw_when: Callable[[], bool] = lambda: False) -> ReviewDecision:
+        """`withheld`: keys of `proposed_action` only reviewers may read (workflows/chat.py: a held answer).
+        `withdraw_when`: the job no longer needs the decision once it is true (unless one came first): the
+        review is withdrawn and ReviewWithdrawn raised."""
         now = workflow.now()
         self.pending = ReviewRequest(reason=reason, detail=detail, proposed_action=proposed_action, goal=goal,
                                      depth=depth, requested_at=now, expires_at=now + timeout, withheld=list(withheld))
         shown = self.pending.shown_to_all()
         self.decision = None
+        self.rejected_inputs = []  # bad input sent for an earlier review is not this one's
         self._on_change()
         # The job's stream is read by any key of the tenant: what only reviewers may read stays out of it.
         self._events.emit("ragline.review.requested", {**self.pending.model_dump(mode="json"), "proposed_action": shown})
         async with self._while_waiting():  # the job's running slot is lent meanwhile
             try:
-                await workflow.wait_condition(lambda: self.decision is not None, timeout=timeout)
+                await workflow.wait_condition(lambda: self.decision is not None or withdraw_when(),
+                                              timeout=timeout)
                 decision = self.decision
+                if decision is None:
+                    self._withdraw(reason)
+                    raise ReviewWithdrawn()
             except TimeoutError:
                 decision = self.decision = ReviewDecision(decision="reject", reviewer="system",
                                                           comment="review timed out")
             except asyncio.CancelledError:
                 if workflow.patched(WITHDRAWN_PATCH):
-                    withdrawn, self.pending = self.pending, None
-                    self._on_change()
-                    self._events.emit("ragline.review.withdrawn", {"requested_at": withdrawn.requested_at.isoformat(),
-                                                                   "reason": reason})
+                    self._withdraw(reason)
                 raise
         record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
                               decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
@@ -79,6 +88,12 @@ class Reviews:
         self._on_change()
         self._events.emit("ragline.review.decided", {**record.model_dump(mode="json"), "proposed_action": shown})
         return decision
+
+    def _withdraw(self, reason: str) -> None:
+        withdrawn, self.pending = self.pending, None
+        self._on_change()
+        self._events.emit("ragline.review.withdrawn", {"requested_at": withdrawn.requested_at.isoformat(),
+                                                       "reason": reason})
 
     def view(self) -> PendingReview | None:
         if self.pending is None:

@@ -42,6 +42,7 @@ class StepLog:
 
     def complete(self, name: str, *, attempts: int = 1, detail: str | None = None) -> None:
         step = self._steps[name]
+        self._waited(name)
         step.status, step.finished_at = "completed", workflow.now()
         step.started_at = step.started_at or step.finished_at
         step.attempts = max(step.attempts, self._attempts_before.get(name, 0) + attempts)
@@ -86,12 +87,18 @@ class StepLog:
         if waiting:
             self._detail_before_wait.setdefault(name, step.detail)
             step.detail = f"its job {child_id} waits for a person (an operator or a reviewer)"
-        elif name in self._detail_before_wait:
-            step.detail = self._detail_before_wait.pop(name)
+        else:
+            self._waited(name)
+
+    def _waited(self, name: str) -> None:
+        """The step's child no longer waits for a person (or the step ended): its detail is its own again."""
+        if name in self._detail_before_wait:
+            self._steps[name].detail = self._detail_before_wait.pop(name)
 
     def fail(self, name: str, error: str, *, attempts: int | None = None) -> None:
         """`attempts`: the attempt it failed on, when its failure says (temporal.errors.failed_attempt)."""
         step = self._steps.setdefault(name, StepState(name=name))
+        self._waited(name)
         step.status, step.finished_at, step.error = "failed", workflow.now(), error
         if step.started_at is not None:  # it ran, and failed: at least the attempt that failed counts
             step.attempts = max(step.attempts, self._attempts_before.get(name, 0) + (attempts or 1))
@@ -101,6 +108,7 @@ class StepLog:
         """The job was cancelled while the step ran (its `ragline.job.cancelled` event says so), or
         another call of it failed and this one was stopped (a batch): then the step stays failed."""
         step = self._steps.setdefault(name, StepState(name=name))
+        self._waited(name)
         if step.status != "failed":
             step.status, step.finished_at = "cancelled", workflow.now()
 
