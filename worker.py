@@ -179,9 +179,11 @@ def fallback_model(settings: Settings) -> ChatModel | None:
     """The lighter model a turn falls back to (RAGLINE_FALLBACK_LLM_*), or None when none is configured."""
     if not settings.fallback_llm_base_url:
         return None
+    # RAGLINE_LLM_LOCAL speaks of the main model: whether the fallback is local is judged from its own URL
+    # (a hosted fallback of a local model would otherwise get unmasked text).
     return ChatModel(settings.model_copy(update={
         "llm_base_url": settings.fallback_llm_base_url, "llm_model": settings.fallback_llm_model or settings.llm_model,
-        "llm_api_key": settings.fallback_llm_api_key}))
+        "llm_api_key": settings.fallback_llm_api_key, "llm_local": None}))
 
 
 # Versioning behaviour of each workflow, chosen on purpose (applied only with worker versioning on: the

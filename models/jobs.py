@@ -17,7 +17,9 @@ StepStatus = Literal["pending", "running", "completed", "failed", "skipped", "de
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)
 OPEN_STATUSES: tuple[str, ...] = ("queued", "running", "waiting_review", "dead_lettered")
 # A collection name, wherever one is given.
-COLLECTION_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# Not starting with "_": Ragline's own Qdrant collections are named so (`ragline__meta` holds every
+# collection's version; a collection "_meta" would have been it).
+COLLECTION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 # The topic of a job's event stream (workflow_streams) that the API relays as Server-Sent Events.
 EVENTS_TOPIC = "events"
 # The memo field of a job started by a keyed request: a digest of that request, against which the same

@@ -44,7 +44,7 @@ DENSE = "dense"
 LEXICAL = "lexical"
 # One point per collection holds its version, changed by every write (upload, prune): answers
 # cached for a collection are valid for one version only. (`ragline__meta` can't clash: collection
-# names have no double underscore at the start.)
+# names do not start with an underscore, models/jobs.py.)
 META_COLLECTION = "ragline__meta"
 # Hybrid retrieval: candidates per list, the RRF constant and the weight of each list. The dense side
 # runs once per language group, so a passage in another language than the question competes with its

@@ -35,6 +35,7 @@ from temporal.client import connect
 from tests.conftest import serving_api
 from tests.helpers import delegate_until, eventually, waiting_reviews
 from tests.pdfgen import pdf_bytes
+from worker import fallback_model
 
 DOC_A = "The {tag} lighthouse of Acme is painted red and white and has 120 steps."
 DOC_B = "The {tag} granary of Globex stores barley and opens at dawn every Monday."
@@ -718,6 +719,26 @@ async def test_keys_rotate_and_old_payloads_stay_readable(tmp_path):
 
 
 # -- sensitive data ----------------------------------------------------------------------------------
+
+def test_a_hosted_fallback_of_a_local_model_gets_masked_text(tmp_path):
+    """RAGLINE_LLM_LOCAL=true says the main model is local; the hosted fallback is not, and gets masked text."""
+    settings = Settings(data_dir=tmp_path, redact_pii=True, llm_local=True, llm_base_url="http://gpu-box.lan:8080/v1",
+                        fallback_llm_base_url="https://api.example.com/v1")
+    messages = [{"role": "user", "content": "Write to jane@example.com"}]
+    assert ChatModel(settings)._mask(messages) == messages
+    assert "jane@example.com" not in str(fallback_model(settings)._mask(messages))
+
+
+async def test_collection_names_starting_with_an_underscore_are_refused(stack):
+    """They are Ragline's own: `_meta` would have been the collection that holds every collection's version."""
+    r = await stack.http.post("/v1/documents", data={"collection": "_meta"}, files=[("files", ("a.txt", b"hello"))])
+    assert r.status_code == 422, r.text
+    for path, body in (("/v1/search", {"query": "hello", "collection": "_meta"}),
+                       ("/v1/chats", {"message": "hello", "collection": "_meta"})):
+        r = await stack.http.post(path, json=body)
+        assert r.status_code == 422 and "collection" in r.text, (path, r.text)
+    assert (await stack.http.get("/v1/documents", params={"collection": "_meta"})).status_code == 422
+
 
 def test_redaction_masks_phones_emails_and_id_numbers():
     assert redact("call 13812345678 or +1 (555) 123-4567") == "call 138****5678 or 155****4567"
