@@ -19,8 +19,8 @@ from urllib.parse import quote
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import PendingWorkflowTaskState
 from temporalio.client import (
-    Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle,
-    WorkflowUpdateFailedError,
+    Client, WorkflowExecution, WorkflowExecutionDescription, WorkflowExecutionStatus, WorkflowFailureError,
+    WorkflowHandle, WorkflowUpdateFailedError,
 )
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -469,10 +469,9 @@ async def failure_of(handle: WorkflowHandle, execution: WorkflowExecution, rpc_t
     return JobError(message=f"workflow ended {execution.status.name.lower()}", type="Workflow")
 
 
-async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> str:
-    """Ask a running job to stop: its steps are cancelled (a model call stops within the heartbeat
-    interval) and it ends as `cancelled`. Cancelled already: the same answer again (a client that lost
-    the first answer may send it again). Unknown job (or another tenant's): 404; ended otherwise: 409;
+async def _owned_job(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta,
+                     action: str) -> tuple[str, WorkflowExecutionDescription]:
+    """The job's scoped id and description, for an `action` on it. Unknown job (or another tenant's): 404;
     a chat turn its session has accepted but not started yet (no worker has run the session): 409."""
     asked, job_id = job_id, scoped(tenant, job_id)
     try:
@@ -482,10 +481,20 @@ async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelt
             raise
         if await accepted_turn(client, tenant, job_id, rpc_timeout) is not None:
             raise ApiError(409, "job_not_started", f"turn {job_id} is accepted and its session has not started "
-                                                   "it yet (no worker has run the session): cancel it once it has") from None
+                                                   f"it yet (no worker has run the session): {action} it once it "
+                                                   "has") from None
         raise not_found(asked) from None
     if not owned(desc, tenant):
         raise not_found(asked)
+    return job_id, desc
+
+
+async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta) -> str:
+    """Ask a running job to stop: its steps are cancelled (a model call stops within the heartbeat
+    interval) and it ends as `cancelled`. Cancelled already: the same answer again (a client that lost
+    the first answer may send it again). Unknown job (or another tenant's): 404; ended otherwise: 409;
+    a chat turn its session has accepted but not started yet (no worker has run the session): 409."""
+    job_id, desc = await _owned_job(client, tenant, job_id, rpc_timeout, "cancel")
     closed = ApiError(409, "job_closed", f"job {job_id} has already ended ({job_status(desc)})")
     if desc.status == WorkflowExecutionStatus.CANCELED:
         return job_id
@@ -502,14 +511,19 @@ async def cancel(client: Client, tenant: str, job_id: str, rpc_timeout: timedelt
 
 async def send_update(client: Client, tenant: str, job_id: str, name: str, payload: BaseModel,
                       result_type: type[Ack], rpc_timeout: timedelta, *, refused_code: str,
-                      update_id: str | None = None) -> Ack:
+                      update_id: str | None = None, kinds: tuple[str, ...] | None = None) -> Ack:
     """A person's decision on a job (operator retry/discard, review), as a validated Update; answers
     the workflow's acknowledgement. Unknown job (or another tenant's): 404; refused by the workflow's
-    validator: 409 with its reason (422 when the decision itself is invalid); job ended: 409.
-    `update_id`: the same decision sent again under it gets the first one's acknowledgement (Temporal
-    keeps an Update's outcome by id while the job runs)."""
-    view = await describe_job(client, tenant, job_id, rpc_timeout)
-    job_id = view.job_id
+    validator, or a job of a kind not in `kinds` (which never waits for it): 409 with its reason (422 when
+    the decision itself is invalid); job ended: 409. `update_id`: the same decision sent again under it
+    gets the first one's acknowledgement (Temporal keeps an Update's outcome by id while the job runs)."""
+    # The job's description, not its whole view: that asks the workflow for its progress too.
+    job_id, desc = await _owned_job(client, tenant, job_id, rpc_timeout, name)
+    if desc.status != WorkflowExecutionStatus.RUNNING:
+        raise ApiError(409, "job_closed", f"job {job_id} has already ended ({job_status(desc)})")
+    kind = desc.typed_search_attributes.get(sa.JOB_KIND)
+    if kinds is not None and kind not in kinds:
+        raise ApiError(409, refused_code, f"job {job_id} ({kind}) never waits for a {name}")
     try:
         ack = await client.get_workflow_handle(job_id).execute_update(
             name, payload, id=update_id, result_type=result_type, rpc_timeout=rpc_timeout)
@@ -519,10 +533,7 @@ async def send_update(client: Client, tenant: str, job_id: str, name: str, paylo
             raise ApiError(422, "invalid_review", message) from None
         raise ApiError(409, refused_code, message) from None
     except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND and view.status == "queued":  # a turn its session has not started
-            raise ApiError(409, "job_not_started", f"turn {job_id} is accepted and its session has not started "
-                                                   "it yet (no worker has run the session)") from None
-        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
+        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):  # it ended in between
             raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
         raise
     return ack

@@ -267,6 +267,10 @@ async def test_a_parked_document_says_why_and_lends_its_uploads_slot(temporal_en
             r = await stack.http.delete(f"/v1/documents/{doc['document_id']}")
             assert (r.status_code, r.json()["error"]["code"]) == (409, "document_busy"), r.text
             assert doc["job_id"] in r.json()["error"]["message"]
+            # A document never waits for a review: said so, not with the workflow's list of handlers.
+            r = await stack.http.post(f"/v1/jobs/{doc['job_id']}/review", json={"decision": "approve", "reviewer": "x"})
+            assert (r.status_code, r.json()["error"]["code"]) == (409, "not_waiting_for_review"), r.text
+            assert "never waits for a review" in r.json()["error"]["message"], r.text
             assert (await stack.wait_job(upload["job_id"], until=("running",)))["status"] == "running"
             # The tenant's one slot is lent: another job of the tenant, a turn that needs the model (which
             # only a turn holding a slot may call), runs to the end.

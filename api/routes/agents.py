@@ -134,6 +134,7 @@ async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep
                         reviewer=decision.reviewer, comment=decision.comment or None, **caller.on_record):
         # The id as asked: an error names the job the caller sent, not its scoped form.
         ack = await job_views.send_update(
-            client, caller.tenant, job_id, "review", decision, ReviewAck, timeout, refused_code="not_waiting_for_review",
+            client, caller.tenant, job_id, "review", decision, ReviewAck, timeout,
+            refused_code="not_waiting_for_review", kinds=("agent", "chat"),
             update_id=decision_id("review", idempotency_key, decision.model_dump(mode="json")))
     return ReviewResult(job_id=scoped_id, **ack.model_dump())
