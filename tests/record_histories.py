@@ -7,8 +7,9 @@ tests/histories/workflow_ids.json). Re-record after a deliberate, versioned chan
 workflow code (README: "Running on a cluster"); never to make a failing replay pass.
 
 Scenarios: an ingestion (two documents: the batch and its children), a document removed, a chat session
-with several turns that continues as new, an agent tree whose depth guard waits for a review that approves it, an agent
-whose broken tool call gets a corrective plan, a turn whose passages overflow the model's context (the
+with several turns that continues as new, an agent tree whose depth guard waits for a review that approves
+it (with an extension), two sub-agents of which a rejection of one stops the other, an agent whose broken
+tool call gets a corrective plan, a turn whose passages overflow the model's context (the
 summary first), a chat turn dead-lettered by a failing model and retried by an operator, a held answer whose
 summary is discarded while its review waits, an evaluation, a search, and a tenant
 capped at one running job whose second turn waits for its slot (the gate's history too).
@@ -34,10 +35,21 @@ from models.chat import SessionState, session_workflow_id
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
-from tests.helpers import delegate_until, read_events, waiting_reviews
+from tests.helpers import delegate_until, fresh_plan, plan_depth, plan_goal, read_events, waiting_reviews
 from workflows.chat import ChatSessionWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
+
+
+def _two_piers(body: dict) -> dict:
+    """The root delegates two sub-goals; each sub-agent wants to delegate once more (past max_depth 1)."""
+    depth = plan_depth(body)
+    if depth == 0 and fresh_plan(body):
+        return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"survey the {side} pier"}}
+                               for side in ("north", "south")]}
+    if depth == 1 and fresh_plan(body):
+        return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"deeper {plan_goal(body)}"}}]}
+    return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer at depth {depth}"}}]}
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
 
 
@@ -145,12 +157,24 @@ async def record() -> list[Path]:
                                                           "max_depth": 1})
             agent_id = r.json()["job_id"]
             [review] = await waiting_reviews(stack, agent_id)
-            await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
-                                  json={"decision": "approve", "reviewer": "rec", "extra_depth": 1})
+            await stack.http.post(f"/v1/jobs/{review['job_id']}/review", json={
+                "decision": "approve", "reviewer": "rec", "extra_depth": 1, "extra_budget": {"max_llm_calls": 1}})
             assert (await stack.wait_done(agent_id))["status"] == "completed"
             stack.llm.script_fn("agent", None)
             await asyncio.sleep(1)
             saved += await _save(client, "agent-review", f"WorkflowId STARTS_WITH '{agent_id}'")
+
+            # Two sub-agents wait for a review each; one is rejected, and the other is told to stop.
+            stack.llm.script_fn("agent", _two_piers)
+            r = await stack.http.post("/v1/agents", json={"goal": "Survey the piers", "collection": "record",
+                                                          "max_depth": 1})
+            piers = r.json()["job_id"]
+            await waiting_reviews(stack, piers, count=2)
+            await stack.http.post(f"/v1/jobs/{piers}.1/review", json={"decision": "reject", "reviewer": "rec"})
+            assert (await stack.wait_done(piers))["result"]["status"] == "stopped"
+            stack.llm.script_fn("agent", None)
+            await asyncio.sleep(1)
+            saved += await _save(client, "agent-siblings-stop", f"WorkflowId STARTS_WITH '{piers}'")
 
             # An agent whose model writes its call as broken JSON: it plans once more, told what was wrong.
             stack.llm.script("agent", ['```json\n{"name": "finish", "arguments": {"answer": "At dusk."}\n```',
