@@ -63,10 +63,10 @@ class Caller:
         return self.role in ("reviewer", "operator")
 
     @property
-    def is_operator(self) -> bool:
+    def may_use_codec(self) -> bool:
         """An operator key may also use the codec endpoint: the payload keys are the deployment's, so it
-        reads every tenant's payloads."""
-        return self.role == "operator"
+        reads every tenant's payloads. A codec key (the one the Web UI hands every browser) may do only that."""
+        return self.role in ("operator", "codec")
 
     @property
     def priority(self) -> Priority:
@@ -183,7 +183,10 @@ async def authenticate(
     key = api_key or (bearer.credentials if bearer else None)
     if not key:
         raise unauthenticated(KEY_REQUIRED)
-    return await admit(request, key)
+    caller = await admit(request, key)
+    if caller.role == "codec":
+        raise ApiError(403, "forbidden", "a codec key may only call the codec endpoint (/codec)")
+    return caller
 
 
 async def admit(request: Request, key: str) -> Caller:

@@ -589,7 +589,8 @@ class Supervisor:
             self.new_api_key = api_keys.create(path, "default", "operator", "default")
 
     def _ui_codec_endpoint(self) -> str | None:
-        """An operator key for the Web UI's codec endpoint, new at every start (the last one is removed).
+        """A codec key for the Web UI's codec endpoint, new at every start (the last one is removed): the UI
+        hands it to every browser that opens it, so it may call the codec endpoint and nothing else.
         The dev server reads it from a file it alone may read, removed once it is up (never its
         command line, which any `ps` shows)."""
         from ragline import keys as api_keys
@@ -599,7 +600,7 @@ class Supervisor:
             return None
         path = s.effective_api_keys_file
         api_keys.remove(path, WEBUI_CODEC_KEY)
-        key = api_keys.create(path, "default", "operator", WEBUI_CODEC_KEY, requests_per_minute=100_000)
+        key = api_keys.create(path, "default", "codec", WEBUI_CODEC_KEY, requests_per_minute=100_000)
         return f"{api_base_url(s)}/codec/k/{key}"
 
     async def _register_search_attributes(self) -> None:

@@ -4,9 +4,10 @@
     tenant = "acme"                # [a-z0-9][a-z0-9-]{0,31}
     sha256 = "<hex sha256 of the key>"   # the key itself is never stored
     name = "ci"                    # optional, shown in the audit log
-    role = "member"                # member | reviewer | operator (a reviewer may also decide reviews
-                                   # and operate dead-lettered jobs; an operator is a reviewer that may
-                                   # also use the codec endpoint, which reads every tenant's payloads)
+    role = "member"                # member | reviewer | operator | codec (a reviewer may also decide
+                                   # reviews and operate dead-lettered jobs; an operator is a reviewer
+                                   # that may also use the codec endpoint, which reads every tenant's
+                                   # payloads; a codec key may use that endpoint and nothing else)
     requests_per_minute = 120      # optional; RAGLINE_RATE_LIMIT_PER_MINUTE otherwise
 
     [tenants.acme]                 # optional per-tenant limits, each below the server's own
@@ -38,7 +39,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from models.tenancy import TENANT_PATTERN
 
-Role = Literal["member", "reviewer", "operator"]
+Role = Literal["member", "reviewer", "operator", "codec"]
 KEY_PREFIX = "rgl_"
 
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("create", help="create a key and print it once")
     c.add_argument("--tenant", required=True)
-    c.add_argument("--role", choices=["member", "reviewer", "operator"], default="member",
+    c.add_argument("--role", choices=["member", "reviewer", "operator", "codec"], default="member",
                    help="member (default): any job of the tenant; reviewer: also reviews and operator decisions; "
                         "operator: a reviewer that may also use the codec endpoint")
     c.add_argument("--name", help="shown in the audit log")

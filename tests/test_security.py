@@ -644,6 +644,13 @@ async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
         dec = await http.post("/codec/decode", json={"payloads": [sealed]},
                               headers={"X-API-Key": stack.keys["operator"], "X-Namespace": "default"})
         assert dec.json()["payloads"] == [payload]
+        # The Web UI's key (role codec) decodes, and is refused everywhere else: every browser gets it.
+        ui_key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "codec", f"ui-{uuid.uuid4().hex[:6]}")
+        ui = await http.post(f"/codec/k/{ui_key}/decode", json={"payloads": [sealed]}, headers={"Origin": origin})
+        assert ui.status_code == 200 and ui.json()["payloads"] == [payload], ui.text
+        for method, path in (("GET", "/v1/jobs"), ("GET", "/v1/reviews"), ("POST", "/v1/dead-letters/retry")):
+            r = await http.request(method, path, headers={"X-API-Key": ui_key}, json={} if method == "POST" else None)
+            assert (r.status_code, r.json()["error"]["code"]) == (403, "forbidden"), (path, r.text)
         # A payload that is not encrypted (the tracing header in a history) is shown as it is, so the
         # Web UI and the CLI can show whole histories; the worker's own decoding refuses it as input.
         shown = await http.post("/codec/decode", json={"payloads": [payload]},

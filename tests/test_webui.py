@@ -96,7 +96,7 @@ async def test_agent_review_approved_from_the_web_ui(scripted_llm, tmp_path: Pat
     started = time.monotonic()
     ui_port, api_port = _free_port(), _free_port()
     # The Web UI's codec key: a reviewer key of the stack's keys file, made before the dev server starts.
-    ui_key = api_keys.create(tmp_path / "api_keys.toml", "acme", "operator", "webui-codec")
+    ui_key = api_keys.create(tmp_path / "api_keys.toml", "acme", "codec", "webui-codec")
     codec_endpoint = f"http://127.0.0.1:{api_port}/codec/k/{ui_key}"
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(), ui=True, ui_port=ui_port, search_attributes=list(sa.ALL),

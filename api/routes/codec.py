@@ -1,16 +1,17 @@
 """The codec server for the Temporal Web UI and CLI: POST /codec/encode and /codec/decode.
 
 The contract is Temporal's: a JSON body `{"payloads": [{"metadata": {...base64}, "data": "<base64>"}]}`,
-the same shape back; the callers send `X-Namespace`. Only operator keys may use it: it turns
+the same shape back; the callers send `X-Namespace`. Only operator and codec keys may use it: it turns
 ciphertext into prompts, passages and answers, of every tenant (the payload keys are the deployment's).
 
 How the caller authenticates:
   - the CLI sends a header: `temporal workflow show --codec-endpoint http://API/codec
     --codec-auth "Bearer <operator key>"` (or `--codec-header X-API-Key=<key>`);
   - the Web UI cannot add headers (`temporal server start-dev` has no flag for it), so its endpoint
-    carries the key in the path: `--ui-codec-endpoint http://API/codec/k/<operator key>`. `make run`
-    creates a fresh operator key for this at every start (name `webui-codec`), so the key in the dev
-    server's command line dies with it; the API's access log shows that path as `/codec/k/***`.
+    carries the key in the path: `--ui-codec-endpoint http://API/codec/k/<codec key>`. `make run`
+    creates a fresh codec key (role `codec`: this endpoint and nothing else) for this at every start
+    (name `webui-codec`), so the key the UI hands browsers dies with it; the API's access log shows that
+    path as `/codec/k/***`.
 
 It is a sub-application mounted at /codec, so that CORS (for the Web UI's origin, with the
 X-Namespace header, preflight included) applies to it alone.
@@ -57,7 +58,7 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
             raise ApiError(401, "unauthenticated", "the codec endpoint needs an operator key",
                            headers={"WWW-Authenticate": "Bearer"})
         caller = await admit(request, key)
-        if not caller.is_operator:  # a tenant's reviewer would read every other tenant's payloads
+        if not caller.may_use_codec:  # a tenant's reviewer would read every other tenant's payloads
             raise ApiError(403, "forbidden", "the codec endpoint needs an operator key (it reads every tenant's "
                                              "payloads)")
 
