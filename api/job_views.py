@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import PendingWorkflowTaskState
+from temporalio.api.failure.v1 import Failure
 from temporalio.client import (
     Client, WorkflowExecution, WorkflowExecutionDescription, WorkflowExecutionStatus, WorkflowFailureError,
     WorkflowHandle, WorkflowUpdateFailedError,
@@ -309,7 +310,7 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
     # Before a worker has taken its first task there is nothing to ask the workflow.
     started = desc.raw_description.workflow_execution_info.history_length > 2
     progress = await _progress(handle, rpc_timeout) if started else None
-    steps = _steps(progress, desc)
+    steps = await _steps(client, progress, desc)
     result = error = None
     if desc.status == WorkflowExecutionStatus.COMPLETED:
         result = await handle.result(rpc_timeout=rpc_timeout)
@@ -439,7 +440,7 @@ async def _progress(handle, rpc_timeout: timedelta) -> JobProgress | None:
         return None
 
 
-def _steps(progress: JobProgress | None, desc) -> list[StepState]:
+async def _steps(client: Client, progress: JobProgress | None, desc) -> list[StepState]:
     steps = [s.model_copy() for s in progress.steps] if progress else []
     # Live retry information comes from the server's view of activities still pending.
     by_name = {s.name: s for s in steps}
@@ -448,10 +449,23 @@ def _steps(progress: JobProgress | None, desc) -> list[StepState]:
         if step is None:
             continue
         step.attempts = max(step.attempts, pending.attempt)
-        if pending.HasField("last_failure") and pending.last_failure.message:
-            step.error = pending.last_failure.message
+        if pending.HasField("last_failure") and (message := await failure_message(client, pending.last_failure)):
+            step.error = message
             step.status = "running"
     return steps
+
+
+async def failure_message(client: Client, failure: Failure) -> str:
+    """The message of a failure read raw from Temporal (a pending activity's last failure, a history event):
+    with payload encryption its `message` is "Encoded failure" and the real one travels in its encoded
+    attributes, which the codec encrypts (temporal/converter.py). A failure recorded before, or without
+    encryption, has its message in plain text and reads as it is. A key this API lacks raises CodecError."""
+    if not failure.HasField("encoded_attributes"):
+        return failure.message
+    copy = Failure()
+    copy.CopyFrom(failure)  # decode_failure decodes in place: the caller's proto stays as Temporal sent it
+    error = await client.data_converter.decode_failure(copy)
+    return getattr(error, "message", None) or str(error)
 
 
 async def failure_of(handle: WorkflowHandle, execution: WorkflowExecution, rpc_timeout: timedelta) -> JobError:

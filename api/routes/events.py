@@ -24,7 +24,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.auth import CallerDep
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep, StreamsDep
-from api.job_views import accepted_turn, not_found, owned, wait_until_created
+from api.job_views import accepted_turn, failure_message, not_found, owned, wait_until_created
 from api.streams import JobStreams
 from api.validators import JOB_ID
 from models.tenancy import scoped
@@ -180,7 +180,7 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
             "state": "running" if started else "waiting",
             "running_for_s": round(seconds, 1) if started and seconds is not None else None,
             "waiting_for_s": round(seconds, 1) if not started and seconds is not None else None,
-            "last_error": pending.last_failure.message or None,
+            "last_error": await failure_message(client, pending.last_failure) or None,  # encrypted: decoded
         })
     if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
         return None
