@@ -6,7 +6,11 @@ large result can never push a workflow history towards Temporal's 2 MB payload l
 chunk text do not rely on this safety net: activities pass explicit blob references.
 
 With RAGLINE_ENCRYPT_PAYLOADS (the default) every payload is first encrypted with AES-256-GCM
-(temporal/codec.py); a payload moved to the blob store is stored encrypted too.
+(temporal/codec.py); a payload moved to the blob store is stored encrypted too. Failure messages and
+stack traces are then moved into the failure's encoded attributes, a payload the codec encrypts: they hold
+free text (a reviewer's comment, an operator's discard reason, a provider's error), which Temporal would
+otherwise keep in plaintext and show in its Web UI. The raw failure's `message` reads "Encoded failure";
+read one through `api.job_views.failure_message`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import (
     DataConverter,
+    DefaultFailureConverter,
+    DefaultFailureConverterWithEncodedAttributes,
     ExternalStorage,
     StorageDriver,
     StorageDriverClaim,
@@ -58,13 +64,17 @@ class BlobStoreDriver(StorageDriver):
 def build_data_converter(settings: Settings) -> DataConverter:
     """The one data converter: API, worker and tests all use it (through temporal.client.connect)."""
     codec = None
+    failures: type[DefaultFailureConverter] = DefaultFailureConverter
     if settings.encrypt_payloads:
         from temporal.codec import EncryptionCodec, load_or_create  # never from workflow code (sandbox)
 
         codec = EncryptionCodec(load_or_create(settings.effective_codec_keys_file))
+        # Without it a failure's message and stack trace stay plain text beside the encrypted payloads.
+        failures = DefaultFailureConverterWithEncodedAttributes
     return dataclasses.replace(
         pydantic_data_converter,
         payload_codec=codec,
+        failure_converter_class=failures,
         external_storage=ExternalStorage(drivers=[BlobStoreDriver(BlobStore(settings.blob_dir))],
                                          payload_size_threshold=LARGE_PAYLOAD_BYTES),
     )

@@ -47,6 +47,21 @@ async def eventually(probe: Callable[[], Awaitable[T]], *, timeout: float = 30, 
         await asyncio.sleep(every)
 
 
+async def raw_temporal_records(client, *workflow_ids: str) -> tuple[bytes, list]:
+    """What Temporal keeps of the workflows, as its database and Web UI hold it (no codec): the serialized
+    bytes of their histories and descriptions, and the failures recorded in their histories."""
+    raw, failures = [], []
+    for workflow_id in workflow_ids:
+        handle = client.get_workflow_handle(workflow_id)
+        async for event in handle.fetch_history_events():
+            raw.append(event.SerializeToString())
+            attributes = getattr(event, event.WhichOneof("attributes"))
+            if attributes.DESCRIPTOR.fields_by_name.get("failure") is not None and attributes.HasField("failure"):
+                failures.append(attributes.failure)
+        raw.append((await handle.describe()).raw_description.SerializeToString())
+    return b"".join(raw), failures
+
+
 async def read_events(stack, job_id: str, *, last_event_id: str | None = None, stop_after: int | None = None):
     """The job's SSE events as (id, CloudEvent) pairs, until the stream ends (or `stop_after` events)."""
     headers = {"Last-Event-ID": last_event_id} if last_event_id is not None else {}

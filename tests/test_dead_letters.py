@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 
 import uuid
+from datetime import timedelta
 
 import pytest
 from temporalio.service import RPCError
 
+from api.job_views import failure_message
+from api.routes.events import _progress_event
 from tests.conftest import running_stack
-from tests.helpers import eventually, read_events
+from tests.helpers import eventually, raw_temporal_records, read_events
 
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
 
@@ -107,6 +110,9 @@ async def test_discard_ends_a_parked_job_as_failed(stack, dlq_docs):
         assert llm.count() == ATTEMPTS, "a discarded job called the model again"
     assert failed["status"] == "failed"
     assert "discarded by bo: not needed" in failed["error"]["message"]
+    # An operator's reason is free text: Temporal keeps the failure it ends the job with encrypted.
+    raw, failures = await raw_temporal_records(stack.client, job["job_id"])
+    assert b"not needed" not in raw and {f.message for f in failures} == {"Encoded failure"}, failures
     assert (await stack.http.post("/v1/jobs/no-such-job/discard", json={})).status_code == 404
 
 
@@ -232,10 +238,20 @@ async def test_a_retrying_step_shows_what_failed_it(stack, dlq_docs):
                 return None
             pending = [p for p in desc.raw_description.pending_activities
                        if p.activity_type.name == "generate_answer" and p.attempt >= 2]
-            return pending[0].last_failure.message if pending else None
+            return pending[0].last_failure if pending and pending[0].HasField("last_failure") else None
 
-        message = await eventually(retrying, every=0.02, what="generate_answer's second attempt")
+        failure = await eventually(retrying, every=0.02, what="generate_answer's second attempt")
+        # Encrypted (temporal/converter.py): the message reads only through the codec.
+        assert failure.message == "Encoded failure", failure
+        message = await failure_message(stack.client, failure)
         assert "cannot reach provider" in message, message
+        # The API decodes it where it shows it (within the 2 s the second attempt runs): the job's step, and
+        # the stream's `ragline.job.running` event.
+        view = (await stack.http.get(f"/v1/jobs/{accepted['job_id']}")).json()
+        step = next(s for s in view["steps"] if s["name"] == "generate_answer")
+        assert step["status"] == "running" and "cannot reach provider" in step["error"], step
+        running = (await _progress_event(stack.client, accepted["job_id"], timedelta(seconds=5)))["data"]["running"]
+        assert "cannot reach provider" in next(r for r in running if r["step"] == "generate_answer")["last_error"]
         assert (await stack.wait_job(accepted["job_id"]))["status"] == "dead_lettered"
     r = await stack.http.post(f"/v1/jobs/{accepted['job_id']}/discard", json={"reason": "test over"})
     assert r.status_code == 200, r.text

@@ -23,8 +23,10 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.app import create_app
 from api.auth import shown_address
+from api.job_views import failure_message
 from api.limits import BodyLimit
 from devtools.devserver import temporal_binary
+from models.chat import session_workflow_id
 from ragline import audit, keys as api_keys, logs
 from ragline.llm import ChatModel
 from ragline.redact import redact
@@ -33,7 +35,7 @@ from temporal import codec as codec_mod
 from temporal import search_attributes as sa
 from temporal.client import connect
 from tests.conftest import serving_api
-from tests.helpers import delegate_until, eventually, waiting_reviews
+from tests.helpers import delegate_until, eventually, raw_temporal_records, waiting_reviews
 from tests.pdfgen import pdf_bytes
 from worker import fallback_model
 
@@ -623,6 +625,37 @@ async def test_histories_are_encrypted_and_readable_through_the_codec_endpoint(s
     decoded = await _workflow_show(stack, turn["job_id"], "--codec-endpoint", f"{stack.base_url}/codec",
                              "--codec-auth", f"Bearer {stack.keys['operator']}")
     assert question in decoded and "blue cabinet" in decoded
+
+
+async def test_failure_messages_are_encrypted_and_the_api_shows_them(stack):
+    """A reviewer's comment on a rejected answer is free text, and it fails the turn: Temporal keeps a failure's
+    message and stack trace in its database and shows them in its Web UI. They are encrypted like the payloads
+    (temporal/converter.py): the raw history and description say "Encoded failure", the API the reason."""
+    collection, tag = f"fail-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:8]  # the collection is a search attribute
+    body = await stack.upload(("herds.txt", b"The herds are counted from the air every spring."),
+                              collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    comment = f"the {tag} census figures are confidential"
+    r = await stack.http.post("/v1/chats", json={"message": "Who counts the herds?", "collection": collection,
+                                                 "require_review": True})
+    assert r.status_code == 202, r.text
+    job_id, session_id = r.json()["job_id"], r.json()["session_id"]
+    await waiting_reviews(stack, job_id)
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review",
+                              json={"decision": "reject", "reviewer": "editor", "comment": comment})
+    assert r.status_code == 200, r.text
+    job = await stack.wait_done(job_id)
+    assert (job["status"], job["error"]["message"]) == ("failed", f"answer rejected by editor: {comment}")
+    # The turn's history and its session's (which records its child's failure), as Temporal stores them.
+    raw, failures = await raw_temporal_records(stack.client, job_id, session_workflow_id(stack.tenant, session_id))
+    assert tag.encode() not in raw and b"census" not in raw
+    assert failures and all(f.message == "Encoded failure" and not f.stack_trace for f in failures), failures
+    assert "census" not in await _workflow_show(stack, job_id)  # the CLI's view, as the Web UI's
+    # The turn's own failure, as its history keeps it, reads through the codec.
+    history = await stack.client.get_workflow_handle(job_id).fetch_history()
+    [ended] = [e.workflow_execution_failed_event_attributes.failure for e in history.events
+               if e.HasField("workflow_execution_failed_event_attributes")]
+    assert await failure_message(stack.client, ended) == f"answer rejected by editor: {comment}"
 
 
 async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
