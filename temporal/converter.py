@@ -10,7 +10,7 @@ With RAGLINE_ENCRYPT_PAYLOADS (the default) every payload is first encrypted wit
 stack traces are then moved into the failure's encoded attributes, a payload the codec encrypts: they hold
 free text (a reviewer's comment, an operator's discard reason, a provider's error), which Temporal would
 otherwise keep in plaintext and show in its Web UI. The raw failure's `message` reads "Encoded failure";
-read one through `api.job_views.failure_message`.
+read one through `api.job_views.failure_message`. An Update validator's refusal stays plain (never stored).
 """
 
 from __future__ import annotations
@@ -20,22 +20,45 @@ import dataclasses
 from collections.abc import Sequence
 
 from temporalio.api.common.v1 import Payload
+from temporalio.api.failure.v1 import Failure
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import (
     DataConverter,
     DefaultFailureConverter,
-    DefaultFailureConverterWithEncodedAttributes,
     ExternalStorage,
+    PayloadConverter,
     StorageDriver,
     StorageDriverClaim,
     StorageDriverRetrieveContext,
     StorageDriverStoreContext,
 )
+from temporalio.exceptions import ApplicationError
 
 from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 
 LARGE_PAYLOAD_BYTES = 64 * 1024
+
+# The failure types an Update validator refuses a decision with (workflows/review.py, dead_letters.py),
+# and only there. Temporal records no refused Update in a history, and the Web UI's Send an Update
+# dialog shows a refusal's message without decoding it: these stay plain, so a person who typed a wrong
+# decision there reads what is wrong rather than "Encoded failure".
+UPDATE_REFUSALS = frozenset({"InvalidReview", "NotWaitingForReview", "NotDeadLettered"})
+
+
+class EncodedFailureConverter(DefaultFailureConverter):
+    """The SDK's failure converter with encoded attributes (a failure's message and stack trace move into
+    a payload the codec encrypts), but for an Update validator's refusal (`UPDATE_REFUSALS`)."""
+
+    def __init__(self) -> None:
+        super().__init__(encode_common_attributes=True)
+        self._plain = DefaultFailureConverter()
+
+    def to_failure(self, exception: BaseException, payload_converter: PayloadConverter, failure: Failure) -> None:
+        if isinstance(exception, ApplicationError) and exception.type in UPDATE_REFUSALS:
+            self._plain.to_failure(exception, payload_converter, failure)
+        else:
+            super().to_failure(exception, payload_converter, failure)
 
 
 class BlobStoreDriver(StorageDriver):
@@ -70,7 +93,7 @@ def build_data_converter(settings: Settings) -> DataConverter:
 
         codec = EncryptionCodec(load_or_create(settings.effective_codec_keys_file))
         # Without it a failure's message and stack trace stay plain text beside the encrypted payloads.
-        failures = DefaultFailureConverterWithEncodedAttributes
+        failures = EncodedFailureConverter
     return dataclasses.replace(
         pydantic_data_converter,
         payload_codec=codec,

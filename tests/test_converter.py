@@ -57,6 +57,10 @@ async def test_a_failure_message_travels_encrypted_and_reads_back_as_recorded(tm
     assert b"vault" not in failure.SerializeToString()
     assert await failure_message(client, failure) == "discarded by bo: the vault figures"
     assert failure.message == "Encoded failure"  # the caller's proto is left as Temporal keeps it
+    # An Update validator's refusal is never stored; the Web UI's Send an Update dialog shows it undecoded.
+    refusal = Failure()
+    await converter.encode_failure(ApplicationError("reviewer is required", type="InvalidReview"), refusal)
+    assert refusal.message == "reviewer is required" and not refusal.HasField("encoded_attributes")
     recorded_before = Failure(message="too many pages: 3 > 2", stack_trace="  File ...")
     assert await failure_message(client, recorded_before) == "too many pages: 3 > 2"
     # Without encryption the message stays plain, as before.
