@@ -12,6 +12,7 @@ import httpx
 from models.chat import session_workflow_id
 from models.tenancy import scoped
 from ragline import keys as api_keys
+from temporal import search_attributes as sa
 from tests.conftest import running_stack
 from tests.helpers import eventually
 
@@ -113,3 +114,25 @@ async def test_a_sessions_later_turn_runs_with_the_weight_its_tenant_has_now(sta
         return described.raw_description.workflow_execution_info.priority.fairness_weight
     assert await weight(session_workflow_id(tenant, first["session_id"])) == 0  # started without one
     assert (await weight(first["job_id"]), await weight(second["job_id"])) == (0, 2)
+
+
+async def test_a_search_runs_with_its_tenants_fair_share(stack):
+    """POST /v1/search starts a workflow on the vector queue, which indexing shares: it carries its tenant's
+    fairness key and weight like every other job, so one tenant's searches take their turn there."""
+    tenant = f"searcher-{uuid.uuid4().hex[:8]}"
+    path = stack.settings.effective_api_keys_file
+    key = api_keys.create(path, tenant, "member", f"{tenant}-member")
+    with path.open("a") as f:
+        f.write(f"\n[tenants.{tenant}]\nfairness_weight = 3\n")
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
+        r = await http.post("/v1/search", json={"query": "harbour dues", "collection": f"search-{tenant}"})
+        assert r.status_code == 200, r.text
+
+    async def started() -> list:  # the search's id is not returned: found by its tenant (visibility lags)
+        query = f"WorkflowType = 'SearchWorkflow' AND {sa.TENANT.name} = '{tenant}'"
+        return [w async for w in stack.client.list_workflows(query)]
+    [search] = await eventually(started, what="the search in the visibility store")
+    priority = (await stack.client.get_workflow_handle(search.id).describe()
+                ).raw_description.workflow_execution_info.priority
+    assert (priority.fairness_key, priority.fairness_weight) == (tenant, 3)

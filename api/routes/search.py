@@ -48,6 +48,9 @@ async def search(req: SearchRequest, client: ClientDep, caller: CallerDep, setti
             SearchWorkflow.run,
             SearchInput(tenant=caller.tenant, query=req.query, collection=req.collection, top_k=req.top_k),
             id=workflow_id(caller.tenant, f"search-{uuid.uuid4().hex}"), task_queue=search_queue(settings.task_queue),
+            # The tenant's fair share, as every other route's jobs: one tenant's burst of searches takes
+            # its turn on the vector queue rather than holding up the other tenants' searches and indexing.
+            priority=caller.priority,
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.TENANT, caller.tenant)]),
             execution_timeout=timedelta(seconds=seconds), rpc_timeout=timeout), seconds)
     except asyncio.TimeoutError:
