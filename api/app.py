@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.guard = guard
     app.state.accepted = RecentlyAccepted()
     app.state.streams = JobStreams()
+    app.state.temporal_health = health.SharedCheck(settings.healthz_cache_seconds)
     errors.install(app)
     for router in (documents.router, chats.router, agents.router, evaluations.router, jobs.router,
                    jobs.dead_letters, events.router, search.router):

@@ -166,6 +166,11 @@ class Settings(BaseSettings):
     metrics_collection_label: bool = False
     # Seconds each step should take, overriding ragline.metrics.DEFAULT_STEP_SLA_SECONDS (JSON object).
     step_sla: dict[str, float] = Field(default_factory=dict)
+    # Seconds GET /healthz (no key needed) reuses its last look at Temporal (~7 RPCs) for every request,
+    # so a flood of anonymous probes costs Temporal one check per period. Below the k8s readiness
+    # probe's period (10 s, deploy/k8s/api.yaml): a probe still sees a change at its next look. 0: every
+    # request checks (requests that arrive while a check runs still share it).
+    healthz_cache_seconds: float = Field(5.0, ge=0, le=60)
     # Where job links point: the Temporal Web UI. Unset: http://127.0.0.1:<temporal_ui_port>.
     temporal_ui_url: str | None = None
     # `make run`: also start Prometheus on deploy/prometheus/ (RAGLINE_PROMETHEUS=1), listening here.

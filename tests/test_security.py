@@ -107,6 +107,30 @@ async def test_every_route_but_healthz_needs_a_known_key(stack):
     assert (await stack.member_http.get("/v1/jobs")).status_code == 200
 
 
+async def test_a_flood_of_anonymous_health_probes_asks_temporal_once_per_period(stack):
+    """GET /healthz needs no key and looks at Temporal with ~7 RPCs: the requests within
+    RAGLINE_HEALTHZ_CACHE_SECONDS (and those that arrive while a look is under way) share one look."""
+    app = create_app(stack.settings.model_copy(update={"healthz_cache_seconds": 3.0}))
+    async with app.router.lifespan_context(app):
+        service, calls = app.state.client.workflow_service, []
+        for name in ("get_system_info", "describe_task_queue"):
+            async def counted(*args, _rpc=getattr(service, name), _name=name, **kwargs):  # noqa: ANN202
+                calls.append(_name)
+                return await _rpc(*args, **kwargs)
+            setattr(service, name, counted)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as anonymous:
+            answers = await asyncio.gather(*(anonymous.get("/healthz") for _ in range(50)))
+            one_look = list(calls)
+            answers += [await anonymous.get("/healthz") for _ in range(10)]
+            assert one_look.count("get_system_info") == 1 and len(one_look) > 1, one_look
+            assert calls == one_look  # 60 requests, one look
+            assert {(r.status_code, r.text) for r in answers} == {(answers[0].status_code, answers[0].text)}
+            assert answers[0].json()["components"]["temporal"]["status"] == "up"
+            await asyncio.sleep(3.1)
+            assert (await anonymous.get("/healthz")).json() == answers[0].json()
+            assert calls == one_look * 2  # looked again once the period was over
+
+
 async def _raw(stack, head: str, body: bytes = b"", *, headers: dict | None = None) -> tuple[int, dict]:
     """Send a request as raw bytes (a length it does not keep, a chunked body) and read the answer the
     API gives, which must come without the rest of the body: reading it would wait forever."""

@@ -1,12 +1,18 @@
 """GET /healthz: each component's state, with the workers polling each task queue (and the shared
-rate-limit counters, when there are); 503 when Temporal is down."""
+rate-limit counters, when there are); 503 when Temporal is down.
+
+It needs no key (probes), and its Temporal half is ~7 RPCs: that half is checked at most once per
+RAGLINE_HEALTHZ_CACHE_SECONDS and shared by every request in that window (those that arrive while a
+check is under way wait for it), so a flood of anonymous requests costs Temporal nothing more."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest, GetSystemInfoRequest
@@ -15,6 +21,7 @@ from temporalio.client import Client
 from api.auth import GuardDep, shown_address
 from api.deps import ClientDep, SettingsDep
 from api.schemas import Component, Health, QueuePollers
+from ragline.settings import Settings
 from temporal import queues
 
 router = APIRouter(tags=["health"])
@@ -44,25 +51,41 @@ async def queue_pollers(client: Client, task_queue: str) -> dict[str, QueuePolle
             for k, n in zip(queues.QUEUE_KINDS, act_counts)}
 
 
-@router.get("/healthz", summary="Component health", response_model_exclude_none=True,
-            responses={503: {"model": Health, "description": "Temporal is down: no work can be recorded"}})
-async def healthz(client: ClientDep, settings: SettingsDep, guard: GuardDep, response: Response) -> Health:
-    components: dict[str, Component] = {}
-    if guard.shared:  # counters in this process's memory are always there
-        address = shown_address(settings.rate_limit_storage)
-        components["rate_limits"] = (
-            Component(status="up", address=address) if await guard.counters_reachable() else
-            Component(status="down", address=address,
-                      reason="the shared rate-limit counters do not answer: requests are let through unlimited"))
+class SharedCheck:
+    """The last result of a check, reused for `ttl` seconds after it was taken; one check at a time."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._taken_at = float("-inf")
+        self._result: dict[str, Component] | None = None
+        self._running: asyncio.Task | None = None
+
+    async def get(self, check: Callable[[], Awaitable[dict[str, Component]]]) -> dict[str, Component]:
+        if self._result is not None and time.monotonic() - self._taken_at < self.ttl:
+            return self._result
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._take(check))
+        # Shielded: a caller that goes away (a probe's timeout) does not cancel the others' check.
+        return await asyncio.shield(self._running)
+
+    async def _take(self, check: Callable[[], Awaitable[dict[str, Component]]]) -> dict[str, Component]:
+        try:
+            self._result = await check()
+            self._taken_at = time.monotonic()
+            return self._result
+        finally:
+            self._running = None
+
+
+async def temporal_components(client: Client, settings: Settings) -> dict[str, Component]:
+    """`temporal` and `worker`: the server, and the workers polling each task queue."""
     try:
         await client.workflow_service.get_system_info(GetSystemInfoRequest(), timeout=CHECK_TIMEOUT)
-        components["temporal"] = Component(status="up", address=settings.temporal_address)
     except Exception as exc:
-        components["temporal"] = Component(status="down", address=settings.temporal_address,
-                                           reason=f"cannot reach Temporal: {exc}")
-        components["worker"] = Component(status="unknown", reason="Temporal is down")
-        response.status_code = 503
-        return Health(status="down", components=components)
+        return {"temporal": Component(status="down", address=settings.temporal_address,
+                                      reason=f"cannot reach Temporal: {exc}"),
+                "worker": Component(status="unknown", reason="Temporal is down")}
+    components = {"temporal": Component(status="up", address=settings.temporal_address)}
     try:
         by_queue = await queue_pollers(client, settings.task_queue)
         main = by_queue[settings.task_queue]
@@ -79,5 +102,26 @@ async def healthz(client: ClientDep, settings: SettingsDep, guard: GuardDep, res
             queues=by_queue, reason=reason)
     except Exception as exc:
         components["worker"] = Component(status="unknown", reason=str(exc))
+    return components
+
+
+@router.get("/healthz", summary="Component health", response_model_exclude_none=True,
+            responses={503: {"model": Health, "description": "Temporal is down: no work can be recorded"}})
+async def healthz(request: Request, client: ClientDep, settings: SettingsDep, guard: GuardDep,
+                  response: Response) -> Health:
+    components: dict[str, Component] = {}
+    if guard.shared:  # counters in this process's memory are always there
+        # Asked every time (one PING to this API's own Redis, no Temporal call): an answer also ends the
+        # limiter's pause after an outage at once (Guard.counters_reachable).
+        address = shown_address(settings.rate_limit_storage)
+        components["rate_limits"] = (
+            Component(status="up", address=address) if await guard.counters_reachable() else
+            Component(status="down", address=address,
+                      reason="the shared rate-limit counters do not answer: requests are let through unlimited"))
+    shared: SharedCheck = request.app.state.temporal_health
+    components.update(await shared.get(lambda: temporal_components(client, settings)))
+    if components["temporal"].status == "down":
+        response.status_code = 503
+        return Health(status="down", components=components)
     healthy = all(c.status == "up" for c in components.values())
     return Health(status="up" if healthy else "degraded", components=components)
