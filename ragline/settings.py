@@ -193,6 +193,10 @@ class Settings(BaseSettings):
     # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued
     # (workflows/slot.py). `[tenants.<name>] max_running_jobs` in the keys file overrides it.
     tenant_max_running_jobs: int = Field(8, ge=1)
+    # Where the API appends its audit entries (ragline/audit.py), one JSON object per line: a file, or
+    # "-" for standard output (a cluster's log pipeline). Unset: <data_dir>/audit.log. A file must
+    # outlive the process: on a cluster, a shared volume and a file per pod (deploy/k8s/api.yaml).
+    audit_log: str | None = Field(None, min_length=1)
     # AES-256-GCM payload encryption (temporal/codec.py). Keys file (TOML: current = "<id>", [keys]
     # <id> = "<base64 32 bytes>"); unset: <data_dir>/codec_keys.toml, created with one key if missing.
     encrypt_payloads: bool = True
@@ -230,6 +234,13 @@ class Settings(BaseSettings):
     @property
     def effective_codec_keys_file(self) -> Path:
         return self.codec_keys_file or self.data_dir / "codec_keys.toml"
+
+    @property
+    def audit_log_file(self) -> Path | None:
+        """The audit file; None: standard output (RAGLINE_AUDIT_LOG=-)."""
+        if self.audit_log == "-":
+            return None
+        return Path(self.audit_log) if self.audit_log else self.data_dir / "audit.log"
 
     @property
     def effective_codec_cors_origins(self) -> list[str]:

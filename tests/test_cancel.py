@@ -73,7 +73,7 @@ async def test_a_cancelled_turn_stops_its_model_stream_and_ends_its_events(stack
     # Sent again (its first answer lost on the way), the cancel gets the same answer.
     again = await stack.http.post(f"/v1/jobs/{job_id}/cancel")
     assert again.status_code == 202 and again.json() == cancelled.json()
-    records = [(e["key_name"], e["outcome"]) for e in audit.read(stack.settings.data_dir)
+    records = [(e["key_name"], e["outcome"]) for e in audit.read(stack.settings)
                if e["action"] == "cancel" and e["job_id"] == job_id]
     assert records == [("globex-reviewer", "refused: job_not_found"), ("acme-member", "accepted"),
                        ("acme-reviewer", "accepted")]

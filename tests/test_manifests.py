@@ -47,7 +47,8 @@ def _container(deployment: dict) -> dict:
 
 
 def _env(objects, deployment: dict) -> dict[str, str]:
-    """The container's environment as the pod sees it: envFrom ConfigMaps/Secrets, then env."""
+    """The container's environment as the pod sees it: envFrom ConfigMaps/Secrets, then env (a Secret's
+    key by secretKeyRef; a pod field as `<fieldPath>`)."""
     c = _container(deployment)
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
@@ -55,8 +56,21 @@ def _env(objects, deployment: dict) -> dict[str, str]:
             env.update(objects[("ConfigMap", source["configMapRef"]["name"])]["data"])
         else:
             env.update(objects[("Secret", source["secretRef"]["name"])]["stringData"])
-    env.update({e["name"]: e.get("value") for e in c.get("env", [])})
+    for e in c.get("env", []):
+        source = e.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[e["name"]] = objects[("Secret", ref["name"])]["stringData"][ref["key"]]
+        elif "fieldRef" in source:
+            env[e["name"]] = f"<{source['fieldRef']['fieldPath']}>"
+        else:
+            env[e["name"]] = e.get("value")
     return env
+
+
+def _settings(env: dict[str, str]) -> Settings:
+    return Settings(**{k[len("RAGLINE_"):].lower(): v for k, v in env.items()
+                       if k.startswith("RAGLINE_") and v not in (None, "")})
 
 
 def test_every_manifest_parses_and_has_the_basics(objects):
@@ -74,8 +88,7 @@ def test_every_ragline_variable_is_a_setting_and_parses(objects):
         env = _env(objects, doc)
         unknown = {k for k in env if k.startswith("RAGLINE_")} - fields
         assert not unknown, f"{name}: not settings: {unknown}"
-        settings = Settings(**{k[len("RAGLINE_"):].lower(): v for k, v in env.items()
-                               if k.startswith("RAGLINE_") and v not in (None, "")})
+        settings = _settings(env)
         settings.worker_processes  # the topology check passes with these settings
         assert settings.qdrant_url, f"{name}: on a cluster every role talks to the Qdrant server"
 
@@ -205,3 +218,26 @@ def test_temporal_helm_values_on_postgresql():
     for store in ("default", "visibility"):
         sql = config["persistence"][store]["sql"]
         assert config["persistence"][store]["driver"] == "sql" and sql["driver"] == "postgres12"
+
+
+def test_the_audit_trail_outlives_the_api_pods_and_keeps_every_replicas_entries(objects):
+    """The API appends its audit entries to RAGLINE_AUDIT_LOG: on a volume that outlives the pod (not the
+    container's filesystem, erased at a restart), shared by the replicas (one trail, not one per node), in
+    a file of each pod's own (appends from two NFS clients to one file are not atomic)."""
+    api = objects[("Deployment", "ragline-api")]
+    env = _env(objects, api)
+    path = _settings(env).audit_log_file
+    assert path is not None and path.is_absolute(), path
+    mounts = {Path(m["mountPath"]): m for m in _container(api)["volumeMounts"]}
+    folder = max((m for m in mounts if m in path.parents), key=lambda m: len(m.parts), default=None)
+    assert folder is not None, f"{path} is on the container's own filesystem"
+    volumes = {v["name"]: v for v in api["spec"]["template"]["spec"]["volumes"]}
+    volume = volumes[mounts[folder]["name"]]
+    assert "persistentVolumeClaim" in volume, f"{path}: {volume} does not outlive the pod"
+    claim = objects[("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]
+    assert not mounts[folder].get("readOnly")
+    # A file per pod: its name holds the pod's name, set (before it, for Kubernetes to expand) from the pod.
+    names = [e["name"] for e in _container(api)["env"]]
+    [var] = [n for n in names if f"$({n})" in path.name]
+    assert env[var] == "<metadata.name>" and names.index(var) < names.index("RAGLINE_AUDIT_LOG")

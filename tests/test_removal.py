@@ -48,7 +48,7 @@ async def test_a_removed_document_is_found_by_no_search_or_answer_and_may_be_upl
     accepted = r.json()
     assert (accepted["document_id"], accepted["filename"], accepted["collection"], accepted["duplicate"]) == \
         (doc_id, "teapot.txt", collection, False)
-    [entry] = [e for e in audit.read(stack.settings.data_dir) if e.get("document_id") == doc_id]
+    [entry] = [e for e in audit.read(stack.settings) if e.get("document_id") == doc_id]
     assert (entry["action"], entry["outcome"], entry["key_name"], entry["removal_job"]) == \
         ("remove_document", "accepted", "acme-member", accepted["job_id"])
     job = await stack.wait_done(accepted["job_id"])

@@ -472,7 +472,7 @@ async def test_tenants_see_only_their_own_agents_and_reviews(stack, scripted_llm
         await _end_jobs(stack.client, *started)
     # The audit log names the key that decided, and the refused attempt of the other tenant is not there
     # under this job's tenant.
-    entries = [e for e in audit.read(stack.settings.data_dir) if e["job_id"] == job_id]
+    entries = [e for e in audit.read(stack.settings) if e["job_id"] == job_id]
     [decided] = [e for e in entries if e["outcome"] == "accepted"]
     assert decided["tenant"] == "acme" and decided["key_name"] == "acme-reviewer"
     assert decided["action"] == "review" and decided["decision"] == "approve" and decided["reviewer"] == "Ada"
@@ -866,12 +866,46 @@ async def test_an_unknown_route_or_method_has_a_stable_error_code(stack):
 def test_the_audit_log_reads_while_an_entry_is_being_appended(tmp_path):
     """Another request's entry half written when a reader looks (an append does not hold readers off):
     the entries before it are read, that one on the next read, once whole."""
-    first = audit.record(tmp_path, action="review", tenant="acme", key="k1", key_name="ci", job_id="acme.a",
+    settings = Settings(data_dir=tmp_path)
+    first = audit.record(settings, action="review", tenant="acme", key="k1", key_name="ci", job_id="acme.a",
                          outcome="accepted")
     line = (tmp_path / "audit.log").read_text()
     with (tmp_path / "audit.log").open("a") as f:
         f.write(line[: len(line) // 2])
-    assert audit.read(tmp_path) == [first]
+    assert audit.read(settings) == [first]
     with (tmp_path / "audit.log").open("a") as f:
         f.write(line[len(line) // 2:])
-    assert audit.read(tmp_path) == [first, first]
+    assert audit.read(settings) == [first, first]
+
+
+def test_the_audit_log_goes_where_ragline_audit_log_says(tmp_path, capsys):
+    """Unset: <data_dir>/audit.log. A path: that file (on a cluster, one per pod on a shared volume), its
+    folder made if missing. `-`: one JSON line per entry on standard output, for the cluster's log
+    pipeline, written whatever the log level, and nothing under the data folder."""
+    entry = {"action": "cancel", "tenant": "acme", "key": "k1", "key_name": "ci", "job_id": "acme.a",
+             "outcome": "accepted"}
+    data = tmp_path / "data"
+    default = Settings(data_dir=data)
+    assert default.audit_log_file == data / "audit.log"
+    written = audit.record(default, **entry)
+    assert audit.read(default) == [written]
+
+    elsewhere = Settings(data_dir=data, audit_log=str(tmp_path / "shared" / "audit" / "api-7f9c-x2.log"))
+    there = audit.record(elsewhere, **entry, reason="moved")
+    assert audit.read(elsewhere) == [there]
+    assert audit.read(default) == [written]  # not in the data folder's file
+
+    logs.configure("WARNING", json=True)  # an audit entry is not a log line a level filters out
+    try:
+        capsys.readouterr()
+        to_stdout = Settings(data_dir=tmp_path / "other", audit_log="-")
+        assert to_stdout.audit_log_file is None
+        printed = audit.record(to_stdout, **entry, reason="stuck")
+        out = capsys.readouterr()
+    finally:
+        logs.configure("INFO", json=False)
+    assert [json.loads(line) for line in out.out.splitlines()] == [printed]
+    assert printed["reason"] == "stuck" and "stuck" not in out.err  # once: not in the API log as well
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match="standard output"):
+        audit.read(to_stdout)

@@ -130,7 +130,7 @@ async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep
                      idempotency_key: IdempotencyKeyDep = None) -> ReviewResult:
     """Needs a reviewer key. Recorded in the audit log with the key that decided."""
     scoped_id = scoped(caller.tenant, job_id)
-    with audit.recorded(settings.data_dir, action="review", job_id=scoped_id, decision=decision.decision,
+    with audit.recorded(settings, action="review", job_id=scoped_id, decision=decision.decision,
                         reviewer=decision.reviewer, comment=decision.comment or None, **caller.on_record):
         # The id as asked: an error names the job the caller sent, not its scoped form.
         ack = await job_views.send_update(

@@ -250,7 +250,7 @@ async def remove_document(
     collection's cached answers go), then its ingestion job out of Temporal: it is no longer listed, and the
     same bytes uploaded again are ingested anew. A document still being ingested (or waiting for an operator)
     is refused with 409: cancel or discard its job first."""
-    with audit.recorded(settings.data_dir, action="remove_document", document_id=document_id,
+    with audit.recorded(settings, action="remove_document", document_id=document_id,
                         job_id=document_workflow_id(caller.tenant, document_id), **caller.on_record) as details:
         accepted = await _start_removal(request, client, caller, settings, timeout, document_id,
                                         validate_collection(collection) if collection is not None else None)

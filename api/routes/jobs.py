@@ -61,14 +61,14 @@ async def get_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings
                                         422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def cancel_job(job_id: JOB_ID, request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                      timeout: RpcTimeoutDep) -> Accepted:
-    with audit.recorded(settings.data_dir, action="cancel", job_id=job_id, **caller.on_record):
+    with audit.recorded(settings, action="cancel", job_id=job_id, **caller.on_record):
         workflow_id = await job_views.cancel(client, caller.tenant, job_id, timeout)
     return Accepted.for_job(request, workflow_id)
 
 
 async def _operator(action: str, job_id: str, req: OperatorRequest, client: Client, caller: Caller,
                     settings: Settings, timeout: timedelta, key: str | None) -> OperatorResult:
-    with audit.recorded(settings.data_dir, action=action, job_id=job_id, operator=req.operator, reason=req.reason,
+    with audit.recorded(settings, action=action, job_id=job_id, operator=req.operator, reason=req.reason,
                         **caller.on_record) as details:
         ack = await job_views.send_update(client, caller.tenant, job_id, action, req, OperatorAck, timeout,
                                           refused_code="not_dead_lettered",
