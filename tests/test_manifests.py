@@ -79,7 +79,7 @@ def test_every_manifest_parses_and_has_the_basics(objects):
         assert doc["apiVersion"] and doc["metadata"]["name"] == name
     kinds = {k for k, _ in objects}
     assert {"Deployment", "Service", "StatefulSet", "ScaledObject", "Secret", "ConfigMap",
-            "TriggerAuthentication", "PersistentVolumeClaim"} <= kinds
+            "TriggerAuthentication", "PersistentVolumeClaim", "NetworkPolicy"} <= kinds
 
 
 def test_every_ragline_variable_is_a_setting_and_parses(objects):
@@ -241,3 +241,149 @@ def test_the_audit_trail_outlives_the_api_pods_and_keeps_every_replicas_entries(
     names = [e["name"] for e in _container(api)["env"]]
     [var] = [n for n in names if f"$({n})" in path.name]
     assert env[var] == "<metadata.name>" and names.index(var) < names.index("RAGLINE_AUDIT_LOG")
+
+
+def _pod_labels(doc: dict) -> dict[str, str]:
+    return doc["spec"]["template"]["metadata"]["labels"]
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions) against a pod's labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[op]:
+            return False
+    return True
+
+
+def _workloads(objects) -> dict[str, dict]:
+    return {name: doc for (kind, name), doc in objects.items() if kind in ("Deployment", "StatefulSet")}
+
+
+def test_each_pod_gets_only_the_keys_of_ragline_keys_it_uses(objects, config, restore_policies):
+    """No pod loads the whole Secret (envFrom): each names the keys its code reads. The model's key goes
+    to the role that calls the model, Qdrant's to the role that opens the store, the Redis URL (with its
+    password) to the API; each pod may need Temporal's (Temporal Cloud style)."""
+    import worker
+    from temporal import policies
+
+    policies.load(config.get("RAGLINE_POLICIES"), worker.activity_names())  # which role runs what
+    for name, doc in _workloads(objects).items():
+        c = _container(doc)
+        assert not [s for s in c.get("envFrom", []) if "secretRef" in s], f"{name} loads a whole Secret"
+    keys = objects[("Secret", "ragline-keys")]["stringData"]
+    for name, doc in _ragline_deployments(objects).items():
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in _container(doc).get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})}
+        assert all(r["name"] == "ragline-keys" and r["key"] == var and r["key"] in keys for var, r in refs.items())
+        wanted = {"RAGLINE_TEMPORAL_API_KEY"}
+        if name == "ragline-api":
+            wanted.add("RAGLINE_RATE_LIMIT_STORAGE")
+        else:
+            role = name.removeprefix("ragline-worker-")
+            if "llm" in queues.ROLES[role]:
+                wanted.add("RAGLINE_LLM_API_KEY")
+            if worker.role_needs(role) & {"index"}:
+                wanted.add("RAGLINE_QDRANT_API_KEY")
+        assert set(refs) == wanted, name
+        assert refs["RAGLINE_TEMPORAL_API_KEY"].get("optional"), "empty unless on Temporal Cloud"
+
+
+def test_pods_run_unprivileged_on_a_read_only_image(objects, config):
+    """Every pod: no service account token, not root, no privilege escalation, no capabilities, the image's
+    filesystem read-only; what a pod writes goes to its volumes."""
+    for name, doc in _workloads(objects).items():
+        spec = doc["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False, name
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, name
+        c = _container(doc)
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
+        assert sc["readOnlyRootFilesystem"] is True, name
+    for name, doc in _ragline_deployments(objects).items():
+        env = _env(objects, doc)
+        settings = _settings(env)
+        mounts = {m["mountPath"]: m for m in _container(doc)["volumeMounts"]}
+        volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+        # Python's temporary files (an upload over 1 MiB is spooled there) and the blob store.
+        assert "emptyDir" in volumes[mounts["/tmp"]["name"]], name
+        assert not mounts[str(settings.blob_dir)].get("readOnly"), name
+
+
+def test_only_the_ragline_pods_that_use_them_reach_qdrant_redis_and_temporal(objects, config):
+    from urllib.parse import urlsplit
+
+    policies = {name: doc for (kind, name), doc in objects.items() if kind == "NetworkPolicy"}
+    ragline = _ragline_deployments(objects)
+    pods = {name: _pod_labels(doc) for name, doc in _workloads(objects).items()}
+
+    def guarding(labels: dict[str, str], namespace: str | None = None) -> dict:
+        [policy] = [p for p in policies.values()
+                    if p["metadata"].get("namespace") == namespace and _selects(p["spec"]["podSelector"], labels)]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        return policy
+
+    def allowed(rule: dict, namespace: str = "ragline") -> set[str]:
+        """The pods of these manifests (namespace ragline) a rule of a policy in `namespace` lets in."""
+        names = set()
+        for peer in rule["from"]:
+            ns = peer.get("namespaceSelector")
+            if ns is None and namespace != "ragline":  # the policy's own namespace
+                continue
+            if ns is not None and not _selects(ns, {"kubernetes.io/metadata.name": "ragline"}):
+                continue
+            names |= {n for n, labels in pods.items() if _selects(peer.get("podSelector", {}), labels)}
+        return names
+
+    # Qdrant: the roles that open the store, on the ports of RAGLINE_QDRANT_URL's Service.
+    qdrant = guarding(pods["qdrant"])
+    [rule] = qdrant["spec"]["ingress"]
+    assert allowed(rule) == {"ragline-worker-vector"}
+    assert urlsplit(config["RAGLINE_QDRANT_URL"]).port in {p["port"] for p in rule["ports"]}
+    # Redis: the API.
+    redis = guarding(pods["ragline-redis"])
+    [rule] = redis["spec"]["ingress"]
+    assert allowed(rule) == {"ragline-api"}
+    assert [p["port"] for p in rule["ports"]] == [6379]
+    # The Temporal frontend, in its own namespace: the API and every worker role, on the frontend's port.
+    host, port = config["RAGLINE_TEMPORAL_ADDRESS"].rsplit(":", 1)
+    service, namespace = host.split(".")[:2]
+    frontend_labels = {"app.kubernetes.io/name": "temporal", "app.kubernetes.io/instance": service.split("-")[0],
+                       "app.kubernetes.io/component": "frontend"}
+    temporal = guarding(frontend_labels, namespace)
+    from_ragline = [r for r in temporal["spec"]["ingress"] if allowed(r, namespace)]
+    assert [allowed(r, namespace) for r in from_ragline] == [set(ragline)]  # not Redis, not Qdrant
+    assert [p["port"] for p in from_ragline[0]["ports"]] == [int(port)]
+    for rule in temporal["spec"]["ingress"]:
+        for peer in rule["from"]:  # every other peer is Temporal's own namespace or KEDA's operator
+            ns = peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+            assert ns in (None, "ragline", "keda"), peer
+            assert ns is not None or rule is temporal["spec"]["ingress"][0]
+
+
+def test_temporal_requires_the_client_certificate_ragline_presents(config):
+    """The Helm values turn on mTLS at the frontend; Ragline (and KEDA, with the same Secret) present a
+    client certificate and check the frontend's certificate for the name the values give it."""
+    [values] = _docs(DEPLOY / "helm" / "temporal-values.yaml")
+    tls = values["server"]["tls"]
+    frontend = tls["frontend"]
+    assert frontend["enabled"] and frontend["requireClientAuth"] and frontend["secretName"]
+    assert tls["internode"]["enabled"]  # the server's own services present it to a frontend that requires one
+    host = config["RAGLINE_TEMPORAL_ADDRESS"].rsplit(":", 1)[0]
+    settings = Settings(**{k[len("RAGLINE_"):].lower(): v for k, v in config.items() if k.startswith("RAGLINE_")})
+    assert frontend["serverName"] == (settings.temporal_tls_server_name or host)
+    assert settings.temporal_uses_tls and settings.temporal_tls_ca and settings.temporal_tls_cert
+    assert settings.temporal_tls_key
+    # The chart's Secrets are kubernetes.io/tls ones: the files Ragline names are theirs (ca.crt, tls.*).
+    assert {p.name for p in (settings.temporal_tls_ca, settings.temporal_tls_cert, settings.temporal_tls_key)} == {
+        "ca.crt", "tls.crt", "tls.key"}
+    web = values["web"]
+    if web.get("enabled", True):  # the Web UI: behind a login, reaching the frontend with a certificate
+        env = {e["name"]: e.get("value") for e in web.get("additionalEnv", [])}
+        assert env.get("TEMPORAL_AUTH_ENABLED") == "true" and env.get("TEMPORAL_AUTH_PROVIDER_URL")
+        assert web["tls"]["enabled"] and web["tls"]["serverName"] == frontend["serverName"]
+        assert not web.get("ingress", {}).get("enabled")
