@@ -196,16 +196,23 @@ async def admit(request: Request, key: str) -> Caller:
         raise unauthenticated(UNKNOWN_KEY)
     if not request.scope.get("state", {}).get(RATE_COUNTED):  # an upload is counted before its body is read
         await guard.check_rate(entry)
+    weight = guard.keys.limits(entry.tenant, refresh=False).fairness_weight
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
-                    key_id=entry.sha256[:8], fairness_weight=guard.keys.limits(entry.tenant, refresh=False).fairness_weight)
+                    key_id=entry.sha256[:8], fairness_weight=weight)
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)
     return caller
 
 
-async def require_reviewer(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
+def reviewer_only(caller: Caller) -> Caller:
+    """A route that audits its decisions checks the role inside its audit block: a member's try is recorded."""
     if not caller.is_reviewer:
-        raise ApiError(403, "forbidden", "this needs a reviewer key (role = \"reviewer\" or \"operator\" in the keys file)")
+        raise ApiError(403, "forbidden",
+                       "this needs a reviewer key (role = \"reviewer\" or \"operator\" in the keys file)")
     return caller
+
+
+async def require_reviewer(caller: Annotated[Caller, Depends(authenticate)]) -> Caller:
+    return reviewer_only(caller)
 
 
 CallerDep = Annotated[Caller, Depends(authenticate)]

@@ -176,12 +176,17 @@ async def test_a_large_body_is_refused_before_it_is_read(stack):
 
 
 async def test_member_keys_cannot_decide_or_operate(stack):
-    for path in ("/v1/jobs/acme.agent-x/review", "/v1/jobs/acme.agent-x/retry", "/v1/jobs/acme.agent-x/discard"):
+    job_id = f"acme.agent-{uuid.uuid4().hex[:8]}"
+    for path in (f"/v1/jobs/{job_id}/review", f"/v1/jobs/{job_id}/retry", f"/v1/jobs/{job_id}/discard"):
         body = {"decision": "approve", "reviewer": "m"} if path.endswith("review") else {}
         r = await stack.member_http.post(path, json=body)
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", (path, r.text)
         # A reviewer gets past the role check: that job simply does not exist.
         assert (await stack.http.post(path, json=body)).status_code == 404
+    # Each try is in the audit log, the member's refused for its role, under the id as asked.
+    tried = [(e["action"], e["key_name"], e["outcome"]) for e in audit.read(stack.settings) if e["job_id"] == job_id]
+    assert tried == [(a, k, o) for a in ("review", "retry", "discard")
+                     for k, o in (("acme-member", "refused: forbidden"), ("acme-reviewer", "refused: job_not_found"))]
 
 
 async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tmp_path):

@@ -13,7 +13,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
 
 from api import job_views, observability
-from api.auth import CallerDep, ReviewerDep
+from api.auth import CallerDep, reviewer_only
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, decision_id, key_digest, request_digest, start_once
@@ -125,13 +125,14 @@ async def _review_pending(execution) -> bool:  # noqa: ANN001 - a listed Workflo
              responses=error_responses({403: "forbidden", 404: "job_not_found",
                                         409: "not_waiting_for_review, job_closed, job_not_started",
                                         422: f"{INVALID_REQUEST}, invalid_review", 503: TEMPORAL_DOWN}))
-async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: ReviewerDep,
+async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: CallerDep,
                      settings: SettingsDep, timeout: RpcTimeoutDep,
                      idempotency_key: IdempotencyKeyDep = None) -> ReviewResult:
     """Needs a reviewer key. Recorded in the audit log with the key that decided."""
     scoped_id = scoped(caller.tenant, job_id)
-    with audit.recorded(settings, action="review", job_id=scoped_id, decision=decision.decision,
+    with audit.recorded(settings, action="review", job_id=job_id, decision=decision.decision,
                         reviewer=decision.reviewer, comment=decision.comment or None, **caller.on_record):
+        reviewer_only(caller)  # in the block: a member's try is audited too
         # The id as asked: an error names the job the caller sent, not its scoped form.
         ack = await job_views.send_update(
             client, caller.tenant, job_id, "review", decision, ReviewAck, timeout,

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 from temporalio.client import Client
 
 from api import job_views
-from api.auth import Caller, CallerDep, ReviewerDep
+from api.auth import Caller, CallerDep, ReviewerDep, reviewer_only
 from api.deps import AcceptedDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, decision_id
@@ -61,6 +61,7 @@ async def get_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings
                                         422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def cancel_job(job_id: JOB_ID, request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                      timeout: RpcTimeoutDep) -> Accepted:
+    # Audited under the id as asked (every route does): another tenant's id is not made this tenant's.
     with audit.recorded(settings, action="cancel", job_id=job_id, **caller.on_record):
         workflow_id = await job_views.cancel(client, caller.tenant, job_id, timeout)
     return Accepted.for_job(request, workflow_id)
@@ -70,6 +71,7 @@ async def _operator(action: str, job_id: str, req: OperatorRequest, client: Clie
                     settings: Settings, timeout: timedelta, key: str | None) -> OperatorResult:
     with audit.recorded(settings, action=action, job_id=job_id, operator=req.operator, reason=req.reason,
                         **caller.on_record) as details:
+        reviewer_only(caller)  # in the block: a member's try is audited too
         ack = await job_views.send_update(client, caller.tenant, job_id, action, req, OperatorAck, timeout,
                                           refused_code="not_dead_lettered",
                                           update_id=decision_id(action, key, req.model_dump(mode="json")))
@@ -79,7 +81,7 @@ async def _operator(action: str, job_id: str, req: OperatorRequest, client: Clie
 
 @router.post("/{job_id}/retry", summary="Resume a dead-lettered job at its failed step (reviewer key)",
              responses=OPERATOR_ERRORS)
-async def retry_job(job_id: JOB_ID, client: ClientDep, caller: ReviewerDep, settings: SettingsDep,
+async def retry_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                     timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None,
                     req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
     return await _operator("retry", job_id, req, client, caller, settings, timeout, idempotency_key)
@@ -87,7 +89,7 @@ async def retry_job(job_id: JOB_ID, client: ClientDep, caller: ReviewerDep, sett
 
 @router.post("/{job_id}/discard", summary="End a dead-lettered job as failed (reviewer key)",
              responses=OPERATOR_ERRORS)
-async def discard_job(job_id: JOB_ID, client: ClientDep, caller: ReviewerDep, settings: SettingsDep,
+async def discard_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                       timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None,
                       req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
     return await _operator("discard", job_id, req, client, caller, settings, timeout, idempotency_key)
