@@ -386,8 +386,15 @@ async def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = asyncio.run(main())
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without interpreter teardown: the SDK can crash at exit (temporalio/sdk-python#300).
-    os._exit(code)
+    code = 1
+    try:
+        code = asyncio.run(main())
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:  # its reader has gone (a supervisor killed outright): nothing left to tell
+                pass
+        # Leave without interpreter teardown: the SDK can crash or hang at exit (temporalio/sdk-python#300).
+        # A flush that raised once skipped this, and the worker hung on, orphaned, after `make run` died.
+        os._exit(code)

@@ -75,20 +75,20 @@ def dynamic_config_flags() -> list[str]:
     return [arg for key, value in DYNAMIC_CONFIG.items() for arg in ("--dynamic-config-value", f"{key}={value}")]
 
 
-def die_with_parent() -> None:
-    """`preexec_fn` of every process `make run` and the tests start: the child gets SIGTERM (and stops in
-    order) when the process that started it dies, even by SIGKILL. Left behind, a worker writing to the
-    pipe of a supervisor that is gone failed every step it took (Broken pipe), dead-lettering the jobs in
-    flight, and the ports stayed taken. Linux only (prctl); elsewhere a no-op."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """`preexec_fn` of every process `make run` and the tests start: the child gets `sig` when the process
+    that started it dies, even by SIGKILL. Left behind, a worker writing to the pipe of a supervisor that
+    is gone failed every step it took (Broken pipe), dead-lettering the jobs in flight, and the ports
+    stayed taken. Linux only (prctl); elsewhere a no-op."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the call: nobody would tell us
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
 
 
 class DevServerError(RuntimeError):

@@ -21,6 +21,7 @@ before the worker; see the example in its docstring.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import os
 import signal
@@ -65,6 +66,10 @@ class ProcessSpec:
                    fail fast (e.g. "port in use"), or None. It may also prepare what the process needs
                    (the llm's preflight assembles and verifies its model file).
     stop_timeout:  seconds from SIGTERM to SIGKILL.
+    parent_death_signal: what the process gets when the supervisor dies without stopping it (SIGKILL, an
+                   OOM kill): SIGTERM to stop cleanly; SIGKILL for one that keeps nothing and may not stop on
+                   SIGTERM alone (llama.cpp's server finishes the generation in flight, minutes on a busy
+                   machine, with nobody left to send the second signal).
     """
     name: str
     argv: Sequence[str]
@@ -75,6 +80,7 @@ class ProcessSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path = PROJECT_ROOT
     stop_timeout: float = STOP_TIMEOUT
+    parent_death_signal: int = signal.SIGTERM
 
 
 def http_ready(url: str, *, require_ok: bool = False, timeout: float = 2.0) -> ReadyCheck:
@@ -149,6 +155,7 @@ def llm_spec(settings: Settings) -> ProcessSpec:
         # It keeps nothing, and finishes a generation whose client (the worker, stopped before it) has
         # gone before it stops: seconds of a Ctrl-C for nothing.
         stop_timeout=3.0,
+        parent_death_signal=signal.SIGKILL,
     )
 
 
@@ -347,7 +354,8 @@ class Managed:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.spec.argv, cwd=str(self.spec.cwd), env=self.env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, preexec_fn=die_with_parent,
+                stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=functools.partial(die_with_parent, self.spec.parent_death_signal),
                 start_new_session=True)  # own process group: Ctrl-C reaches only us; we stop in order
         except OSError as e:
             log.close()
