@@ -8,12 +8,13 @@ from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.heartbeats import heartbeating
 
 from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
-from models.ingest import AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput
+from models.ingest import CANCELLED, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput
 from models.jobs import StepResult
 from ragline.errors import InputError
 from temporal.errors import translate_errors
@@ -33,6 +34,8 @@ class JobActivities:
                 outcome = await handle.result()
         except WorkflowFailureError as exc:
             cause = exc.cause
+            if isinstance(cause, CancelledError):  # a person cancelled that document's job
+                return DocumentOutcome.failed_from(req.workflow_id, CANCELLED)
             return DocumentOutcome.failed_from(req.workflow_id, getattr(cause, "message", None) or str(cause))
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:

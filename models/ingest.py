@@ -30,6 +30,9 @@ class DocumentInput(BaseModel):
     max_pages: int | None = None
 
 
+CANCELLED = "cancelled"  # a document outcome's error when its job was cancelled (not its input's fault)
+
+
 class DocumentOutcome(BaseModel):
     document_id: str
     filename: str = ""

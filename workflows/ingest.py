@@ -18,14 +18,16 @@ import asyncio
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, WorkflowAlreadyStartedError
+from temporalio.exceptions import (
+    ActivityError, ApplicationError, ChildWorkflowError, WorkflowAlreadyStartedError, is_cancelled_exception,
+)
 from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities.ingest import IngestActivities
     from activities.jobs import JobActivities
     from models.ingest import (
-        AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, ExtractInput,
+        CANCELLED, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, ExtractInput,
         IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput, document_workflow_id, removal_workflow_id,
     )
     from ragline import metrics
@@ -160,8 +162,10 @@ class IngestWorkflow(JobWorkflow):
                               documents=list(outcomes))
         if indexed == 0:
             reasons = "; ".join(f"{o.filename}: {o.error}" for o in outcomes)
+            # A person cancelled them all: the upload's files were not at fault.
+            kind = "Cancelled" if all(o.error == CANCELLED for o in outcomes) else "InputError"
             raise ApplicationError(f"no document could be ingested: {reasons}", result.model_dump(mode="json"),
-                                   type="InputError", non_retryable=True)
+                                   type=kind, non_retryable=True)
         return result
 
     async def _ingest_document(self, doc: DocumentInput) -> DocumentOutcome:
@@ -177,6 +181,8 @@ class IngestWorkflow(JobWorkflow):
                 outcome = DocumentOutcome.failed_from(child_id, "removed again while this upload ran", doc.filename)
         if outcome.status == "indexed":
             self.steps.complete(step, detail=f"{outcome.chunks} chunks from {outcome.pages} pages")
+        elif outcome.error == CANCELLED:
+            self.steps.cancel(step)
         else:
             self.steps.fail(step, outcome.error or "failed")
         return outcome
@@ -206,4 +212,5 @@ class IngestWorkflow(JobWorkflow):
             outcome.filename = outcome.filename or doc.filename
             return outcome
         except ChildWorkflowError as exc:
-            return DocumentOutcome.failed_from(child_id, failure_reason(exc), doc.filename)
+            reason = CANCELLED if is_cancelled_exception(exc) else failure_reason(exc)
+            return DocumentOutcome.failed_from(child_id, reason, doc.filename)

@@ -131,6 +131,7 @@ class JobWorkflow:
 
     async def _cancelled(self) -> None:
         """Cancelled (Web UI, CLI): the job ends as `cancelled`, its stream with `ragline.job.cancelled`."""
+        self.steps.cancel_running()
         self.steps.skip_pending()
         self._count("cancelled")
         await self.events.close("ragline.job.cancelled", {}, linger=False)

@@ -109,12 +109,16 @@ class StepLog:
         another call of it failed and this one was stopped (a batch): then the step stays failed."""
         step = self._steps.setdefault(name, StepState(name=name))
         self._waited(name)
+        if step.status == "running":  # its attempt was under way (or scheduled): it counts, as the view showed
+            step.attempts = max(step.attempts, 1)
         if step.status != "failed":
             step.status, step.finished_at = "cancelled", workflow.now()
 
     def cancel_running(self, *names: str) -> None:
-        """Steps of many calls (a document's batches) that were stopped before all of them had ended."""
-        for name in names:
+        """Steps of many calls (a document's batches) that were stopped before all of them had ended; with
+        no names, every step still running (the job was cancelled: a step the cancel reached before its
+        activity began, while it waited for the running slot, say, would otherwise show running for ever)."""
+        for name in names or list(self._steps):
             if name in self._steps and self._steps[name].status == "running":
                 self.cancel(name)
 
