@@ -6,6 +6,7 @@ The SDK's reports of expected activity failures are cut to one line, without a t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -36,6 +37,14 @@ class ExpectedFailureFilter(logging.Filter):
             record.job_id, record.step = activity.get("workflow_id"), activity.get("activity_type")
             record.attempt = activity.get("attempt")
         error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, asyncio.CancelledError):
+            # A step whose job was cancelled (or ended) meanwhile: the job tells why; its attempt, stopped
+            # as asked, is no warning, and its traceback only the SDK's own frames.
+            record.msg = "activity %s of job %s stopped: its job was cancelled or has ended"
+            record.args = (activity.get("activity_type"), activity.get("workflow_id"))
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return True
         if not isinstance(error, ApplicationError):
             return True
         if error.non_retryable and error.type in self.expected:
@@ -50,6 +59,21 @@ class ExpectedFailureFilter(logging.Filter):
                            error.message)
             record.exc_info = record.exc_text = None
         return True
+
+
+class CoreAfterCancelFilter(logging.Filter):
+    """The SDK core warns when an activity completes that the server no longer knows: what every step of a
+    cancelled job does once it has stopped. Said as information, not as a warning each time."""
+
+    EXPECTED = ("Activity not found on completion",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and any(m in record.getMessage() for m in self.EXPECTED):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+CORE_LOGGER = "temporalio.core"  # where temporal/telemetry.py forwards the SDK core's lines
 
 
 # uvicorn configures these before it imports the app, each with a handler of its own that does not
@@ -77,6 +101,9 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
     sdk_activity = logging.getLogger(SDK_ACTIVITY_LOGGER)
     if not any(isinstance(f, ExpectedFailureFilter) for f in sdk_activity.filters):
         sdk_activity.addFilter(ExpectedFailureFilter())
+    core = logging.getLogger(CORE_LOGGER)
+    if not any(isinstance(f, CoreAfterCancelFilter) for f in core.filters):
+        core.addFilter(CoreAfterCancelFilter())
     # Tracebacks as plain text (never rich's, which prints every frame's locals: a PDF's password, a
     # request's headers), made before masking so that an exception's message is masked too.
     renderer = structlog.processors.JSONRenderer() if json else \

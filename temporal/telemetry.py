@@ -24,7 +24,7 @@ from temporalio.runtime import (
 )
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
-from ragline import metrics, tracing
+from ragline import logs, metrics, tracing
 from ragline.settings import Settings
 from temporal import queues
 from temporal import search_attributes as sa
@@ -36,7 +36,7 @@ def core_logging() -> LoggingConfig:
     """The SDK core's own lines (Rust: "workflow task duration exceeded…", poll errors) forwarded to Python
     logging, so that they are formatted, masked and JSON like every other line, not colour-coded text."""
     return LoggingConfig(filter=TelemetryFilter(core_level="WARN", other_level="WARN"),
-                         forwarding=LogForwardingConfig(logger=logging.getLogger("temporalio.core")))
+                         forwarding=LogForwardingConfig(logger=logging.getLogger(logs.CORE_LOGGER)))
 
 
 def worker_runtime(metrics_address: str | None = None) -> Runtime:
@@ -134,5 +134,7 @@ class ServerStatsPoller:
                 raise
             except Exception as exc:  # the server is down or restarting: try again next time
                 self.errors.add(1)
-                log.warning("server statistics poll failed", error=str(exc)[:200])
+                # "operation was canceled": the worker is stopping, not a server in trouble.
+                say = log.info if "cancel" in str(exc).lower() else log.warning
+                say("server statistics poll failed", error=str(exc)[:200])
             await asyncio.sleep(self.settings.metrics_poll_interval)

@@ -5,8 +5,10 @@ Temporal dev server, so that the lines are the Temporal SDK's own; the API's 4xx
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import sys
 import uuid
 from datetime import timedelta
 
@@ -98,6 +100,28 @@ async def test_a_transient_failure_is_one_line_that_says_it_is_retried(temporal_
     assert (line.job_id, line.step, line.attempt) == (line.temporal_activity["workflow_id"],
                                                       "call_an_unreachable_model", 1)
     assert "cannot reach the model endpoint" in message and "\n" not in message
+
+
+def test_a_step_stopped_by_its_jobs_cancel_is_one_line_of_information(configured_logs):
+    """The SDK completes a step whose job was cancelled (its heartbeat finds the job gone) "as failed",
+    with a warning and a traceback of its own frames; and its core warns that the server no longer knows
+    the activity. Neither is a problem of the step: one line of information each."""
+    sdk = logging.getLogger(logs.SDK_ACTIVITY_LOGGER)
+    try:
+        raise asyncio.CancelledError("Activity cancelled")
+    except asyncio.CancelledError:
+        record = sdk.makeRecord(sdk.name, logging.WARNING, __file__, 1, "Completing activity as failed", (),
+                                sys.exc_info(), extra={"temporal_activity": {
+                                    "activity_type": "agent_plan", "workflow_id": "acme.agent-1", "attempt": 1}})
+    assert all(f.filter(record) for f in sdk.filters)
+    assert (record.levelno, record.exc_info) == (logging.INFO, None)
+    assert record.getMessage() == "activity agent_plan of job acme.agent-1 stopped: its job was cancelled or has ended"
+    core = logging.getLogger(logs.CORE_LOGGER)
+    line = core.makeRecord(core.name, logging.WARNING, __file__, 1, "Activity not found on completion. This may "
+                           "happen if the activity has already been cancelled but completed anyway.", (), None)
+    assert all(f.filter(line) for f in core.filters) and line.levelno == logging.INFO
+    other = core.makeRecord(core.name, logging.WARNING, __file__, 1, "Workflow task duration exceeded", (), None)
+    assert all(f.filter(other) for f in core.filters) and other.levelno == logging.WARNING
 
 
 def test_standard_library_lines_carry_the_job_and_the_trace(capfd, configured_logs):
