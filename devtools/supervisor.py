@@ -654,8 +654,9 @@ class Supervisor:
         lines = []
         if getattr(self, "new_api_key", None):
             lines += [f"  API key:         {self.new_api_key}",
-                      "                   (tenant default, operator; shown once: keep it. More: "
-                      ".venv/bin/python -m ragline.keys create --tenant NAME --role member)"]
+                      "                   (tenant default, operator; shown once: keep it. More, with this "
+                      f"RAGLINE_DATA_DIR={s.data_dir}: .venv/bin/python -m ragline.keys create --tenant NAME "
+                      "--role member)"]
         else:
             lines.append(f"  API keys:        {s.effective_api_keys_file} (.venv/bin/python -m ragline.keys create ...)")
         if s.encrypt_payloads:

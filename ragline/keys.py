@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import secrets
+import sys
 import threading
 import tomllib
 from dataclasses import dataclass, field
@@ -154,10 +155,12 @@ def create(path: Path, tenant: str, role: Role = "member", name: str | None = No
     return key
 
 
-def remove(path: Path, name: str) -> int:
-    """Drop every key named `name` (the file is rewritten without comments). Returns how many."""
+def remove(path: Path, name: str | None = None, *, key_id: str | None = None) -> int:
+    """Drop every key named `name`, or whose sha256 starts with `key_id` (as `list` and the audit log show
+    it); the file is rewritten without comments. Returns how many."""
     data = load(path)
-    kept = [k for k in data.keys if k.name != name]
+    kept = [k for k in data.keys
+            if not ((name is not None and k.name == name) or (key_id and k.sha256.startswith(key_id.rstrip("…"))))]
     out: list[str] = []
     for k in kept:
         out += ["[[keys]]"] + [f"{f} = {json.dumps(v)}" for f, v in k.model_dump(exclude_none=True).items()] + [""]
@@ -181,20 +184,38 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tenant", required=True)
     c.add_argument("--role", choices=["member", "reviewer", "operator", "codec"], default="member",
                    help="member (default): any job of the tenant; reviewer: also reviews and operator decisions; "
-                        "operator: a reviewer that may also use the codec endpoint")
+                        "operator: a reviewer that may also use the codec endpoint; codec: that endpoint only")
     c.add_argument("--name", help="shown in the audit log")
     c.add_argument("--rpm", type=int, help="requests per minute for this key")
-    sub.add_parser("list", help="list keys (tenant, name, role; never the keys)")
-    parser.add_argument("--file", type=Path, help="keys file (default: RAGLINE_API_KEYS_FILE)")
+    sub.add_parser("list", help="list keys (tenant, role, name, key id; never the keys)")
+    r = sub.add_parser("revoke", help="remove keys: the API refuses them as soon as it re-reads the file")
+    which = r.add_mutually_exclusive_group(required=True)
+    which.add_argument("--name", help="every key with this name")
+    which.add_argument("--id", dest="key_id", help="the key whose id (as `list` shows it) starts so")
+    parser.add_argument("--file", type=Path, help="keys file (default: RAGLINE_API_KEYS_FILE, else "
+                                                  "<RAGLINE_DATA_DIR>/api_keys.toml: use the API's settings)")
     args = parser.parse_args(argv)
     path = args.file or get_settings().effective_api_keys_file
     if args.command == "create":
         try:
             key = create(path, args.tenant, args.role, args.name, args.rpm)
-        except (ValidationError, KeysFileError) as exc:
+        except ValidationError as exc:
+            parser.error("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+        except KeysFileError as exc:
             parser.error(str(exc))
         print(key)
         return 0
+    if not path.exists():  # the wrong folder, most likely: say which file was looked for
+        print(f"no keys file at {path}: run this with the API's RAGLINE_DATA_DIR (or RAGLINE_API_KEYS_FILE), "
+              "or name the file with --file", file=sys.stderr)
+        return 1
+    if args.command == "revoke":
+        if args.key_id is not None and len(args.key_id.rstrip("…")) < 6:
+            parser.error("--id: give at least 6 characters of the key id")
+        removed = remove(path, args.name, key_id=args.key_id)
+        print(f"{removed} key(s) removed from {path}", file=sys.stderr)
+        return 0 if removed else 1
+    print(f"keys in {path}:", file=sys.stderr)
     for k in load(path).keys:
         print(f"{k.tenant}\t{k.role}\t{k.name or '-'}\t{k.sha256[:12]}…")
     return 0

@@ -201,7 +201,22 @@ async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tm
     assert (entry.tenant, entry.role, entry.name) == ("initech", "reviewer", "ops")
     bad = subprocess.run([_python(), "-m", "ragline.keys", "--file", str(path), "create", "--tenant", "Not OK"],
                          capture_output=True, text=True)
-    assert bad.returncode != 0
+    assert bad.returncode != 0 and "tenant: String should match pattern" in bad.stderr, bad.stderr
+    assert "errors.pydantic.dev" not in bad.stderr  # a person's message, not the library's report
+
+    def keys(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([_python(), "-m", "ragline.keys", "--file", str(path), *args],
+                              capture_output=True, text=True)
+
+    # Listed with its id, revoked by it: the API refuses it as soon as it re-reads the file.
+    listed = keys("list")
+    assert str(path) in listed.stderr and f"initech\treviewer\tops\t{entry.sha256[:12]}…" in listed.stdout
+    assert keys("revoke", "--id", entry.sha256[:12] + "…").returncode == 0
+    assert api_keys.load(path).keys == [] and keys("revoke", "--name", "ops").returncode == 1
+    # The wrong folder: it says which file it looked for, rather than list nothing.
+    elsewhere = subprocess.run([_python(), "-m", "ragline.keys", "--file", str(tmp_path / "none.toml"), "list"],
+                               capture_output=True, text=True)
+    assert elsewhere.returncode == 1 and "no keys file at" in elsewhere.stderr and "none.toml" in elsewhere.stderr
 
 
 def test_a_broken_edit_of_the_keys_file_keeps_the_keys_read_before(tmp_path):
