@@ -115,6 +115,24 @@ def plan_goal(body: dict) -> str:
     return body["messages"][-1]["content"].split("GOAL: ", 1)[1].split("\n", 1)[0]
 
 
+def delegating(*subgoals: str) -> dict[str, Any]:
+    """A model reply that delegates each of `subgoals` (one tool call each)."""
+    return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": goal}} for goal in subgoals]}
+
+
+def two_sub_agents_that_delegate_deeper(token: str = "") -> Callable[[dict], dict[str, Any]]:
+    """The root delegates two sub-goals; each sub-agent then wants to delegate once more (past a max_depth
+    of 1: a review each), and finishes when it gets to plan again."""
+    def plan(body: dict) -> dict:
+        depth = plan_depth(body)
+        if depth == 0 and fresh_plan(body):
+            return delegating(*(f"survey the {side} pier {token}".strip() for side in ("north", "south")))
+        if depth == 1 and fresh_plan(body):
+            return delegating(f"deeper {plan_goal(body)}")
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer at depth {depth}"}}]}
+    return plan
+
+
 def delegate_until(leaf_depth: int, token: str = "") -> Callable[[dict], dict[str, Any]]:
     """A script function for the model: delegate on the first plan until `leaf_depth`, then finish.
     Sub-goals carry `token`, so that a scope on the token covers the whole tree of agents."""

@@ -35,21 +35,10 @@ from models.chat import SessionState, session_workflow_id
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
-from tests.helpers import delegate_until, fresh_plan, plan_depth, plan_goal, read_events, waiting_reviews
+from tests.helpers import delegate_until, read_events, two_sub_agents_that_delegate_deeper, waiting_reviews
 from workflows.chat import ChatSessionWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
-
-
-def _two_piers(body: dict) -> dict:
-    """The root delegates two sub-goals; each sub-agent wants to delegate once more (past max_depth 1)."""
-    depth = plan_depth(body)
-    if depth == 0 and fresh_plan(body):
-        return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"survey the {side} pier"}}
-                               for side in ("north", "south")]}
-    if depth == 1 and fresh_plan(body):
-        return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"deeper {plan_goal(body)}"}}]}
-    return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer at depth {depth}"}}]}
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
 
 
@@ -165,7 +154,7 @@ async def record() -> list[Path]:
             saved += await _save(client, "agent-review", f"WorkflowId STARTS_WITH '{agent_id}'")
 
             # Two sub-agents wait for a review each; one is rejected, and the other is told to stop.
-            stack.llm.script_fn("agent", _two_piers)
+            stack.llm.script_fn("agent", two_sub_agents_that_delegate_deeper())
             r = await stack.http.post("/v1/agents", json={"goal": "Survey the piers", "collection": "record",
                                                           "max_depth": 1})
             piers = r.json()["job_id"]

@@ -15,7 +15,8 @@ from devtools.devserver import temporal_binary
 from devtools.scripted_llm import parse_prompt
 from tests.conftest import running_stack
 from tests.helpers import (
-    delegate_until, eventually, fresh_plan, plan_depth, plan_goal, read_events, waiting_reviews,
+    delegate_until, delegating, eventually, fresh_plan, plan_depth, plan_goal, read_events,
+    two_sub_agents_that_delegate_deeper, waiting_reviews,
 )
 from workflows.agent import MAX_TURNS
 
@@ -169,19 +170,9 @@ async def test_a_rejection_stops_the_sub_agents_running_beside_it(stack):
     """Two sub-agents wait for a review each. A reviewer rejects one: the other's review is withdrawn at
     once (nobody is asked about a tree that is stopping), it finishes with what it has, and the root
     finishes too, every call counted. Before, the other waited for its reviewer (up to a day)."""
-    def plan(body: dict) -> dict:
-        depth = plan_depth(body)
-        if depth == 0 and fresh_plan(body):
-            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"survey the {side} pier {token}"}}
-                                   for side in ("north", "south")]}
-        if depth == 1 and fresh_plan(body):
-            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"deeper {plan_goal(body)}"}}]}
-        return {"tool_calls": [{"name": "finish", "arguments": {"answer": f"answer at depth {depth}"}}]}
-
     with stack.llm.scope() as llm:
-        token = llm.token
-        llm.script_fn("agent", plan)
-        job_id = await _start(stack, f"Survey the piers {token}", max_depth=1)
+        llm.script_fn("agent", two_sub_agents_that_delegate_deeper(llm.token))
+        job_id = await _start(stack, f"Survey the piers {llm.token}", max_depth=1)
         reviews = await waiting_reviews(stack, job_id, count=2)
         assert sorted(r["job_id"] for r in reviews) == [f"{job_id}.1", f"{job_id}.2"], reviews
         r = await stack.http.post(f"/v1/jobs/{job_id}.1/review", json={"decision": "reject", "reviewer": "ed"})
@@ -201,11 +192,8 @@ async def test_a_rejection_stops_the_sub_agents_running_beside_it(stack):
 async def test_a_sub_agent_a_person_cancels_is_not_delegated_again(stack):
     """A person cancels a sub-agent waiting for its review. Its parent shows the delegation cancelled (not
     failed) and does not propose the same sub-goal again: the model, which would, is told not to."""
-    def plan(body: dict) -> dict:
-        depth = plan_depth(body)
-        if depth == 0:
-            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"survey the lighthouse {token}"}}]}
-        return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"deeper {plan_goal(body)}"}}]}
+    def plan(body: dict) -> dict:  # always delegates: the root, its lighthouse again
+        return delegating(f"survey the lighthouse {token}" if plan_depth(body) == 0 else f"deeper {plan_goal(body)}")
 
     with stack.llm.scope() as llm:
         token = llm.token

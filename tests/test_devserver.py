@@ -3,6 +3,11 @@ durability of the SQLite file across a restart, and how long the namespace keeps
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -122,57 +127,9 @@ def test_a_retention_under_a_day_is_refused_at_start(tmp_path: Path) -> None:
         Settings(data_dir=tmp_path, temporal_retention="12h")
 
 
-def test_a_process_make_run_started_ends_when_make_run_is_killed(tmp_path: Path) -> None:
-    """`make run`'s supervisor killed outright (SIGKILL, an OOM kill) takes its processes with it. Left
-    behind, the worker failed every step it took on the dead supervisor's pipe (Broken pipe) and
-    dead-lettered the jobs in flight, and the next `make run` found the ports taken."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    parent = subprocess.Popen([sys.executable, "-c", f"""
-import asyncio, os, sys
-from pathlib import Path
-from devtools.supervisor import Managed, ProcessSpec
-
-async def main():
-    child = Managed(ProcessSpec(name="sleeper", argv=[sys.executable, "-c", "import time; time.sleep(120)"]),
-                    Path({str(tmp_path)!r}), dict(os.environ))
-    await child.start()
-    print(child.proc.pid, flush=True)
-    await asyncio.sleep(120)
-
-asyncio.run(main())
-"""], cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)
-    try:
-        child = int(parent.stdout.readline())
-        os.kill(child, 0)  # it runs
-    finally:
-        parent.kill()
-        parent.wait()
-
-    def gone() -> bool:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return True
-        try:  # a zombie until init reaps it: it has ended
-            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
-        except OSError:
-            return True
-    deadline = time.monotonic() + 30
-    while not gone():
-        assert time.monotonic() < deadline, f"process {child} outlived the supervisor that started it"
-        time.sleep(0.1)
-
-
-def _supervised(tmp_path: Path, spec_source: str) -> tuple[object, int]:
+def _supervised(tmp_path: Path, spec_source: str) -> tuple[subprocess.Popen, int]:
     """A process standing in for `make run`'s supervisor, which starts one child (`spec_source`: a
     ProcessSpec expression) and prints its pid; and that pid."""
-    import subprocess
-    import sys
-
     parent = subprocess.Popen([sys.executable, "-c", f"""
 import asyncio, os, signal, sys
 from pathlib import Path
@@ -189,79 +146,75 @@ asyncio.run(main())
     return parent, int(parent.stdout.readline())
 
 
-def _ends(pid: int, within: float) -> bool:
-    import os
-    import time
-
+def _ended(pid: int, within: float) -> bool:
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+    while True:
         try:
             os.kill(pid, 0)
             if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":  # ended; init reaps it
                 return True
         except (ProcessLookupError, OSError):
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.1)
-    return False
+
+
+def _kill_supervisor_then_expect_the_end_of(parent: subprocess.Popen, child: int) -> None:
+    """SIGKILL the supervisor (as an OOM kill would): its child ends within 30 s on its own."""
+    parent.kill()
+    parent.wait()
+    try:
+        assert _ended(child, 30), f"process {child} outlived the supervisor that started it"
+    finally:
+        if not _ended(child, 0):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_process_make_run_started_ends_when_make_run_is_killed(tmp_path: Path) -> None:
+    """`make run`'s supervisor killed outright (SIGKILL, an OOM kill) takes its processes with it. Left
+    behind, the worker failed every step it took on the dead supervisor's pipe (Broken pipe) and
+    dead-lettered the jobs in flight, and the next `make run` found the ports taken."""
+    parent, child = _supervised(tmp_path, "ProcessSpec(name='sleeper', argv=[sys.executable, '-c', "
+                                          "'import time; time.sleep(120)'])")
+    os.kill(child, 0)  # it runs
+    _kill_supervisor_then_expect_the_end_of(parent, child)
 
 
 def test_a_child_that_would_not_stop_on_sigterm_gets_sigkill_when_make_run_dies(tmp_path: Path) -> None:
     """The local model's server keeps nothing and finishes the generation in flight before it stops on
     SIGTERM (minutes on a busy machine, with nobody left to send the second signal): it gets SIGKILL."""
-    import os
-    import signal
-
     stubborn = '"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"'
     parent, child = _supervised(tmp_path, f"ProcessSpec(name='stubborn', argv=[sys.executable, '-c', {stubborn}], "
                                           "parent_death_signal=signal.SIGKILL)")
-    try:
-        os.kill(child, 0)
-    finally:
-        parent.kill()
-        parent.wait()
-    try:
-        assert _ends(child, 30), f"process {child} outlived the supervisor that started it"
-    finally:
-        if not _ends(child, 0):
-            os.kill(child, signal.SIGKILL)
+    _kill_supervisor_then_expect_the_end_of(parent, child)
     from devtools.supervisor import llm_spec
     assert llm_spec(Settings(data_dir=tmp_path)).parent_death_signal == signal.SIGKILL
 
 
 def test_the_worker_ends_when_make_run_is_killed_outright(tmp_path: Path, temporal_env) -> None:
     """The real worker, polling, its output piped to a supervisor that is SIGKILLed: it gets SIGTERM,
-    stops, and ends. Its last lines went to a pipe nobody reads: a flush that raised skipped its exit
-    without teardown, and it hung on, orphaned (temporalio/sdk-python#300), after `make run` had died."""
-    import os
-    import signal
-    import time
-
+    stops and ends, although the lines it writes meanwhile go to a pipe nobody reads (a flush of them
+    that raised skipped its exit without teardown, and a worker orphaned so could hang on,
+    temporalio/sdk-python#300)."""
     env = {"RAGLINE_DATA_DIR": str(tmp_path), "RAGLINE_TASK_QUEUE": "ragline-orphan",
            "RAGLINE_TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
            "RAGLINE_LLM_BASE_URL": "http://127.0.0.1:9/v1", "RAGLINE_WORKER_METRICS_PORT": "0"}
     parent, child = _supervised(tmp_path, f"ProcessSpec(name='worker', argv=[sys.executable, 'worker.py'], "
                                           f"env={env!r})")
     log = tmp_path / "worker.log"
-    try:
-        deadline = time.monotonic() + 60
-        while "worker polling" not in (log.read_text() if log.exists() else ""):
-            assert time.monotonic() < deadline and _ends(child, 0) is False, log.read_text() if log.exists() else ""
-            time.sleep(0.2)
-    finally:
-        parent.kill()
-        parent.wait()
-    try:
-        assert _ends(child, 30), f"worker {child} outlived the supervisor that started it"
-    finally:
-        if not _ends(child, 0):
-            os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "worker polling" not in (log.read_text() if log.exists() else ""):
+        if time.monotonic() > deadline or _ended(child, 0):
+            parent.kill()
+            pytest.fail(f"the worker did not start polling: {log.read_text() if log.exists() else ''}")
+        time.sleep(0.2)
+    _kill_supervisor_then_expect_the_end_of(parent, child)
 
 
 def test_one_stop_delivered_twice_at_once_stops_make_run_gracefully(tmp_path: Path) -> None:
     """`kill -TERM -- -<pgid>` reaches the supervisor twice (directly, and passed on by make): that is one
     stop, not the "again" that kills everything at once. A second signal a moment later still is."""
-    import signal
-
     from devtools.supervisor import Supervisor
 
     supervisor = Supervisor(Settings(data_dir=tmp_path), specs=[])
