@@ -52,7 +52,9 @@ async def queue_pollers(client: Client, task_queue: str) -> dict[str, QueuePolle
 
 
 class SharedCheck:
-    """The last result of a check, reused for `ttl` seconds after it was taken; one check at a time."""
+    """The last result of a check, reused for `ttl` seconds after it was taken when every component was up;
+    one check at a time. A result with something down is not reused: the recovery shows at once (a probe
+    that saw Temporal down would otherwise keep the pod out of service for `ttl` more seconds)."""
 
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
@@ -61,7 +63,8 @@ class SharedCheck:
         self._running: asyncio.Task | None = None
 
     async def get(self, check: Callable[[], Awaitable[dict[str, Component]]]) -> dict[str, Component]:
-        if self._result is not None and time.monotonic() - self._taken_at < self.ttl:
+        if self._result is not None and time.monotonic() - self._taken_at < self.ttl and \
+                all(c.status == "up" for c in self._result.values()):
             return self._result
         if self._running is None:
             self._running = asyncio.ensure_future(self._take(check))
