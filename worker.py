@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -80,6 +81,10 @@ NEEDS: dict[str, frozenset[str]] = {
     "embedder": frozenset(map(_NAME, (
         IngestActivities.embed_chunks, ChatActivities.retrieve_context, AgentActivities.search_documents,
         SearchActivities.search_chunks, EvaluationActivities.evaluate_collection))),
+    # The chat model's endpoint and its key (an evaluation that answers its golden questions calls it too).
+    "model": frozenset(map(_NAME, (
+        ChatActivities.generate_answer, ChatActivities.generate_answer_fallback, ChatActivities.summarize_context,
+        ChatActivities.extract_entities, AgentActivities.agent_plan, EvaluationActivities.evaluate_collection))),
 }
 SEARCH = _NAME(SearchActivities.search_chunks)
 
@@ -389,6 +394,8 @@ if __name__ == "__main__":
     code = 1
     try:
         code = asyncio.run(main())
+    except BaseException:  # noqa: BLE001 - said here: os._exit below leaves before Python would print it
+        traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

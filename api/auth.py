@@ -2,7 +2,7 @@
 sha256 in the keys file (ragline/keys.py). Every route but /healthz depends on `authenticate`.
 
 401 `unauthenticated`: no key, or a key the file does not know. 403 `forbidden`: a member key on a
-reviewer's route. 429 `rate_limited` with `Retry-After`: the key sent more than its requests per
+reviewer's route, or a codec key (the codec endpoint's only) on any route. 429 `rate_limited` with `Retry-After`: the key sent more than its requests per
 minute (a moving window, `limits`; counters in RAGLINE_RATE_LIMIT_STORAGE: this process's memory, or a
 Redis that every API process shares).
 

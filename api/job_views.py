@@ -536,7 +536,7 @@ async def send_update(client: Client, tenant: str, job_id: str, name: str, paylo
     if desc.status != WorkflowExecutionStatus.RUNNING:
         raise ApiError(409, "job_closed", f"job {job_id} has already ended ({job_status(desc)})")
     kind = desc.typed_search_attributes.get(sa.JOB_KIND)
-    if kinds is not None and kind not in kinds:
+    if kinds is not None and kind is not None and kind not in kinds:  # None: started by hand, not known
         raise ApiError(409, refused_code, f"job {job_id} ({kind}) never waits for a {name}")
     try:
         ack = await client.get_workflow_handle(job_id).execute_update(

@@ -46,7 +46,7 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-AUTH_ERRORS = {401: "unauthenticated, conflicting_keys", 429: "rate_limited"}
+AUTH_ERRORS = {401: "unauthenticated, conflicting_keys", 403: "forbidden", 429: "rate_limited"}
 RETRY_AFTER = {"Retry-After": {"description": "Seconds until the key may send again",
                                "schema": {"type": "integer", "minimum": 1}}}
 UNAUTHENTICATED = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
@@ -57,7 +57,8 @@ def error_responses(codes: dict[int, str], *, auth: bool = True) -> dict[int | s
     unexpected error (500 `internal_error` or `payload_unreadable`, 502 `temporal_error`) as `default`.
     Declaring 422 (or `default`) also replaces FastAPI's own validation-error schema, which is not what
     this API sends.
-    Routes behind an API key (`auth`) also answer 401 and 429."""
+    Routes behind an API key (`auth`) also answer 401, 403 (a codec key; a member's on a reviewer's route)
+    and 429."""
     codes = {**AUTH_ERRORS, **codes} if auth else codes
     documented: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorBody, "description": f"error code{'s' if ',' in code else ''}: {code}"}

@@ -155,12 +155,20 @@ def create(path: Path, tenant: str, role: Role = "member", name: str | None = No
     return key
 
 
+def matching(path: Path, name: str | None = None, *, key_id: str | None = None) -> list[KeyEntry]:
+    """The keys named `name`, or whose sha256 starts with `key_id` (as `list` and the audit log show it)."""
+    prefix = (key_id or "").rstrip("…").lower()
+    return [k for k in load(path).keys
+            if (name is not None and k.name == name) or (prefix and k.sha256.startswith(prefix))]
+
+
 def remove(path: Path, name: str | None = None, *, key_id: str | None = None) -> int:
-    """Drop every key named `name`, or whose sha256 starts with `key_id` (as `list` and the audit log show
-    it); the file is rewritten without comments. Returns how many."""
+    """Drop the keys `matching` (the file is rewritten without comments, if any matched). Returns how many."""
     data = load(path)
-    kept = [k for k in data.keys
-            if not ((name is not None and k.name == name) or (key_id and k.sha256.startswith(key_id.rstrip("…"))))]
+    gone = {k.sha256 for k in matching(path, name, key_id=key_id)}
+    if not gone:
+        return 0
+    kept = [k for k in data.keys if k.sha256 not in gone]
     out: list[str] = []
     for k in kept:
         out += ["[[keys]]"] + [f"{f} = {json.dumps(v)}" for f, v in k.model_dump(exclude_none=True).items()] + [""]
@@ -212,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "revoke":
         if args.key_id is not None and len(args.key_id.rstrip("…")) < 6:
             parser.error("--id: give at least 6 characters of the key id")
+        found = matching(path, args.name, key_id=args.key_id)
+        if args.key_id is not None and len(found) > 1:  # an id names one key: say which ones it could be
+            parser.error(f"--id {args.key_id} matches {len(found)} keys: " +
+                         ", ".join(f"{k.sha256[:16]} ({k.tenant}, {k.name or '-'})" for k in found))
         removed = remove(path, args.name, key_id=args.key_id)
         print(f"{removed} key(s) removed from {path}", file=sys.stderr)
         return 0 if removed else 1

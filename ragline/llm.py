@@ -35,6 +35,7 @@ class Completion:
     model: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    repetition_cut: bool = False  # the reply fell into a loop: `text` ends where the loop began
 
 
 @dataclass
@@ -238,17 +239,14 @@ class ChatModel:
 
     async def complete(self, messages: list[dict], *, step: str, temperature: float = 0.0,
                        max_tokens: int | None = None) -> Completion:
-        with self._observed(step) as observed, translate_provider_errors(step):
-            response = await self._client.chat.completions.create(
-                model=self.model, messages=self._mask(messages), temperature=temperature,
-                max_tokens=max_tokens or self.max_tokens, extra_headers=observed.headers)
-            observed.take(response.usage)
-        if not response.choices:
-            raise TransientError(f"{step}: the model returned no choices")
-        usage = response.usage
-        return Completion(text=response.choices[0].message.content or "", model=response.model or self.model,
-                          prompt_tokens=usage.prompt_tokens if usage else 0,
-                          completion_tokens=usage.completion_tokens if usage else 0)
+        """The whole reply, read as a stream: a step stopped meanwhile (its job cancelled, a sibling failed)
+        closes the connection, and a server such as llama.cpp's stops generating. Asked for in one piece, it
+        generated to the end for nobody, holding the next calls behind it (minutes on a busy CPU)."""
+        result = StreamedCompletion(model=self.model)
+        async for _ in self.stream(messages, result, step=step, temperature=temperature, max_tokens=max_tokens):
+            pass
+        return Completion(text=result.text, model=result.model, prompt_tokens=result.prompt_tokens,
+                          completion_tokens=result.completion_tokens, repetition_cut=result.repetition_cut)
 
     async def plan(self, messages: list[dict], tools: list[dict], *, step: str) -> ToolPlan:
         """One tool-calling turn: the model picks tools from `tools` (or answers in text)."""
@@ -274,7 +272,7 @@ class ChatModel:
                         completion_tokens=usage.completion_tokens if usage else 0)
 
     async def stream(self, messages: list[dict], result: StreamedCompletion, *, step: str,
-                     temperature: float = 0.0) -> AsyncIterator[str]:
+                     temperature: float = 0.0, max_tokens: int | None = None) -> AsyncIterator[str]:
         """Yields pieces of the reply as they arrive; totals land in `result`. A reply that falls into a
         loop (`cut_repetition`) is not read further: its stream is closed, so the model stops generating,
         and `result` keeps the text up to the loop's first occurrence, with `repetition_cut` set."""
@@ -283,8 +281,9 @@ class ChatModel:
         guard = LoopGuard()
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
-                model=self.model, messages=self._mask(messages), temperature=temperature, max_tokens=self.max_tokens,
-                stream=True, stream_options={"include_usage": True}, extra_headers=observed.headers)
+                model=self.model, messages=self._mask(messages), temperature=temperature,
+                max_tokens=max_tokens or self.max_tokens, stream=True, stream_options={"include_usage": True},
+                extra_headers=observed.headers)
             async with response:  # closed however the reading ends (a loop, a cancelled job): the model stops
                 async for chunk in response:
                     if chunk.model:

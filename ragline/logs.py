@@ -11,6 +11,7 @@ import logging
 import sys
 
 import structlog
+from temporalio import activity as temporal_activity
 from temporalio.exceptions import ApplicationError
 
 from ragline.errors import TransientError, non_retryable_types
@@ -38,12 +39,20 @@ class ExpectedFailureFilter(logging.Filter):
             record.attempt = activity.get("attempt")
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, asyncio.CancelledError):
-            # A step whose job was cancelled (or ended) meanwhile: the job tells why; its attempt, stopped
-            # as asked, is no warning, and its traceback only the SDK's own frames.
-            record.msg = "activity %s of job %s stopped: its job was cancelled or has ended"
+            # The SDK's own frames only. A step whose job was cancelled (or ended) meanwhile, or whose worker
+            # stops: the job tells why, and its attempt, stopped as asked, is no warning. One that timed out
+            # (no heartbeat in time) is: it says so, in one line.
+            details = _cancellation_details()
             record.args = (activity.get("activity_type"), activity.get("workflow_id"))
             record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.INFO, "INFO"
+            if details is not None and details.timed_out:
+                record.msg = "activity %s of job %s timed out (no heartbeat, or over its time): retried while " \
+                             "its policy allows"
+            else:
+                record.msg = "activity %s of job %s stopped: " + (
+                    "the worker is shutting down" if details is not None and details.worker_shutdown
+                    else "its job was cancelled or has ended")
+                record.levelno, record.levelname = logging.INFO, "INFO"
             return True
         if not isinstance(error, ApplicationError):
             return True
@@ -74,6 +83,14 @@ class CoreAfterCancelFilter(logging.Filter):
 
 
 CORE_LOGGER = "temporalio.core"  # where temporal/telemetry.py forwards the SDK core's lines
+
+
+def _cancellation_details() -> temporal_activity.ActivityCancellationDetails | None:
+    """Why the activity whose record is being logged was cancelled (the SDK logs within its context)."""
+    try:
+        return temporal_activity.cancellation_details()
+    except RuntimeError:  # not in an activity's context
+        return None
 
 
 # uvicorn configures these before it imports the app, each with a handler of its own that does not

@@ -211,6 +211,24 @@ async def test_a_sub_agent_a_person_cancels_is_not_delegated_again(stack):
     assert [c["status"] for c in job["result"]["tree"]["children"]] == ["cancelled"], job["result"]["tree"]
 
 
+async def test_a_sub_agent_cancelled_deep_in_the_tree_stops_nothing_above_it(stack):
+    """A person cancels a grandchild waiting for its review: its parent plans on without it and finishes,
+    and so does the root. A cancel is not a reviewer's rejection, which stops the whole tree."""
+    with stack.llm.scope() as llm:
+        llm.script_fn("agent", delegate_until(leaf_depth=3, token=llm.token))
+        job_id = await _start(stack, f"Chart the reefs {llm.token}", max_depth=2)
+        [review] = await waiting_reviews(stack, job_id)
+        assert review["job_id"] == f"{job_id}.1.1", review
+        r = await stack.http.post(f"/v1/jobs/{job_id}.1.1/cancel")
+        assert r.status_code == 202, r.text
+        job = await stack.wait_done(job_id, timeout=60)
+    assert job["status"] == "completed", job
+    result = job["result"]
+    assert (result["status"], result["answer"], result["decisions"]) == ("finished", "answer from depth 0", []), result
+    [child] = result["tree"]["children"]
+    assert (child["status"], [g["status"] for g in child["children"]]) == ("finished", ["cancelled"]), child
+
+
 async def test_loop_guard_trips_on_a_repeated_goal(stack):
     def loop(body: dict) -> dict:
         if fresh_plan(body):

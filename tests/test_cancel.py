@@ -79,6 +79,22 @@ async def test_a_cancelled_turn_stops_its_model_stream_and_ends_its_events(stack
                        ("acme-reviewer", "accepted")]
 
 
+async def test_a_turn_cancelled_during_its_summary_stops_that_model_call(stack, herds):
+    """The side steps' replies are read as streams too: a cancel that stops a summary closes its connection,
+    and a model server such as llama.cpp's stops generating it (asked for in one piece, the reply was
+    generated to its end for nobody, holding the calls behind it)."""
+    with stack.llm.scope(stream_chunk_delay=0.2) as llm:
+        llm.script("summarize", [" ".join(f"herd {i} crossed on day {i * 7 % 31}." for i in range(200))])
+        job_id = (await stack.chat(f"When do the herds cross the river? {llm.token}", collection="cancel"))["job_id"]
+        await llm.wait_for_calls(1, "summarize", timeout=30)
+        assert (await stack.http.post(f"/v1/jobs/{job_id}/cancel")).status_code == 202
+        [summary] = await llm.wait_for_calls(1, "summarize", finished=True, timeout=30)
+        job = await stack.wait_done(job_id)
+    assert summary.cut_off, summary
+    assert job["status"] == "cancelled"
+    assert {s["name"]: s["status"] for s in job["steps"]}["summarize_context"] == "cancelled", job["steps"]
+
+
 async def test_a_cancelled_waiting_turn_is_skipped_and_its_session_goes_on(stack, herds, shipped_answer_heartbeat):
     # The first turn's answer streams a piece a second; the later turns' answers come at once.
     with stack.llm.scope(stream_chunk_delay=1.0) as slow, stack.llm.scope() as llm:

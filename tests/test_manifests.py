@@ -284,7 +284,7 @@ def test_each_pod_gets_only_the_keys_of_ragline_keys_it_uses(objects, config, re
             wanted.add("RAGLINE_RATE_LIMIT_STORAGE")
         else:
             role = name.removeprefix("ragline-worker-")
-            if "llm" in queues.ROLES[role]:
+            if worker.role_needs(role) & {"model"}:  # by what it runs, not by its queues' names
                 wanted.add("RAGLINE_LLM_API_KEY")
             if worker.role_needs(role) & {"index"}:
                 wanted.add("RAGLINE_QDRANT_API_KEY")

@@ -106,10 +106,11 @@ def test_each_role_runs_exactly_what_the_policy_file_routes_to_its_queues():
     assert served["workflows"] == {"await_document", "confirm_removal", "forget_document",
                                    "await_turn", "acquire_slot", "release_slot", "ended_jobs"}
     assert served["all"] == set(worker.activity_names())
-    # Only the vector role opens the store; the llm role and the workflow role load no embedding model.
+    # Only the vector role opens the store; the llm role and the workflow role load no embedding model. The
+    # model is called by the llm role and by the vector role's evaluations (each gets its key on a cluster).
     assert {r: worker.role_needs(r) for r in queues.ROLES} == {
-        "all": {"index", "embedder"}, "vector": {"index", "embedder"}, "cpu": {"embedder"},
-        "llm": set(), "workflows": set()}
+        "all": {"index", "embedder", "model"}, "vector": {"index", "embedder", "model"}, "cpu": {"embedder"},
+        "llm": {"model"}, "workflows": set()}
 
 
 def test_a_store_activity_outside_the_vector_queue_stops_a_role_that_does_not_own_the_store(tmp_path):

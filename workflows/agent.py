@@ -109,6 +109,10 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         # What the search guard told the model: an observation for its next plan, not something it found.
         self._told: set[str] = set()
         self._stop_asked = False
+        # Sub-goals whose sub-agent a person cancelled: not delegated again, though nobody rejected them (the
+        # tree does not stop for them, and they are not reported up as rejected).
+        self._cancelled_goals: list[str] = []
+        self._started: dict[str, workflow.ChildWorkflowHandle] = {}  # sub-agents started, by job id
         self._searches_in_turn: dict[int, int] = {}
 
     @workflow.run
@@ -124,7 +128,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             "goal": inp.goal, "depth": inp.depth, "max_depth": inp.max_depth})
 
     @workflow.signal(name=STOP_SIGNAL)
-    def stop(self) -> None:
+    def stop_signal(self) -> None:
         """Finish with what it has (a reviewer rejected something elsewhere in its tree; or a person asks)."""
         self._stop_asked = True
 
@@ -230,10 +234,14 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
 
     async def _delegate(self, subgoals: list[str]) -> None:
         """Child agents for `subgoals`, in parallel, once every guard passes (or a person approves)."""
-        refused = {normalise_goal(g) for g in self.rejected}
-        for goal in [g for g in subgoals if normalise_goal(g) in refused]:
-            self.observations.append(f"a reviewer rejected delegating {goal!r}; do not propose it again")
-        subgoals = [g for g in subgoals if normalise_goal(g) not in refused]
+        rejected = {normalise_goal(g) for g in self.rejected}
+        cancelled = {normalise_goal(g) for g in self._cancelled_goals}
+        for goal in subgoals:
+            if normalise_goal(goal) in rejected:
+                self.observations.append(f"a reviewer rejected delegating {goal!r}; do not propose it again")
+            elif normalise_goal(goal) in cancelled:
+                self.observations.append(f"a person cancelled the sub-agent on {goal!r}; do not propose it again")
+        subgoals = [g for g in subgoals if normalise_goal(g) not in rejected | cancelled]
         if not subgoals:
             return
         if self._stop_asked:
@@ -257,6 +265,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             max_seconds=self.budget.max_seconds)
         base = len(self.children)
         await self.slot.take_back()  # lent while a reviewer decided on this delegation: the children run within it
+        if self._stop_asked:  # told meanwhile
+            raise Stop()
         children = [asyncio.ensure_future(self._child(base + i + 1, goal, child_budget))
                     for i, goal in enumerate(subgoals)]
         ids = [agent_workflow_id(workflow.info().workflow_id, base + i + 1) for i in range(len(subgoals))]
@@ -282,17 +292,19 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.steps.start(step, detail=goal)
         try:
             async with self.waits.child(child_id, step):  # waiting for a reviewer, it lends the tree's slot
-                result = await workflow.execute_child_workflow(
+                handle = await workflow.start_child_workflow(
                     AgentWorkflow.run,
                     AgentInput(tenant=inp.tenant, goal=goal, collection=inp.collection, depth=inp.depth + 1,
                                max_depth=self.max_depth, budget=budget, deadline=deadline_given,
-                               ancestors=[*inp.ancestors, inp.goal], rejected=self.rejected,
+                               ancestors=[*inp.ancestors, inp.goal], rejected=[*self.rejected, *self._cancelled_goals],
                                review_timeout_seconds=inp.review_timeout_seconds),
                     id=child_id,
                     search_attributes=TypedSearchAttributes([
                         SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
                         SearchAttributePair(sa.COLLECTION, inp.collection),
                         SearchAttributePair(sa.TENANT, inp.tenant)]))
+                self._started[child_id] = handle
+                result = await handle
         except ChildWorkflowError as exc:
             if workflow.patched(FAILED_CHILD_SPEND_PATCH):  # what it spent before failing was paid for
                 self.spent.add(spent_before_failing(exc))
@@ -301,7 +313,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 node.status, node.answer = "cancelled", "cancelled by a person"
                 self.steps.cancel(step)
                 if workflow.patched(CANCELLED_CHILD_PATCH):
-                    self.rejected.append(goal)
+                    self._cancelled_goals.append(goal)
                 return "(cancelled by a person: do not propose it again)", False
             node.status, node.answer = "failed", failure_reason(exc)
             self.steps.fail(step, node.answer)
@@ -321,11 +333,18 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         def rejected_below() -> bool:
             return any(c.done() and not c.cancelled() and c.exception() is None and c.result()[1] for c in children)
 
+        def to_tell() -> list[str]:  # running, started (a signal to a child not yet started would be lost)
+            return [i for c, i in zip(children, ids) if not c.done() and i in self._started and i not in told]
+
+        told: set[str] = set()
         await workflow.wait_condition(lambda: self._stop_asked or rejected_below() or all(c.done() for c in children))
-        for child, child_id in zip(children, ids):
-            if not child.done():
+        while not all(c.done() or i in told for c, i in zip(children, ids)):
+            await workflow.wait_condition(lambda: bool(to_tell()) or all(c.done() or i in told
+                                                                         for c, i in zip(children, ids)))
+            for child_id in to_tell():
+                told.add(child_id)
                 try:
-                    await workflow.get_external_workflow_handle(child_id).signal(STOP_SIGNAL)
+                    await self._started[child_id].signal(STOP_SIGNAL)
                 except Exception as exc:  # noqa: BLE001 - it ended meanwhile: nothing to stop
                     workflow.logger.info("could not tell sub-agent %s to stop: %s", child_id, exc)
 
@@ -372,6 +391,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 timeout=timedelta(seconds=self.inp.review_timeout_seconds), withdraw_when=lambda: self._stop_asked)
         except ReviewWithdrawn:
             raise Stop() from None
+        if self._stop_asked and decision.decision != "reject":  # told to stop while the reviewer decided
+            raise Stop()
         if decision.decision == "approve" or (decision.decision == "revise" and workflow.patched(REVISE_EXTENDS_PATCH)):
             self.max_depth += decision.extra_depth
             extra = decision.extra_budget

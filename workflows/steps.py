@@ -20,6 +20,7 @@ class StepLog:
         self._attempts_before: dict[str, int] = {}  # attempts made before an operator's retry
         self._parked: dict[str, int] = {}  # calls of a step (a document's batches) waiting for an operator
         self._detail_before_wait: dict[str, str | None] = {}
+        self._scheduled: set[str] = set()  # steps whose activity was asked for (an attempt was made or is due)
 
     @property
     def started(self) -> bool:
@@ -72,11 +73,17 @@ class StepLog:
             self._parked[name] = self._parked.get(name, 0) + 1
 
     def resume(self, name: str) -> None:
-        """An operator retries the parked step: it runs again, its attempts counted on from where they were."""
+        """An operator retries the parked step: it runs again, its attempts counted on from where they were
+        (while another call of it still waits for an operator, it shows as waiting)."""
         self._parked[name] = max(0, self._parked.get(name, 0) - 1)
         if (step := self._steps.get(name)) is not None:
-            step.status, step.error = "running", None
+            if not self._parked[name]:
+                step.status, step.error = "running", None
             self._attempts_before[name] = step.attempts
+
+    def scheduled(self, name: str) -> None:
+        """The step's activity is asked for now (not only waiting for its job's running slot)."""
+        self._scheduled.add(name)
 
     def child_waits(self, name: str, child_id: str, waiting: bool) -> None:
         """The job this step runs as a child (an upload's document, a sub-agent) waits for a person, or
@@ -109,7 +116,7 @@ class StepLog:
         another call of it failed and this one was stopped (a batch): then the step stays failed."""
         step = self._steps.setdefault(name, StepState(name=name))
         self._waited(name)
-        if step.status == "running":  # its attempt was under way (or scheduled): it counts, as the view showed
+        if step.status == "running" and name in self._scheduled:  # its attempt was under way: it counts
             step.attempts = max(step.attempts, 1)
         if step.status != "failed":
             step.status, step.finished_at = "cancelled", workflow.now()
