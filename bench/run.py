@@ -208,7 +208,9 @@ class Stack:
                "RAGLINE_LLM_API_KEY": "unused", "RAGLINE_API_HOST": LOOPBACK, "RAGLINE_API_PORT": str(api_port),
                # Orchestration is what is measured: every turn answers through the model, none from the
                # cache, and the made-up passages are not held to the relevance gate (bench.quality is).
-               "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0"}
+               "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0",
+               # The scripted model stands in for a hosted endpoint (on loopback, it would count as local).
+               "RAGLINE_LLM_LOCAL": "false"}
         # The worker serves its metrics on a port of its own (the default one may be taken on a shared machine).
         if "worker_metrics_port" in Settings.model_fields:
             env[config.env_name("worker_metrics_port")] = str(free_port())
@@ -736,7 +738,7 @@ async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: 
         local_slots = config.settings_from_env({}).effective_llm_concurrency
         model_name = Settings.model_fields["llm_model"].default
         extra = {config.env_name("llm_base_url"): base_url, config.env_name("llm_model"): model_name,
-                 config.env_name("llm_concurrency"): str(local_slots)}
+                 config.env_name("llm_concurrency"): str(local_slots), config.env_name("llm_local"): "true"}
         log(f"[local] restarting the worker against it ({', '.join(f'{k}={v}' for k, v in extra.items())})")
         await stack.restart_worker(extra, name="worker-local")
         worker = stack.worker_settings

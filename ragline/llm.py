@@ -206,6 +206,10 @@ class ChatModel:
         self.model = settings.llm_model
         self.max_tokens = settings.llm_max_tokens
         self.constrained_tool_calls = settings.effective_llm_tool_calls == "schema"
+        # A model on this machine shares its few cores, one or two generations at a time: a side step's reply
+        # is read as a stream there, so that a step stopped meanwhile stops its generation (see `complete`).
+        # A hosted one serves many at once, and a stream's pieces cost this worker CPU for nothing.
+        self.whole_replies_streamed = settings.llm_is_local
         # RAGLINE_REDACT_PII with a model that is not local: what leaves the machine is masked.
         self._mask = redact_messages if settings.redact_pii and not settings.llm_is_local else (lambda m: m)
         self._client = AsyncOpenAI(base_url=settings.effective_llm_base_url, api_key=settings.llm_api_key or "unused",
@@ -239,14 +243,31 @@ class ChatModel:
 
     async def complete(self, messages: list[dict], *, step: str, temperature: float = 0.0,
                        max_tokens: int | None = None) -> Completion:
-        """The whole reply, read as a stream: a step stopped meanwhile (its job cancelled, a sibling failed)
-        closes the connection, and a server such as llama.cpp's stops generating. Asked for in one piece, it
-        generated to the end for nobody, holding the next calls behind it (minutes on a busy CPU)."""
+        """The whole reply. From a local model, read as a stream: a step stopped meanwhile (its job cancelled,
+        a sibling failed) closes the connection, and llama.cpp's server stops generating; asked for in one
+        piece, it generated to the end for nobody, holding the next calls behind it (minutes on a busy CPU)."""
+        if not self.whole_replies_streamed:
+            return await self._complete_in_one_piece(messages, step=step, temperature=temperature,
+                                                     max_tokens=max_tokens)
         result = StreamedCompletion(model=self.model)
         async for _ in self.stream(messages, result, step=step, temperature=temperature, max_tokens=max_tokens):
             pass
         return Completion(text=result.text, model=result.model, prompt_tokens=result.prompt_tokens,
                           completion_tokens=result.completion_tokens, repetition_cut=result.repetition_cut)
+
+    async def _complete_in_one_piece(self, messages: list[dict], *, step: str, temperature: float,
+                                     max_tokens: int | None) -> Completion:
+        with self._observed(step) as observed, translate_provider_errors(step):
+            response = await self._client.chat.completions.create(
+                model=self.model, messages=self._mask(messages), temperature=temperature,
+                max_tokens=max_tokens or self.max_tokens, extra_headers=observed.headers)
+            observed.take(response.usage)
+        if not response.choices:
+            raise TransientError(f"{step}: the model returned no choices")
+        usage = response.usage
+        return Completion(text=response.choices[0].message.content or "", model=response.model or self.model,
+                          prompt_tokens=usage.prompt_tokens if usage else 0,
+                          completion_tokens=usage.completion_tokens if usage else 0)
 
     async def plan(self, messages: list[dict], tools: list[dict], *, step: str) -> ToolPlan:
         """One tool-calling turn: the model picks tools from `tools` (or answers in text)."""

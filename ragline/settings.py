@@ -207,8 +207,8 @@ class Settings(BaseSettings):
     # Mask phone numbers, e-mail addresses and ID numbers in text sent to a model that is not local,
     # and in logs.
     redact_pii: bool = False
-    # Whether the chat model counts as local for redaction; unset: local when RAGLINE_LLM_BASE_URL is
-    # unset or points at a loopback address.
+    # Whether the chat model runs on this machine (no redaction; every reply read as a stream, so that a
+    # cancel stops its generation); unset: local when RAGLINE_LLM_BASE_URL is unset or a loopback address.
     llm_local: bool | None = None
 
     policies: Path | None = Field(default=None, description="Alternative retry/timeout policy file")

@@ -811,6 +811,8 @@ def test_a_hosted_fallback_of_a_local_model_gets_masked_text(tmp_path):
     messages = [{"role": "user", "content": "Write to jane@example.com"}]
     assert ChatModel(settings)._mask(messages) == messages
     assert "jane@example.com" not in str(fallback_model(settings)._mask(messages))
+    # The local one's side steps are read as streams (a cancel stops its generation); the hosted one's not.
+    assert ChatModel(settings).whole_replies_streamed and not fallback_model(settings).whole_replies_streamed
 
 
 async def test_collection_names_starting_with_an_underscore_are_refused(stack):
