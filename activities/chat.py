@@ -308,6 +308,8 @@ def parse_entities(text: str) -> list[Entity] | None:
     data = _first_list(cleaned)
     if not isinstance(data, list):
         return None
+    if data and not any(isinstance(item, dict) for item in data):
+        return None  # a list of something else (a small model's "[1]"): not "no entities", nothing usable
     entities, seen = [], set()
     for item in data:
         if isinstance(item, dict) and isinstance(item.get("text"), str) and item["text"].strip():

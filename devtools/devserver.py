@@ -398,7 +398,15 @@ class DevServer:
                  "--http-port": "RAGLINE_TEMPORAL_ADDRESS (its port + 10)",
                  "--metrics-port": "RAGLINE_TEMPORAL_ADDRESS (its port + 11)"}
         host = self.settings.temporal_host
-        for flag, port in derived_ports(self.settings).items():
+        ports = derived_ports(self.settings)
+        taken: dict[int, str] = {}
+        for flag, port in ports.items():  # two of its own ports the same (the Web UI's on port + 10, say)
+            if port in taken:
+                raise DevServerError(
+                    f"Cannot start the Temporal dev server: port {port} would serve both {taken[port]} and "
+                    f"{flag}. Change {names[flag]} or {names[taken[port]]}.")
+            taken[port] = flag
+        for flag, port in ports.items():
             if port_in_use(host, port):
                 raise DevServerError(
                     f"Cannot start the Temporal dev server: {host}:{port} ({flag}) is already in use. "

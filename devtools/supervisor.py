@@ -595,6 +595,9 @@ class Supervisor:
         if not [k for k in api_keys.load(path).keys if k.name != WEBUI_CODEC_KEY]:
             # Whoever runs `make run` runs the deployment: an operator key (a reviewer that may use /codec).
             self.new_api_key = api_keys.create(path, "default", "operator", "default")
+            # Said now as well as in the banner: a start that fails later would leave it unseen, and the next
+            # start, finding a key, makes none.
+            say(f"API key for tenant default (operator), shown once: {self.new_api_key}")
 
     def _ui_codec_endpoint(self) -> str | None:
         """A codec key for the Web UI's codec endpoint, new at every start (the last one is removed): the UI

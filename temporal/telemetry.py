@@ -74,7 +74,9 @@ class _StepInbound(ActivityInboundInterceptor):
                 outcome = _outcome(exc)
                 # Our taxonomy's class (InputError, TransientError…), not the ApplicationError carrying it.
                 error_type = exc.type if isinstance(exc, ApplicationError) and exc.type else type(exc).__name__
-                log.warning("step attempt failed", outcome=outcome, error_type=error_type, error=str(exc)[:300])
+                # A step stopped by its job's cancel is no failure of the step (ragline/logs.py says the same).
+                say = log.info if outcome == "cancelled" else log.warning
+                say("step attempt failed", outcome=outcome, error_type=error_type, error=str(exc)[:300])
                 raise
             finally:
                 metrics.step_attempt(meter, time.monotonic() - started, outcome, retry=info.attempt > 1)

@@ -229,6 +229,27 @@ async def test_a_sub_agent_cancelled_deep_in_the_tree_stops_nothing_above_it(sta
     assert (child["status"], [g["status"] for g in child["children"]]) == ("finished", ["cancelled"]), child
 
 
+async def test_a_sub_goal_already_answered_is_not_delegated_again(stack):
+    """A small model proposes the sub-goal a sub-agent already answered, round after round: it is told so
+    once, and no second sub-agent runs (each cost a sub-agent and its calls, until the budget ran out). The
+    answer it stops with is what was found, not what it was told."""
+    def plan(body: dict) -> dict:
+        if plan_depth(body) == 0:
+            return delegating(f"count the boats {token}")
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "twelve boats"}}]}
+
+    with stack.llm.scope() as llm:
+        token = llm.token
+        llm.script_fn("agent", plan)
+        job_id = await _start(stack, f"Survey the harbour {token}", max_depth=1)
+        job = await stack.wait_done(job_id, timeout=60)
+    assert job["status"] == "completed", job
+    result = job["result"]
+    assert [c["answer"] for c in result["tree"]["children"]] == ["twelve boats"], result["tree"]
+    assert result["llm_calls"] == MAX_TURNS + 1, result  # the root's rounds, and the one sub-agent's plan
+    assert "twelve boats" in result["answer"] and "do not delegate" not in result["answer"], result["answer"]
+
+
 async def test_loop_guard_trips_on_a_repeated_goal(stack):
     def loop(body: dict) -> dict:
         if fresh_plan(body):

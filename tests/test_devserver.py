@@ -122,6 +122,16 @@ async def _retention_days(client: Client, namespace: str) -> float:
     return described.config.workflow_execution_retention_ttl.ToTimedelta().total_seconds() / 86400
 
 
+def test_two_of_the_dev_servers_own_ports_the_same_are_refused_by_name(tmp_path: Path) -> None:
+    """The Web UI on the frontend's port + 10 (where its HTTP API goes): said up front with the settings to
+    change, not as the server's bind error after it has started."""
+    from devtools.devserver import DevServerError
+    port = free_server_port()
+    server = DevServer(Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{port}", temporal_ui_port=port + 10))
+    with pytest.raises(DevServerError, match="RAGLINE_TEMPORAL_UI_PORT"):
+        server._check_ports()
+
+
 def test_a_retention_under_a_day_is_refused_at_start(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least 1d"):
         Settings(data_dir=tmp_path, temporal_retention="12h")

@@ -57,6 +57,13 @@ def test_parse_entities_dedupes_maps_types_and_skips_unusable_items():
                                              ("Odd", "OTHER"))
 
 
+@pytest.mark.parametrize("reply", ["[1]", "[1, 2]", '["Maria Costa", "Lisbon"]'])
+def test_a_list_without_any_entity_object_is_nothing_usable_not_no_entities(reply):
+    """The 0.5B model answers the entities prompt with "[1]" now and then: that is no answer (the step asks
+    again, once), not a text without entities."""
+    assert parse_entities(reply) is None
+
+
 def test_parse_entities_keeps_at_most_ten_in_order():
     reply = "[" + ", ".join(f'{{"text": "E{i}", "type": "ORG"}}' for i in range(15)) + "]"
     assert [e.text for e in parse_entities(reply)] == [f"E{i}" for i in range(10)]

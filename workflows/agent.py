@@ -61,6 +61,9 @@ SIBLINGS_STOP_PATCH = "agent-rejection-stops-running-siblings"
 # A sub-agent a person cancelled is not delegated again (its goal counts as refused). Earlier parents took
 # it for a failure, and could propose the same sub-goal in their next plan.
 CANCELLED_CHILD_PATCH = "agent-cancelled-child-not-delegated-again"
+# A sub-goal a sub-agent of this agent already answered is not delegated again (the model is told so): a
+# small model proposed the same one round after round, each a sub-agent of its own, until the budget ran out.
+DELEGATED_ONCE_PATCH = "agent-sub-goal-delegated-once"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -232,16 +235,28 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self._told.add(hint)
         self.observations.append(hint)
 
+    def _tell_once(self, hint: str) -> None:
+        """A hint the model has not been given among its recent observations (said again, it only crowds
+        out what was found; kept out of a stopped agent's answer, like every hint)."""
+        if hint not in self.observations[-MAX_OBSERVATIONS:]:
+            self._tell(hint)
+
     async def _delegate(self, subgoals: list[str]) -> None:
         """Child agents for `subgoals`, in parallel, once every guard passes (or a person approves)."""
         rejected = {normalise_goal(g) for g in self.rejected}
         cancelled = {normalise_goal(g) for g in self._cancelled_goals}
+        answered = {normalise_goal(n.goal) for n in self.children if n.status in ("finished", "stopped")}
+        if not answered & {normalise_goal(g) for g in subgoals} or not workflow.patched(DELEGATED_ONCE_PATCH):
+            answered = set()
         for goal in subgoals:
             if normalise_goal(goal) in rejected:
-                self.observations.append(f"a reviewer rejected delegating {goal!r}; do not propose it again")
+                self._tell_once(f"a reviewer rejected delegating {goal!r}; do not propose it again")
             elif normalise_goal(goal) in cancelled:
-                self.observations.append(f"a person cancelled the sub-agent on {goal!r}; do not propose it again")
-        subgoals = [g for g in subgoals if normalise_goal(g) not in rejected | cancelled]
+                self._tell_once(f"a person cancelled the sub-agent on {goal!r}; do not propose it again")
+            elif normalise_goal(goal) in answered:
+                self._tell_once(f"a sub-agent already answered {goal!r} (its answer is above): do not delegate "
+                                "it again; delegate something else, or call finish")
+        subgoals = [g for g in subgoals if normalise_goal(g) not in rejected | cancelled | answered]
         if not subgoals:
             return
         if self._stop_asked:
