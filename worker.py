@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 from temporalio.client import Client
+from temporalio.service import RPCError
 from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.worker import (
     PollerBehaviorAutoscaling, ResourceBasedSlotConfig, Worker, WorkerDeploymentConfig, WorkerTuner,
@@ -28,6 +29,7 @@ from temporalio.worker import (
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.agent import AgentActivities
+from activities.blobs import BlobActivities
 from activities.chat import ChatActivities
 from activities.evaluation import EvaluationActivities
 from activities.gate import GateActivities
@@ -45,8 +47,10 @@ from ragline.vectorstore import VectorIndex, open_index
 from temporal import policies, queues
 from temporal.client import connect
 from temporal.telemetry import ServerStatsPoller, StepTelemetry, worker_runtime
+from temporal.schedules import ensure_blob_sweep
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
+from workflows.blob_sweep import BlobSweepWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.evaluation import EvaluationWorkflow
 from workflows.gate import TenantGateWorkflow
@@ -60,12 +64,12 @@ log = structlog.get_logger("ragline.worker")
 # search stays one local activity in the process that holds the store.
 QUEUE_WORKFLOWS: dict[str, list[type]] = {
     "main": [IngestWorkflow, IngestDocumentWorkflow, RemoveDocumentWorkflow, ChatSessionWorkflow, ChatTurnWorkflow,
-             AgentWorkflow, EvaluationWorkflow, TenantGateWorkflow],
+             AgentWorkflow, EvaluationWorkflow, TenantGateWorkflow, BlobSweepWorkflow],
     "vector": [SearchWorkflow],
 }
 WORKFLOWS = [w for ws in QUEUE_WORKFLOWS.values() for w in ws]
 ACTIVITY_CLASSES = (IngestActivities, SearchActivities, JobActivities, ChatActivities, AgentActivities,
-                    EvaluationActivities, GateActivities)
+                    EvaluationActivities, GateActivities, BlobActivities)
 
 # What each activity needs besides the blob store and the Temporal client. A role builds only what the
 # activities routed to its queues need: the llm role loads no embedding model, and only a role that
@@ -208,6 +212,7 @@ VERSIONING_BEHAVIORS: dict[type, VersioningBehavior] = {
     AgentWorkflow: VersioningBehavior.AUTO_UPGRADE,
     EvaluationWorkflow: VersioningBehavior.PINNED,
     TenantGateWorkflow: VersioningBehavior.AUTO_UPGRADE,  # lives on (continue-as-new), like a session
+    BlobSweepWorkflow: VersioningBehavior.PINNED,
 }
 
 
@@ -305,6 +310,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
                                       cache=AnswerCache(settings.answer_cache_size), fallback=fallback_model(settings))),
         *activities_of(AgentActivities(embedder, store, model)),
         *activities_of(EvaluationActivities(settings, blobs, embedder, store, model)),
+        *activities_of(BlobActivities(client, blobs)),
     ]
     common: dict[str, Any] = {**_pollers(settings),
                               "graceful_shutdown_timeout": timedelta(seconds=settings.worker_graceful_shutdown),
@@ -368,6 +374,11 @@ async def main(argv: list[str] | None = None) -> int:
                            runtime=runtime)
     if role in ("all", "workflows"):
         await ensure_registered(client, settings.temporal_namespace)
+        try:
+            await ensure_blob_sweep(client, settings)
+        except RPCError as exc:  # e.g. a namespace where this key may not manage schedules: jobs still run
+            log.warning("cannot keep the blob sweep's schedule: run `python -m ragline.blob_sweep` instead",
+                        error=str(exc))
     poller = asyncio.create_task(ServerStatsPoller(client, settings, runtime).run()) if address else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

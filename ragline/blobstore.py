@@ -1,8 +1,9 @@
 """Content-addressed blob store in the data folder (the claim-check side of every workflow).
 
-Blobs are addressed by the sha256 of their bytes, so writing the same bytes twice is a no-op and a
-reference is valid forever. Writes go to a temp file and are renamed into place, so a crash never
-leaves a half-written blob under a valid name.
+Blobs are addressed by the sha256 of their bytes, so writing the same bytes twice writes nothing new (it
+marks the blob as just put). Writes go to a temp file and are renamed into place, so a crash never
+leaves a half-written blob under a valid name. A blob lives while a job Temporal keeps refers to it:
+the blob sweep (ragline/blob_sweep.py) deletes the others once nothing has put them for a while.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 REF_PREFIX = "sha256:"
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class BlobNotFound(KeyError):
@@ -37,7 +42,7 @@ class BlobStore:
     def put(self, data: bytes) -> str:
         ref = REF_PREFIX + hashlib.sha256(data).hexdigest()
         path = self._path(ref)
-        if not path.exists():
+        if not _touch(path):
             self._write_atomically(path, data)
         return ref
 
@@ -73,8 +78,64 @@ class BlobStore:
         except FileNotFoundError:
             raise BlobNotFound(ref) from None
 
+    def get_if_starts_with(self, ref: str, starts: tuple[bytes, ...]) -> bytes | None:
+        """The blob's bytes if they start with one of `starts` (None otherwise, or if it is gone): reads
+        one byte of a blob that does not."""
+        try:
+            with self._path(ref).open("rb") as f:
+                head = f.read(1)
+                return head + f.read() if head[:1] and head.startswith(starts) else None
+        except FileNotFoundError:
+            return None
+
     def exists(self, ref: str) -> bool:
         return self._path(ref).exists()
+
+    def stored(self) -> Iterator[tuple[str, os.stat_result]]:
+        """Every blob: its reference and its file's stat (st_mtime: when it was last put)."""
+        for shard in sorted(self.root.iterdir()):
+            if len(shard.name) != 2 or not shard.is_dir():
+                continue
+            for entry in os.scandir(shard):
+                if _DIGEST.fullmatch(entry.name):
+                    try:
+                        yield REF_PREFIX + entry.name, entry.stat()
+                    except FileNotFoundError:
+                        continue
+
+    def leftovers(self) -> Iterator[tuple[Path, os.stat_result]]:
+        """Temp files a crashed write left behind (an upload cut off, a worker killed mid-put)."""
+        for folder in sorted(self.root.iterdir()):
+            if not folder.is_dir() or not (folder.name == "tmp" or len(folder.name) == 2):
+                continue
+            for entry in os.scandir(folder):
+                if entry.is_file() and not _DIGEST.fullmatch(entry.name):
+                    try:
+                        yield Path(entry.path), entry.stat()
+                    except FileNotFoundError:
+                        continue
+
+    def delete_unless_put_since(self, ref: str, since: float) -> int | None:
+        """Delete the blob unless it was put at or after `since` (a time.time()): its size, or None if kept.
+
+        A put of the same bytes racing this one is never lost. The blob is first renamed aside, in one step:
+        a put that touched it before the rename touched the file renamed (it is seen, and put back), and a
+        put after the rename finds nothing and writes the bytes anew."""
+        path = self._path(ref)
+        try:
+            if path.stat().st_mtime >= since:
+                return None
+            aside = self.root / "tmp" / f"sweep-{ref[len(REF_PREFIX):]}-{uuid.uuid4().hex}"
+            aside.parent.mkdir(exist_ok=True)
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return None
+        stat = aside.stat()
+        if stat.st_mtime >= since:
+            os.replace(aside, path)  # same bytes as any copy a put wrote meanwhile
+            return None
+        aside.unlink()
+        return stat.st_size
 
     def put_json(self, obj: Any) -> str:
         return self.put(json.dumps(obj, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode())
@@ -94,3 +155,12 @@ class BlobStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def _touch(path: Path) -> bool:
+    """Mark a stored blob as just put, so the sweep spares it; False if it is not there."""
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False

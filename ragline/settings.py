@@ -139,6 +139,25 @@ class Settings(BaseSettings):
             raise ValueError(f"must be more than 0: {value!r}")
         return value
 
+    # The blob sweep (ragline/blob_sweep.py) deletes the blobs no job Temporal keeps refers to. The workflows
+    # role keeps a Temporal Schedule that runs it this often ("0": no schedule; run `python -m
+    # ragline.blob_sweep` by hand). A blob nobody refers to is kept until it was last put this long ago: it
+    # must be longer than any activity takes from putting a blob to reporting it (minutes).
+    blob_sweep_every: str = "1d"
+    blob_sweep_min_age: str = "1d"
+
+    @field_validator("blob_sweep_every", "blob_sweep_min_age")
+    @classmethod
+    def _a_sweep_duration(cls, value: str, info) -> str:
+        if info.field_name == "blob_sweep_every" and value.strip() == "0":
+            value = "0s"
+        seconds = parse_duration(value).total_seconds()
+        if info.field_name == "blob_sweep_min_age" and seconds < 3600:
+            raise ValueError(f"must be at least 1h (blobs an activity is still reporting would go): {value!r}")
+        if info.field_name == "blob_sweep_every" and 0 < seconds < 60:
+            raise ValueError(f"must be 0 (no schedule) or at least 1m: {value!r}")
+        return value
+
     # Hold chat answers without a supporting citation for review.
     review_unsupported_answers: bool = False
 

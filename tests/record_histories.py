@@ -11,7 +11,7 @@ with several turns that continues as new, an agent tree whose depth guard waits 
 it (with an extension), two sub-agents of which a rejection of one stops the other, an agent whose broken
 tool call gets a corrective plan, a turn whose passages overflow the model's context (the
 summary first), a chat turn dead-lettered by a failing model and retried by an operator, a held answer whose
-summary is discarded while its review waits, an evaluation, a search, and a tenant
+summary is discarded while its review waits, an evaluation, a search, a blob sweep, and a tenant
 capped at one running job whose second turn waits for its slot (the gate's history too).
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
@@ -31,6 +31,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM
+from models.blobs import SweepInput
 from models.chat import SessionState, session_workflow_id
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
@@ -234,6 +235,11 @@ async def record() -> list[Path]:
             assert await stack.search("lighthouse colour", collection="record")
             await asyncio.sleep(1)
             saved += await _save(client, "search", "WorkflowType = 'SearchWorkflow'")
+
+            # The blob sweep, as its schedule starts it.
+            await client.execute_workflow("BlobSweepWorkflow", SweepInput(min_age_seconds=86400),
+                                          id="ragline-blob-sweep-record", task_queue=stack.settings.task_queue)
+            saved += await _save(client, "blob-sweep", "WorkflowType = 'BlobSweepWorkflow'")
 
             # A tenant capped at one running job: its second turn waits, queued, for the first's slot.
             path = stack.settings.effective_api_keys_file

@@ -104,7 +104,7 @@ def test_each_role_runs_exactly_what_the_policy_file_routes_to_its_queues():
                                 "search_documents",
                                 "search_chunks", "cache_answer", "evaluate_collection"}
     assert served["workflows"] == {"await_document", "confirm_removal", "forget_document",
-                                   "await_turn", "acquire_slot", "release_slot", "ended_jobs"}
+                                   "await_turn", "acquire_slot", "release_slot", "ended_jobs", "sweep_blobs"}
     assert served["all"] == set(worker.activity_names())
     # Only the vector role opens the store; the llm role and the workflow role load no embedding model. The
     # model is called by the llm role and by the vector role's evaluations (each gets its key on a cluster).
@@ -162,7 +162,7 @@ async def test_role_workers_poll_their_own_queues_with_their_own_slots(temporal_
     assert vector["max_concurrent_activities"] == 5
     assert [w.__name__ for w in vector["workflows"]] == ["SearchWorkflow"]
     [main] = configs["workflows"]
-    assert "SearchWorkflow" not in {w.__name__ for w in main["workflows"]} and len(main["workflows"]) == 8
+    assert "SearchWorkflow" not in {w.__name__ for w in main["workflows"]} and len(main["workflows"]) == 9
     assert main["activity_task_poller_behavior"].maximum == 4
 
 

@@ -1,0 +1,198 @@
+"""The blob sweep (ragline/blob_sweep.py): blobs no job Temporal keeps refers to go, the others stay.
+
+The integration tests run on the shared stack, whose blobs are all younger than the sweep's minimum age:
+they age only the blobs of their own jobs, so a sweep there deletes nothing another test relies on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import ScheduleIntervalSpec
+from temporalio.service import RPCError, RPCStatusCode
+
+from models.ingest import document_workflow_id
+from ragline import blob_sweep
+from ragline.blobstore import BlobStore
+from ragline.settings import Settings
+from temporal import schedules
+from temporal.codec import EncryptionCodec, load_or_create
+from temporal.converter import LARGE_PAYLOAD_BYTES, build_data_converter
+from tests.helpers import eventually
+
+DAY = 86400
+
+
+def _age(store: BlobStore, *refs: str, days: float = 2) -> None:
+    """As if put `days` ago."""
+    then = time.time() - days * DAY
+    for ref in refs:
+        os.utime(store._path(ref), (then, then))
+
+
+def test_putting_stored_bytes_again_marks_the_blob_as_just_put(tmp_path):
+    store = BlobStore(tmp_path)
+    ref = store.put(b"passages")
+    _age(store, ref)
+    assert store.delete_unless_put_since(ref, time.time() - DAY) is not None  # old: deleted
+    ref = store.put(b"passages")
+    _age(store, ref)
+    assert store.put(b"passages") == ref
+    assert store.delete_unless_put_since(ref, time.time() - DAY) is None  # put again just now: kept
+    assert store.get(ref) == b"passages"
+
+
+@pytest.mark.parametrize("put_when", ["before the rename", "after the rename"])
+def test_a_put_racing_the_delete_keeps_the_blob(tmp_path, monkeypatch, put_when):
+    """The sweep found the blob old; a job puts the same bytes while it deletes. The blob must survive:
+    the job's reference is about to reach a history, after the sweep's mark has read it."""
+    store = BlobStore(tmp_path)
+    ref = store.put(b"chunks of a document")
+    _age(store, ref)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if put_when == "before the rename":
+            store.put(b"chunks of a document")
+        real_rename(src, dst)
+        if put_when == "after the rename":
+            store.put(b"chunks of a document")
+
+    monkeypatch.setattr(os, "rename", rename)
+    store.delete_unless_put_since(ref, time.time() - DAY)
+    monkeypatch.undo()
+    assert store.get(ref) == b"chunks of a document"
+    assert not list((tmp_path / "tmp").iterdir())  # nothing left aside
+
+
+def test_leftover_temp_files_are_listed_and_blobs_are_not(tmp_path):
+    store = BlobStore(tmp_path)
+    ref = store.put(b"x")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    (tmp_path / "tmp" / "tmpcutoff").write_bytes(b"half an upload")
+    (store._path(ref).parent / "tmpabc").write_bytes(b"half a blob")
+    assert sorted(p.name for p, _ in store.leftovers()) == ["tmpabc", "tmpcutoff"]
+    assert [r for r, _ in store.stored()] == [ref]
+
+
+async def test_references_are_read_through_the_codec_and_inside_blobs_moved_out_of_a_history(tmp_path):
+    settings = Settings(data_dir=tmp_path, codec_keys_file=tmp_path / "codec.json")
+    converter = build_data_converter(settings)
+    store = BlobStore(settings.blob_dir)
+    inner = store.put_json([{"i": 0, "text": "a chunk"}])
+    named = store.put(b"%PDF-1.7 an upload")
+    # A result over 64 KiB: the converter encrypts it and moves it to the blob store; the history keeps a claim.
+    [claim] = await converter.encode([{"chunks_ref": inner, "padding": "x" * LARGE_PAYLOAD_BYTES}])
+    [small] = await converter.encode([{"blob_ref": named}])
+    assert inner.encode() not in claim.SerializeToString() and named.encode() not in small.SerializeToString()
+
+    marked = blob_sweep.ReferenceMark(converter.payload_codec)
+    await marked.add([claim, small])
+    assert named in marked.refs and inner not in marked.refs
+    await marked.add_inside_blobs(store)
+    assert inner in marked.refs
+
+    # A payload the keys cannot read: its references cannot be known, so the sweep must not go on.
+    foreign = EncryptionCodec(load_or_create(tmp_path / "other-keys.json"))
+    [unreadable] = await foreign.encode([Payload(metadata={"encoding": b"json/plain"}, data=b'"x"')])
+    with pytest.raises(blob_sweep.SweepAborted, match="cannot be decoded"):
+        await marked.add([unreadable])
+    with pytest.raises(blob_sweep.SweepAborted, match="no codec keys"):
+        await blob_sweep.ReferenceMark(None).add([small])
+
+
+async def _step_refs(client, workflow_id: str) -> set[str]:
+    """The blob references in the results of a job's steps, decoded as the job's own code reads them."""
+    refs: set[str] = set()
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            for result in await client.data_converter.decode(event.activity_task_completed_event_attributes
+                                                             .result.payloads):
+                refs.update(v for k, v in result.items() if k.endswith("_ref"))
+    return refs
+
+
+async def test_the_sweep_deletes_what_no_job_refers_to_and_a_removed_documents_text_with_it(stack):
+    store = BlobStore(stack.settings.blob_dir)
+    text = f"The sweep test's lighthouse {uuid.uuid4().hex} stands on a granite rock.".encode()
+    orphan = store.put(f"written by a step whose job is gone {uuid.uuid4()}".encode())
+    body = await stack.upload(("lighthouse.txt", text), collection="sweep")
+    assert (await stack.wait_done(body["job_id"]))["status"] == "completed"
+    [doc] = body["documents"]
+    upload_ref = f"sha256:{doc['sha256']}"
+    doc_job = document_workflow_id(stack.tenant, doc["document_id"])
+    extracted = await _step_refs(stack.client, doc_job)  # pages, chunks, vectors
+    assert len(extracted) >= 3 and upload_ref not in extracted
+    _age(store, orphan, upload_ref, *extracted)
+
+    # A dry run counts, and deletes nothing.
+    report = await blob_sweep.sweep(stack.client, store, min_age=DAY, dry_run=True)
+    assert report.deleted >= 1 and store.exists(orphan)
+
+    # Through the schedule the worker keeps, as it runs every day.
+    settings = stack.settings.model_copy(update={"blob_sweep_every": "1d"})
+    await schedules.ensure_blob_sweep(stack.client, settings)
+    try:
+        handle = stack.client.get_schedule_handle(schedules.BLOB_SWEEP)
+        await handle.trigger()
+        run = await eventually(lambda: _first_action(handle), timeout=30)
+        report = await stack.client.get_workflow_handle(run).result()
+    finally:
+        await stack.client.get_schedule_handle(schedules.BLOB_SWEEP).delete()
+    assert report["deleted"] >= 1 and report["workflows_read"] >= 2
+    assert not store.exists(orphan)
+    assert all(store.exists(ref) for ref in (upload_ref, *extracted)), "a blob a job refers to was deleted"
+    # The document is still searchable, and its job still shows its steps.
+    assert doc["document_id"] in {h["document_id"] for h in await stack.search("granite lighthouse", "sweep")}
+
+    # Removed, the document's job leaves Temporal: its extracted text is no longer referred to.
+    r = await stack.http.delete(f"/v1/documents/{doc['document_id']}")
+    assert r.status_code == 202, r.text
+    assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
+    await eventually(lambda: _gone(stack.client, doc_job), timeout=60)
+    report = await blob_sweep.sweep(stack.client, store, min_age=DAY)
+    assert not any(store.exists(ref) for ref in extracted), "the removed document's text is still on disk"
+    # The upload that brought it is kept for the retention, and names its bytes: they stay until it goes.
+    assert store.exists(upload_ref)
+
+
+async def _first_action(handle) -> str | None:
+    actions = (await handle.describe()).info.recent_actions
+    return actions[0].action.workflow_id if actions else None
+
+
+async def _gone(client, workflow_id: str) -> bool:
+    try:
+        await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return True
+        raise
+    return False
+
+
+async def test_the_schedule_follows_the_settings(stack):
+    handle = stack.client.get_schedule_handle(schedules.BLOB_SWEEP)
+    try:
+        await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(update={"blob_sweep_every": "1d"}))
+        await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(
+            update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"}))
+        described = await handle.describe()
+        assert described.schedule.spec.intervals == [ScheduleIntervalSpec(every=schedules.parse_duration("6h"))]
+        [arg] = described.schedule.action.args
+        assert await stack.client.data_converter.decode([arg]) == [{"min_age_seconds": 2 * DAY, "dry_run": False}]
+    finally:
+        await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(update={"blob_sweep_every": "0s"}))
+    with pytest.raises(RPCError):
+        await handle.describe()
+
+
+def test_a_minimum_age_under_an_hour_is_refused():
+    with pytest.raises(ValueError, match="at least 1h"):
+        Settings(blob_sweep_min_age="10m")
