@@ -92,11 +92,14 @@ class IngestActivities:
     @activity.defn
     @translate_errors
     def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
-        """Undo the batches a failed ingestion indexed, or remove a document on request: nobody should find a
-        document that is not there. The collection's version changes with it, so its cached answers go too."""
+        """Undo the batches a failed ingestion indexed (pending_only), or remove a document on request: nobody
+        should find a document that is not there. The collection's version changes with it, so its cached answers go too."""
         before = self.index.count(req.tenant, req.collection, req.document_id)
         if before == 0:  # nothing indexed (nor a collection made for a name given by mistake)
             return PruneOutput(points=0, removed=0, attempt=_attempt())
-        self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0)
+        if req.pending_only:
+            self.index.remove_pending(req.tenant, req.collection, req.document_id)
+        else:
+            self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0)
         left = self.index.count(req.tenant, req.collection, req.document_id)
         return PruneOutput(points=left, removed=before - left, attempt=_attempt())

@@ -160,6 +160,9 @@ class RemoveInput(BaseModel):
     tenant: str = DEFAULT_TENANT
     document_id: str
     collection: str
+    # Only the chunks no search finds yet: the undo of a failed ingestion, whose document may have been
+    # indexed before by a run past the retention (its published chunks stay). A removal takes them all.
+    pending_only: bool = False
 
 
 class PruneOutput(StepResult):

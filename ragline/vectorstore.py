@@ -196,6 +196,14 @@ class VectorIndex:
                       models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))])))
             self._bump(tenant, collection)
 
+    def remove_pending(self, tenant: str, collection: str, document_id: str) -> None:
+        """Remove a document's chunks that no search finds yet (written, never published)."""
+        with self._lock:
+            name = self._ensure_collection(collection)
+            self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
+                must=[_tenant(tenant), _PENDING,
+                      models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))])))
+
     def count(self, tenant: str, collection: str, document_id: str | None = None, *, searchable: bool = False) -> int:
         """The tenant's chunks in a collection (of one document): all of them, or only the ones searches find."""
         with self._lock:

@@ -339,3 +339,38 @@ def test_an_embedding_batch_queued_for_the_engine_keeps_heartbeating(tmp_path, r
     out = env.run(activities.embed_chunks, EmbedInput(chunks_ref=chunks, start=0, end=1))
     assert out.count == 1
     assert len(beats) >= 3, beats  # the first, then one every 500 ms while it waited (2 s: 3 or 4 more)
+
+
+def test_the_undo_of_a_failed_run_keeps_the_chunks_an_earlier_run_published(tmp_path):
+    """The same bytes uploaded again once their first ingestion job is past the retention: the document is
+    still found, the new run fails (or is cancelled) midway, and its undo must not take the earlier run's
+    published chunks with it."""
+    from qdrant_client import QdrantClient
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.ingest import IngestActivities
+    from models.ingest import RemoveInput
+    from ragline.blobstore import BlobStore
+    from ragline.settings import Settings
+    from ragline.vectorstore import ChunkPoint, VectorIndex
+
+    index = VectorIndex(QdrantClient(":memory:"), 4, embedded=True)
+    doc = "d" * 32
+
+    def chunks(n: int) -> list[ChunkPoint]:
+        return [ChunkPoint(doc, i, [1.0, 0.1 * i, 0.0, 0.0], {
+            "document_id": doc, "filename": "a.txt", "collection": "c", "page": 1, "chunk": i,
+            "text": f"the copper spout, part {i}"}) for i in range(n)]
+
+    index.upsert("acme", "c", chunks(3))
+    index.publish("acme", "c", doc, 3)
+    index.upsert("acme", "c", chunks(5)[:1] + chunks(5)[3:])  # the new run's first batch, and two chunks more
+    activities = IngestActivities(Settings(data_dir=tmp_path), BlobStore(tmp_path / "blobs"), None, index)
+    out = ActivityEnvironment().run(activities.remove_document_chunks,
+                                    RemoveInput(tenant="acme", document_id=doc, collection="c", pending_only=True))
+    assert (out.removed, out.points) == (2, 3)
+    assert index.count("acme", "c", doc, searchable=True) == 3
+    # A removal asked for takes them all.
+    out = ActivityEnvironment().run(activities.remove_document_chunks,
+                                    RemoveInput(tenant="acme", document_id=doc, collection="c"))
+    assert (out.removed, out.points) == (3, 0)

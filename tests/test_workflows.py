@@ -28,6 +28,7 @@ from temporalio.worker import Worker
 import worker
 from models.agent import AgentInput, AgentResult, PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, \
     ToolCall
+from models.blobs import SweepInput, SweepReport
 from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline.evaluation import EvaluationReport
 from models.chat import (
@@ -49,6 +50,7 @@ from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
 from tests.helpers import SlowSignals, WaitsForSlot, eventually, time_skipping_server_binary
 from workflows.agent import AgentWorkflow
+from workflows.blob_sweep import BlobSweepWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import JobEvents
 from workflows.gate import TenantGateWorkflow
@@ -256,7 +258,12 @@ class Fakes:
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
-                self.acquire_slot, self.release_slot, self.ended_jobs]
+                self.acquire_slot, self.release_slot, self.ended_jobs, self.sweep_blobs]
+
+    @activity.defn(name="sweep_blobs")
+    async def sweep_blobs(self, req: SweepInput) -> SweepReport:
+        self._end(self._start("sweep_blobs", req))
+        return SweepReport(workflows_read=3, stored=5, deleted=2, bytes_freed=100, dry_run=req.dry_run)
 
     # running slots: every job gets one at once here, told as the gate would (the gate is tested below)
     @activity.defn(name="acquire_slot")
@@ -331,6 +338,16 @@ async def fake_worker(env: WorkflowEnvironment, fakes: Fakes):
             await stack.enter_async_context(Worker(env.client, task_queue=queues.queue_name(queue, kind),
                                                    activities=activities))
         yield queue
+
+
+async def test_the_blob_sweep_runs_its_step_once_on_the_main_queue_and_returns_its_report(env):
+    fakes = Fakes()
+    async with fake_worker(env, fakes) as queue:
+        report = await env.client.execute_workflow(BlobSweepWorkflow.run, SweepInput(min_age_seconds=86400),
+                                                   id=f"sweep-{uuid.uuid4().hex[:6]}", task_queue=queue)
+    assert (report.deleted, report.bytes_freed) == (2, 100)
+    [call] = fakes.named("sweep_blobs")
+    assert (call.arg.min_age_seconds, call.queue) == (86400, queue)
 
 
 def test_the_fakes_stand_for_every_registered_activity():
@@ -466,6 +483,8 @@ async def test_a_failed_document_removes_its_chunks_after_the_batches_in_flight_
     writes = fakes.named("index_chunks")
     assert writes and all(w.finished is not None and w.finished < undo.started for w in writes), fakes.calls
     assert steps["embed_chunks"].status == "failed"
+    # Only what this run wrote, never published: an earlier run's published chunks of the same bytes stay.
+    assert undo.arg.pending_only
 
 
 async def test_a_parked_batch_shows_its_step_parked_while_the_batches_after_it_run(env):

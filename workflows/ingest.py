@@ -73,8 +73,8 @@ class IngestDocumentWorkflow(JobWorkflow):
             await self.step(IngestActivities.prune_stale_chunks, PruneInput(
                 tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks))
         except (Exception, asyncio.CancelledError):
-            # Batches indexed before the failure would be found by searches and cited in answers, for a
-            # document that is not there. (A document id is reused only after every run of it failed.)
+            # Batches indexed before the failure would be found once published: they go. Chunks an earlier
+            # run published (the same bytes, indexed longer ago than the retention) stay found.
             if workflow.patched(UNDO_PATCH):
                 await self._remove_chunks(doc)
             raise
@@ -87,7 +87,7 @@ class IngestDocumentWorkflow(JobWorkflow):
     async def _remove_chunks(self, doc: DocumentInput) -> None:
         try:
             await policies.execute(IngestActivities.remove_document_chunks, RemoveInput(
-                tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection))
+                tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, pending_only=True))
         except ActivityError as exc:  # the job's own failure is what it ends with; this one is logged
             workflow.logger.warning("chunks of a failed document not removed: %s", failure_reason(exc))
 
