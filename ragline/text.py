@@ -62,24 +62,30 @@ _MAX_CONTROL_RATIO = 0.01
 def sniff_kind(head: bytes) -> Literal["pdf", "text"] | None:
     """What the first bytes of an upload are, regardless of its name: "pdf", "text" or None.
 
-    Empty input counts as text, so that it fails later as "no extractable text".
+    Empty input counts as text, so that it fails later as "no extractable text". The PDF header counts
+    where it starts the file, or later in the first KiB (readers accept some junk before it) when the file
+    is not text: a note that quotes "%PDF-1.7" in its first lines is a note.
     """
-    if _PDF_MAGIC in head[:_PDF_MAGIC_WINDOW]:
+    at = head.find(_PDF_MAGIC, 0, _PDF_MAGIC_WINDOW)
+    text = _is_text(head)
+    if at != -1 and (not head[:at].lstrip(codecs.BOM_UTF8).strip() or not text):
         return "pdf"
+    return "text" if text else None
+
+
+def _is_text(head: bytes) -> bool:
     sample = head[:_SNIFF_TEXT_BYTES]
     if sample.startswith(codecs.BOM_UTF8):
         sample = sample[len(codecs.BOM_UTF8):]
     if b"\x00" in sample:
-        return None
+        return False
     try:
         # Not final: the head may end in the middle of a multi-byte character.
         text = codecs.getincrementaldecoder("utf-8")().decode(sample, final=False)
     except UnicodeDecodeError:
-        return None
+        return False
     controls = sum(1 for c in text if unicodedata.category(c) == "Cc" and c not in _ALLOWED_CONTROLS)
-    if controls > len(text) * _MAX_CONTROL_RATIO:
-        return None
-    return "text"
+    return controls <= len(text) * _MAX_CONTROL_RATIO
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,6 +75,9 @@ def full_text(pages: list[Page]) -> str:
         (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj", "pdf"),
         (b"\r\n" * 100 + b"%PDF-1.4\n", "pdf"),  # junk before the header is tolerated by readers
         (b"x" * 1024 + b"%PDF-1.4\n", "text"),  # ...but only within the first KiB
+        (b"\x00\x1b junk\xff%PDF-1.4\n%\xe2\xe3", "pdf"),  # binary junk, then the header
+        (b"# PDF notes\n\nEvery file starts with the header %PDF-1.7, then objects.\n", "text"),  # quoted in a note
+        ("\ufeff%PDF-1.5\n".encode(), "pdf"),
         (b"# Title\n\nSome *markdown* text.\n", "text"),
         ("\ufeffWith a BOM and ümlauts".encode(), "text"),
         ("中文文本".encode()[:-1], "text"),  # head cut in the middle of a character
