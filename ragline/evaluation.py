@@ -36,13 +36,15 @@ class GoldenQuestion(BaseModel):
 def parse_jsonl(data: str) -> list[GoldenQuestion]:
     """Golden questions from JSONL; ValueError naming the first bad line."""
     questions = []
-    for n, line in enumerate(data.splitlines(), 1):
+    for n, line in enumerate(data.removeprefix("\ufeff").splitlines(), 1):  # a BOM an editor saved
         if not line.strip():
             continue
         try:
             questions.append(GoldenQuestion.model_validate(json.loads(line)))
         except (json.JSONDecodeError, ValidationError) as exc:
             raise ValueError(f"line {n}: {str(exc).splitlines()[0]}") from None
+        except RecursionError:
+            raise ValueError(f"line {n}: nested too deeply") from None
     if not questions:
         raise ValueError("no questions: one JSON object per line, with `question` and `expected_document`")
     if len(questions) > MAX_QUESTIONS:

@@ -309,8 +309,11 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
     assert incident["rank"] == 1 and incident["top"][0] == "postmortem.txt" and incident["answer_correct"] is True
     assert outcomes["What is the capital of Australia?"]["supported"] is False
     assert (await trusted.other_http.get(f"/v1/evaluations/{r.json()['job_id']}")).status_code == 404
-    bad = await trusted.http.post("/v1/evaluations?collection=trust", content=b'{"expected_document": "x"}')
-    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set"
+    for body, says in [(b'{"expected_document": "x"}', "line 1"),
+                       (b'{"question": "q", "expected_document": null}\n' + b"[" * 100_000, "line 2: nested too deeply")]:
+        bad = await trusted.http.post("/v1/evaluations?collection=trust", content=body)
+        assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set", bad.text
+        assert says in bad.json()["error"]["message"], bad.text
 
 
 async def test_a_retried_evaluation_goes_on_after_the_answers_it_already_has(trusted):
@@ -345,3 +348,10 @@ async def test_a_follow_up_that_names_its_topic_only_in_the_turn_before_is_answe
                                 collection="trust")
     assert (await trusted.wait_job(switch["job_id"]))["result"]["supported"] is False
     assert trusted.llm.count() == before
+
+
+def test_a_golden_set_an_editor_saved_with_a_bom_is_read():
+    from ragline import evaluation
+
+    [q] = evaluation.parse_jsonl('\ufeff{"question": "q", "expected_document": null}\n')
+    assert (q.question, q.expected_document) == ("q", None)
