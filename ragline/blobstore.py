@@ -18,12 +18,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ragline.errors import InputError
+
 REF_PREFIX = "sha256:"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
-class BlobNotFound(KeyError):
-    pass
+class BlobNotFound(InputError):
+    """Bytes a job refers to are not in the store: lost with a disk, or a blob folder not shared by every
+    process. Not retried: no attempt brings them back; the job fails, naming the reference."""
+
+    def __init__(self, ref: str) -> None:
+        super().__init__(f"{ref} is not in the blob store: lost, or the blob folder is not the one every "
+                         "process shares (RAGLINE_DATA_DIR)")
+        self.ref = ref
 
 
 class BlobStore:
@@ -67,6 +75,8 @@ class BlobStore:
             path = self._path(ref)
             path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, path)
+            # An upload is answered 202 once stored: its new name must survive a power cut too.
+            _sync_folder(path.parent)
             return ref, size
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -164,3 +174,11 @@ def _touch(path: Path) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -196,3 +196,22 @@ async def test_the_schedule_follows_the_settings(stack):
 def test_a_minimum_age_under_an_hour_is_refused():
     with pytest.raises(ValueError, match="at least 1h"):
         Settings(blob_sweep_min_age="10m")
+
+
+def test_a_step_whose_blob_is_gone_fails_at_once_naming_it(tmp_path):
+    """Retrying cannot bring bytes back: the step is not retried (nor parked for an operator's retry)."""
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.ingest import IngestActivities
+    from models.ingest import ExtractInput
+
+    store = BlobStore(tmp_path / "blobs")
+    ref = store.put(b"an upload")
+    store._path(ref).unlink()
+    activities = IngestActivities(Settings(data_dir=tmp_path), store, None, None)
+    with pytest.raises(ApplicationError) as failure:
+        ActivityEnvironment().run(activities.extract_text, ExtractInput(
+            document_id="d" * 32, blob_ref=ref, filename="a.txt", kind="text"))
+    assert failure.value.non_retryable and failure.value.type == "BlobNotFound"
+    assert ref in failure.value.message
