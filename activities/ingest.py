@@ -100,6 +100,7 @@ class IngestActivities:
         if req.pending_only:
             self.index.remove_pending(req.tenant, req.collection, req.document_id)
         else:
-            self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0)
+            self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0,
+                             written_before=req.written_before)
         left = self.index.count(req.tenant, req.collection, req.document_id)
         return PruneOutput(points=left, removed=before - left, attempt=_attempt())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution
@@ -14,7 +15,9 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.heartbeats import heartbeating
 
 from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
-from models.ingest import CANCELLED, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput
+from models.ingest import (
+    CANCELLED, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput, RemovalConfirmed,
+)
 from models.jobs import StepResult
 from ragline.errors import InputError
 from temporal.errors import translate_errors
@@ -88,19 +91,21 @@ class JobActivities:
 
     @activity.defn
     @translate_errors
-    async def confirm_removal(self, req: ForgetDocumentInput) -> StepResult:
+    async def confirm_removal(self, req: ForgetDocumentInput) -> RemovalConfirmed:
         """The run the removal was asked for is still the document's latest: nobody uploaded the same bytes
-        again since (their job would index what the removal takes out)."""
+        again since (their job would index what the removal takes out). Returns when: a run that starts
+        after it (an upload queued before the DELETE) writes chunks the removal leaves alone."""
+        confirmed = time.time()
         try:
             latest = await self.client.get_workflow_handle(req.workflow_id).describe()
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
-                return StepResult(attempt=activity.info().attempt)  # forgotten already (an earlier attempt)
+                return RemovalConfirmed(attempt=activity.info().attempt, at=confirmed)  # forgotten already, or gone
             raise
         if latest.run_id != req.run_id:  # (no run asked for: the job had gone, and is back)
             raise InputError(f"the document was uploaded again (job {req.workflow_id}) after its removal was "
                              "asked for: nothing was removed; remove it again once that upload has ended")
-        return StepResult(attempt=activity.info().attempt)
+        return RemovalConfirmed(attempt=activity.info().attempt, at=confirmed)
 
     @activity.defn
     @translate_errors

@@ -163,6 +163,12 @@ class RemoveInput(BaseModel):
     # Only the chunks no search finds yet: the undo of a failed ingestion, whose document may have been
     # indexed before by a run past the retention (its published chunks stay). A removal takes them all.
     pending_only: bool = False
+    # Only the chunks written before this moment (time.time()): the removal's, from confirm_removal.
+    written_before: float | None = None
+
+
+class RemovalConfirmed(StepResult):
+    at: float | None = None  # when it was confirmed (time.time()): what was written after it stays
 
 
 class PruneOutput(StepResult):

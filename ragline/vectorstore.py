@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -58,6 +59,10 @@ LANGUAGES = ("en", "zh")
 # them: a document is found whole or not at all (not the first batches of one still being indexed, or
 # parked for an operator). Points written before the mark existed have no such field: always found.
 PENDING = "pending"
+# When a point was last written (time.time()). A removal takes what was there when it was confirmed: an
+# upload that reached the document after that (queued for its tenant's slot before the DELETE) keeps its
+# chunks.
+WRITTEN_AT = "written_at"
 _PENDING = models.FieldCondition(key=PENDING, match=models.MatchValue(value=True))
 
 
@@ -119,9 +124,10 @@ class VectorIndex:
             self._layouts[name] = isinstance(vectors, dict) and DENSE in vectors
         return self._layouts[name]
 
-    def _point(self, name: str, tenant: str, p: ChunkPoint, *, pending: bool = True) -> models.PointStruct:
+    def _point(self, name: str, tenant: str, p: ChunkPoint, *, pending: bool = True,
+               written_at: float) -> models.PointStruct:
         text = p.payload.get("text", "")
-        payload = {**p.payload, "tenant": tenant, "lang": lexical.language(text)}
+        payload = {**p.payload, "tenant": tenant, "lang": lexical.language(text), WRITTEN_AT: written_at}
         if pending:
             payload[PENDING] = True
         if not self._hybrid(name):
@@ -139,8 +145,9 @@ class VectorIndex:
             ids = [point_id(p.document_id, p.chunk_index) for p in points]
             found = {str(r.id) for r in self.client.retrieve(name, ids=ids, with_payload=[PENDING])
                      if not (r.payload or {}).get(PENDING)}
-            self.client.upsert(name, wait=True, points=[self._point(name, tenant, p, pending=i not in found)
-                                                        for p, i in zip(points, ids)])
+            now = time.time()
+            self.client.upsert(name, wait=True, points=[
+                self._point(name, tenant, p, pending=i not in found, written_at=now) for p, i in zip(points, ids)])
         return len(points)
 
     def publish(self, tenant: str, collection: str, document_id: str, chunks: int) -> None:
@@ -186,14 +193,20 @@ class VectorIndex:
             id=_meta_id(tenant, collection), vector=[1.0],
             payload={"tenant": tenant, "collection": collection, "version": version})])
 
-    def prune(self, tenant: str, collection: str, document_id: str, keep_chunks: int) -> None:
-        """Remove points of a document from chunk `keep_chunks` on (0: all of them)."""
+    def prune(self, tenant: str, collection: str, document_id: str, keep_chunks: int,
+              written_before: float | None = None) -> None:
+        """Remove points of a document from chunk `keep_chunks` on (0: all of them); with `written_before`
+        (a time.time()), only the ones written before it (points written before the stamp existed count as
+        written before)."""
+        later = [models.FieldCondition(key=WRITTEN_AT, range=models.Range(gte=written_before))] \
+            if written_before is not None else None
         with self._lock:
             name = self._ensure_collection(collection)
             self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
                 must=[_tenant(tenant),
                       models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)),
-                      models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))])))
+                      models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))],
+                must_not=later)))
             self._bump(tenant, collection)
 
     def remove_pending(self, tenant: str, collection: str, document_id: str) -> None:

@@ -195,3 +195,40 @@ async def test_while_a_removal_runs_the_document_is_listed_so_its_bytes_wait_and
     assert (await asyncio.wait_for(asked, 30)).status == "indexed"  # nothing was removed
     again = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
     assert again["duplicate"] is True
+
+
+async def test_an_upload_that_reaches_the_document_after_its_removal_was_confirmed_keeps_its_chunks(stack):
+    """The document's run failed (no password), a removal of it is confirmed, and an upload queued before the
+    DELETE (for its tenant's slot) then starts a new run that indexes the document. The removal's next step
+    runs late: it takes what was there when it was confirmed, not the new run's chunks, which would leave
+    the document listed as indexed with chunks missing."""
+    from activities.ingest import IngestActivities
+    from models.ingest import RemoveInput
+    from ragline.blobstore import BlobStore
+    from tests.conftest import shared_pdf
+
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    data = shared_pdf("crazyones-encrypted-256.pdf").read_bytes()
+    failed = await stack.upload(("enc.pdf", data), collection=collection)
+    assert (await stack.wait_done(failed["job_id"]))["status"] == "failed"
+    doc_id = failed["documents"][0]["document_id"]
+    doc_job = stack.workflow_id(f"doc-{doc_id}")
+    first_run = await stack.client.get_workflow_handle(doc_job).describe()
+    ingestion = ForgetDocumentInput(workflow_id=doc_job, run_id=first_run.run_id,
+                                    run_started_at=first_run.start_time)
+    confirmed = await ActivityEnvironment().run(JobActivities(stack.client).confirm_removal, ingestion)
+    assert confirmed.at is not None
+
+    again = await stack.upload(("enc.pdf", data), collection=collection, password="password")
+    assert (await stack.wait_done(again["job_id"]))["status"] == "completed"
+    indexed = stack.index.count(stack.tenant, collection, doc_id, searchable=True)
+    assert indexed >= 1
+
+    activities = IngestActivities(stack.settings, BlobStore(stack.settings.blob_dir), None, stack.index)
+    removed = ActivityEnvironment().run(activities.remove_document_chunks, RemoveInput(
+        tenant=stack.tenant, document_id=doc_id, collection=collection, written_before=confirmed.at))
+    assert removed.removed == 0
+    await ActivityEnvironment().run(JobActivities(stack.client).forget_document, ingestion)
+    assert stack.index.count(stack.tenant, collection, doc_id, searchable=True) == indexed
+    [listed] = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
+    assert (listed["status"], listed["chunks"]) == ("indexed", indexed), listed

@@ -3,7 +3,9 @@
 RemoveDocumentWorkflow (one job per removal; kind `remove_document`; takes no running slot)
   confirm_removal         the ingestion run the removal was asked for is still the document's latest
                           (the same bytes uploaded again since: that upload wins, nothing is removed)
-  -> remove_document_chunks  nobody finds the document any more (the collection's cached answers go too)
+  -> remove_document_chunks  nobody finds the document any more (the collection's cached answers go too); an
+                          upload that reached it after the confirmation (queued before the DELETE) keeps
+                          the chunks it writes
   -> forget_document      that run and the ones before it leave Temporal: the document is no longer
                           listed, and the same bytes uploaded again are ingested anew
 
@@ -41,9 +43,9 @@ class RemoveDocumentWorkflow(JobWorkflow):
     async def _remove(self, doc: RemoveDocumentInput) -> RemovalResult:
         ingestion = ForgetDocumentInput(workflow_id=document_workflow_id(doc.tenant, doc.document_id),
                                         run_id=doc.run_id, run_started_at=doc.run_started_at)
-        await self.step(JobActivities.confirm_removal, ingestion)
+        confirmed = await self.step(JobActivities.confirm_removal, ingestion)
         removed = await self.step(IngestActivities.remove_document_chunks, RemoveInput(
-            tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection))
+            tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, written_before=confirmed.at))
         forgotten = await self.step(JobActivities.forget_document, ingestion)
         # Named with ?collection= past the retention, an id may have nothing of this tenant's behind it.
         found = removed.removed or forgotten.runs
