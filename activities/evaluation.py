@@ -13,6 +13,7 @@ from activities.search import find_passages
 from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline import evaluation, prompts, relevance
 from ragline.blobstore import BlobStore
+from ragline.errors import RaglineError
 from ragline.embeddings import Embedder
 from ragline.llm import ChatModel
 from ragline.settings import Settings
@@ -37,47 +38,58 @@ class EvaluationActivities:
     async def evaluate_collection(self, req: EvaluationInput) -> EvaluationOutput:
         questions = evaluation.parse_jsonl((await asyncio.to_thread(self.blobs.get, req.questions_ref)).decode("utf-8"))
         threshold = relevance.threshold(self.settings.relevance_threshold)
-        # A retried attempt goes on after the questions an earlier one checkpointed: their answers are
-        # not asked (and paid for) again.
-        checkpoints: list[str] = list((activity.info().heartbeat_details or [{}])[0].get("checkpoints", []))
+        # A retried attempt goes on after the questions an earlier one checkpointed, and so does an
+        # operator's retry (the workflow hands them on): their answers are not asked (and paid for) again.
+        checkpoints: list[str] = list((activity.info().heartbeat_details or [{}])[0].get("checkpoints")
+                                      or req.checkpoints)
         outcomes = [evaluation.QuestionOutcome.model_validate(o) for ref in checkpoints
                     for o in await asyncio.to_thread(self.blobs.get_json, ref)]
         resumed = len(outcomes)
         unsaved: list[evaluation.QuestionOutcome] = []
-        for n, q in enumerate(questions, 1):
-            if n <= resumed:
-                continue
-            hits = await asyncio.to_thread(find_passages, self.embedder, self.index, req.tenant, req.collection,
-                                             q.question, req.k)
-            rank = evaluation.rank_of(q.expected_document, [(h.document_id, h.filename) for h in hits]) \
-                if q.expected_document else None
-            best = max((h.relevance for h in hits), default=0.0)
-            outcome = evaluation.QuestionOutcome(
-                question=q.question, expected_document=q.expected_document, rank=rank, supported=best >= threshold,
-                relevance=best, top=[h.filename for h in hits])
-            if req.answers and q.in_corpus:
-                if outcome.supported:
-                    # Beats carry the checkpoints so far (they replace the details), and hear of a cancel.
-                    async with heartbeating(lambda done=n - 1: {"checkpoints": checkpoints, "done": done}):
-                        reply = await self.model.complete(prompts.messages(
-                            "answer", passages=prompts.format_passages(hits), history="(none)", question=q.question),
-                            step="evaluate")
-                    outcome.answer = reply.text.strip()
-                    cited = [hits[i - 1] for i in cited_passages(outcome.answer, hits)]
-                    outcome.citation_correct = any(q.expected_document in (h.document_id, h.filename) for h in cited)
-                else:
-                    outcome.answer, outcome.citation_correct = prompts.not_covered_answer(q.question), False
-                if q.expected_answer:
-                    outcome.answer_correct = evaluation.answer_matches(q.expected_answer, outcome.answer)
-            unsaved.append(outcome)
-            if outcome.answer is not None or len(unsaved) >= CHECKPOINT_EVERY:  # a model answer is worth keeping
-                checkpoints.append(await asyncio.to_thread(
-                    self.blobs.put_json, [o.model_dump(mode="json") for o in unsaved]))
-                outcomes += unsaved
-                unsaved = []
-            activity.heartbeat({"checkpoints": checkpoints, "done": n})
+        try:
+            for n, q in enumerate(questions, 1):
+                if n <= resumed:
+                    continue
+                outcome = await self._outcome(req, q, threshold, progress={"checkpoints": checkpoints, "done": n - 1})
+                unsaved.append(outcome)
+                if outcome.answer is not None or len(unsaved) >= CHECKPOINT_EVERY:  # a model answer is worth keeping
+                    checkpoints.append(await asyncio.to_thread(
+                        self.blobs.put_json, [o.model_dump(mode="json") for o in unsaved]))
+                    outcomes += unsaved
+                    unsaved = []
+                activity.heartbeat({"checkpoints": checkpoints, "done": n})
+        except RaglineError as exc:  # the step's failure carries what it saved, for an operator's retry
+            exc.details = {**exc.details, "checkpoints": checkpoints}
+            raise
         outcomes += unsaved
         report = evaluation.summarise(req.collection, req.k, threshold, outcomes)
         ref = await asyncio.to_thread(self.blobs.put, report.model_dump_json().encode("utf-8"))
         return EvaluationOutput(report=report.model_copy(update={"outcomes": []}), report_ref=ref,
                                 attempt=activity.info().attempt)
+
+    async def _outcome(self, req: EvaluationInput, q: evaluation.GoldenQuestion, threshold: float, *,
+                       progress: dict) -> evaluation.QuestionOutcome:
+        """One golden question: retrieved, and answered when asked. While the model answers, heartbeats carry
+        `progress` (the checkpoints so far: they replace the details) and hear of a cancel."""
+        hits = await asyncio.to_thread(find_passages, self.embedder, self.index, req.tenant, req.collection,
+                                       q.question, req.k)
+        rank = evaluation.rank_of(q.expected_document, [(h.document_id, h.filename) for h in hits]) \
+            if q.expected_document else None
+        best = max((h.relevance for h in hits), default=0.0)
+        outcome = evaluation.QuestionOutcome(
+            question=q.question, expected_document=q.expected_document, rank=rank, supported=best >= threshold,
+            relevance=best, top=[h.filename for h in hits])
+        if req.answers and q.in_corpus:
+            if outcome.supported:
+                async with heartbeating(lambda: progress):
+                    reply = await self.model.complete(prompts.messages(
+                        "answer", passages=prompts.format_passages(hits), history="(none)", question=q.question),
+                        step="evaluate")
+                outcome.answer = reply.text.strip()
+                cited = [hits[i - 1] for i in cited_passages(outcome.answer, hits)]
+                outcome.citation_correct = any(q.expected_document in (h.document_id, h.filename) for h in cited)
+            else:
+                outcome.answer, outcome.citation_correct = prompts.not_covered_answer(q.question), False
+            if q.expected_answer:
+                outcome.answer_correct = evaluation.answer_matches(q.expected_answer, outcome.answer)
+        return outcome

@@ -18,6 +18,9 @@ class EvaluationInput(BaseModel):
     k: int = Field(5, ge=1, le=20)
     # Also generate answers (model calls) and score their accuracy and citations.
     answers: bool = False
+    # Outcomes an earlier round of the step saved (blob references), handed on when an operator retries it
+    # after its attempts were used up: its answers are not asked for (and paid for) again.
+    checkpoints: list[str] = Field(default_factory=list)
 
 
 class EvaluationOutput(StepResult):

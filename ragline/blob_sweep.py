@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="python -m ragline.blob_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--min-age", default=settings.blob_sweep_min_age,
-                        help="spare blobs put more recently than this (default: RAGLINE_BLOB_SWEEP_MIN_AGE, %(default)s)")
+                        help="spare blobs put more recently than this "
+                             "(default: RAGLINE_BLOB_SWEEP_MIN_AGE, %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
     args = parser.parse_args(argv)
     logs.configure(settings.log_level, settings.log_json)

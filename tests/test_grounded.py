@@ -331,6 +331,29 @@ async def test_a_retried_evaluation_goes_on_after_the_answers_it_already_has(tru
     assert asked == [*questions, questions[2]]
 
 
+async def test_an_operators_retry_of_a_parked_evaluation_goes_on_after_the_answers_it_already_has(trusted):
+    """The model fails on the third golden question until the step parks; an operator retries it once the
+    model is back: the retry asks only that question, not the two answered (and paid for) before."""
+    questions = ["Which certificate expired in incident 4711?", "How many orders failed during the outage?",
+                 "Why did the renewal job fail?"]
+    golden = "\n".join(json.dumps({"question": q, "expected_document": "postmortem.txt"}) for q in questions)
+    attempts = 2  # evaluate_collection's in tests/fast_policies.toml
+    trusted.llm.script("answer", ["The TLS certificate of the gateway proxy [1].", "About 12,400 [1].",
+                                  *["503"] * attempts, "The renewal cron job lacked DNS access [1]."])
+    before = len(trusted.llm.calls_for("answer", step="evaluate"))
+    r = await trusted.http.post("/v1/evaluations?collection=trust&answers=true", content=golden.encode())
+    job_id = r.json()["job_id"]
+    assert (await trusted.wait_job(job_id))["status"] == "dead_lettered"
+    retried = await trusted.http.post(f"/v1/jobs/{job_id}/retry", json={})
+    assert retried.status_code == 200, retried.text
+    job = await trusted.wait_done(job_id)
+    assert job["status"] == "completed", job
+    asked = [c.question for c in trusted.llm.calls_for("answer", step="evaluate")[before:]]
+    assert asked == [*questions, *[questions[2]] * attempts]
+    report = (await trusted.http.get(f"/v1/evaluations/{job_id}")).json()["report"]
+    assert len(report["outcomes"]) == 3 and report["answer_accuracy"] is None
+
+
 async def test_a_follow_up_that_names_its_topic_only_in_the_turn_before_is_answered(trusted):
     """"What caused it?" alone matches nothing; after "What happened in incident 4711?" it means the
     incident, and retrieval reads it so (with the question before it), instead of refusing."""

@@ -7,6 +7,7 @@ collection in RaglineCollection); its result is the report, listed by GET /v1/ev
 from __future__ import annotations
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError
 
 with workflow.unsafe.imports_passed_through():
     from activities.evaluation import EvaluationActivities
@@ -20,5 +21,15 @@ class EvaluationWorkflow(JobWorkflow):
 
     @workflow.run
     async def run(self, req: EvaluationInput) -> EvaluationOutput:
-        return await self.run_job(lambda: self.step(EvaluationActivities.evaluate_collection, req),
+        return await self.run_job(lambda: self.step(EvaluationActivities.evaluate_collection, req, resume=_resume),
                                   accepted={"collection": req.collection, "questions": req.questions})
+
+
+def _resume(req: EvaluationInput, error: ActivityError) -> EvaluationInput:
+    """An operator's retry goes on from the outcomes the last round saved: its failure carries them (a
+    model error) or its last heartbeat did (a timeout)."""
+    cause = error.cause
+    carried = getattr(cause, "details", None) if isinstance(cause, ApplicationError) else \
+        getattr(cause, "last_heartbeat_details", None) if isinstance(cause, TimeoutError) else None
+    saved = carried[0].get("checkpoints") if carried and isinstance(carried[0], dict) else None
+    return req.model_copy(update={"checkpoints": list(saved)}) if saved else req

@@ -164,16 +164,19 @@ class JobWorkflow:
         self._sync_status()
 
     async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None,
-                   on_exhausted: Callable[[], Awaitable[Any]] | None = None) -> Any:
+                   on_exhausted: Callable[[], Awaitable[Any]] | None = None,
+                   resume: Callable[[Any, ActivityError], Any] | None = None) -> Any:
         """One activity as one step of the DAG: started, retried by its policy, parked when its retries
         are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
         retryable error run that instead (a fallback), which parks in turn if it fails. The events an
         activity that publishes into the job's stream left unsent (`StreamedStepResult`, the answer's
-        last deltas) are published before the step shows as completed."""
+        last deltas) are published before the step shows as completed. With `resume`, an operator's retry
+        runs the activity with what it makes of the argument and the failure that parked it (the progress
+        it carried)."""
         name = name or policies.activity_name(activity)
         self.steps.start(name)
         try:
-            result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted)
+            result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted, resume=resume)
         except _FellBack as fell_back:
             return fell_back.result
         if isinstance(result, StreamedStepResult):
@@ -215,7 +218,8 @@ class JobWorkflow:
             pass
 
     async def call(self, activity: Callable[..., Any], arg: Any, *, step: str,
-                   on_exhausted: Callable[[], Awaitable[Any]] | None = None, **options: Any) -> Any:
+                   on_exhausted: Callable[[], Awaitable[Any]] | None = None,
+                   resume: Callable[[Any, ActivityError], Any] | None = None, **options: Any) -> Any:
         """Run an activity under its policy; for steps whose bookkeeping the caller does (batches).
         When the activity exhausts its retries the job parks until an operator retries or discards it.
         `options` go to the activity's start beside its policy's (a cancellation type a patch decides)."""
@@ -257,6 +261,8 @@ class JobWorkflow:
                     self.steps.cancel(step)  # stopped while parked
                     raise
                 self.steps.resume(step)
+                if resume is not None:
+                    arg = resume(arg, exc)
                 rounds += 1
 
     # -- status ----------------------------------------------------------------------------------
