@@ -232,3 +232,26 @@ async def test_an_upload_that_reaches_the_document_after_its_removal_was_confirm
     assert stack.index.count(stack.tenant, collection, doc_id, searchable=True) == indexed
     [listed] = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
     assert (listed["status"], listed["chunks"]) == ("indexed", indexed), listed
+
+
+async def test_an_upload_sent_again_after_its_document_was_removed_and_failed_elsewhere_indexes_it_again(stack):
+    """Upload U1 indexed A; A was removed; another upload then tried A and failed (no password). U1 sent
+    again is not answered with its old result (A "indexed", found by nothing): it indexes A anew."""
+    from tests.conftest import shared_pdf
+
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    data = shared_pdf("crazyones-encrypted-256.pdf").read_bytes()
+    first = await stack.upload(("enc.pdf", data), collection=collection, password="password")
+    assert (await stack.wait_done(first["job_id"]))["status"] == "completed"
+    doc_id = first["documents"][0]["document_id"]
+    r = await stack.http.delete(f"/v1/documents/{doc_id}")
+    assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
+    other = await stack.upload(("enc.pdf", data), ("kettle.txt", KETTLE), collection=collection)
+    assert other["job_id"] != first["job_id"]
+    await stack.wait_done(other["job_id"])
+    assert stack.index.count(stack.tenant, collection, doc_id, searchable=True) == 0
+
+    again = await stack.upload(("enc.pdf", data), collection=collection, password="password")
+    assert (again["job_id"], again["duplicate"]) == (first["job_id"], False), again
+    assert (await stack.wait_done(again["job_id"]))["status"] == "completed"
+    assert stack.index.count(stack.tenant, collection, doc_id, searchable=True) >= 1

@@ -206,6 +206,11 @@ async def _removed_after(client: Client, tenant: str, document_id: str, since: d
         WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED)
 
 
+async def _indexed(client: Client, workflow_id: str, timeout: timedelta) -> bool:
+    desc = await job_views.describe_or_none(client, workflow_id, timeout)
+    return desc is not None and desc.status == WorkflowExecutionStatus.COMPLETED
+
+
 async def _already_done_or_running(client: Client, job_id: str, tenant: str, document_ids: list[str],
                                    timeout: timedelta) -> bool:
     """True when the same upload is running or has already indexed every document, none of them removed since."""
@@ -228,8 +233,9 @@ async def _already_done_or_running(client: Client, job_id: str, tenant: str, doc
         result = await handle.result(rpc_timeout=timeout)
         if result.failed:
             return False
-        # A removed document's job is gone from Temporal: the same upload indexes it again.
-        return all(await asyncio.gather(*(job_views.exists(client, document_workflow_id(tenant, d), timeout)
+        # A removed document's job is gone from Temporal: the same upload indexes it again. So does one
+        # whose latest run is another upload's that failed or was cancelled since the removal.
+        return all(await asyncio.gather(*(_indexed(client, document_workflow_id(tenant, d), timeout)
                                           for d in document_ids)))
     return False
 
