@@ -52,6 +52,7 @@ from tests.helpers import SlowSignals, WaitsForSlot, eventually, time_skipping_s
 from workflows.agent import AgentWorkflow
 from workflows.blob_sweep import BlobSweepWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.dead_letters import DeadLetters
 from workflows.events import JobEvents
 from workflows.gate import TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
@@ -961,3 +962,50 @@ async def test_a_grant_is_not_undone_by_a_wait_in_line_that_arrives_after_it(env
             HoldsASlot.run, id=f"t.{queue}", task_queue=queue,
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.TENANT, "t")]))
         assert await asyncio.wait_for(held, 30) is True
+
+
+@workflow.defn(sandboxed=False)
+class ParksTwoCalls:
+    """Two calls of one step (two batches) parked, reduced to their dead letters."""
+
+    def __init__(self) -> None:
+        self.letters = DeadLetters(JobEvents(), lambda: None)
+        self.calls: list[asyncio.Task] = []
+
+    @workflow.signal
+    def park_one(self) -> None:
+        self.calls.append(asyncio.ensure_future(self.letters.park("embed_chunks", attempts=4, reason="down",
+                                                                  error_type="TransientError")))
+
+    @workflow.signal
+    def retry_and_park_another(self) -> None:
+        """The operator's retry, and the second batch's last failure, in one activation."""
+        self.letters.retry(OperatorRequest(operator="ops"))
+        self.park_one()
+
+    @workflow.query
+    def parked(self) -> list[str]:
+        return [letter.step for letter in self.letters.parked.values()]
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: len(self.calls) == 2 and all(c.done() for c in self.calls))
+
+
+async def test_a_parked_batch_that_goes_on_leaves_its_sibling_parked_beside_it_listed(env):
+    """The first batch goes on with the operator's retry; the second, parked in the same moment, stays listed
+    (it was taken off with the first, and waited unseen: a retry was refused as 'not dead_lettered')."""
+    queue = f"parked-{uuid.uuid4().hex[:8]}"
+    policies.load(FAST_POLICIES, [policies.activity_name(a) for a in Fakes().all()])
+    async with Worker(env.client, task_queue=queue, workflows=[ParksTwoCalls]):
+        handle = await env.client.start_workflow(ParksTwoCalls.run, id=f"t.{queue}", task_queue=queue)
+        await handle.signal(ParksTwoCalls.park_one)
+        await eventually(lambda: handle.query(ParksTwoCalls.parked), what="the first batch parked")
+        await handle.signal(ParksTwoCalls.retry_and_park_another)
+
+        async def one_parked() -> list[str] | None:
+            parked = await handle.query(ParksTwoCalls.parked)
+            return parked if len(parked) == 1 else None
+
+        assert await eventually(one_parked, what="the second batch still listed") == ["embed_chunks"]
+        await handle.terminate()

@@ -20,6 +20,10 @@ with workflow.unsafe.imports_passed_through():
 
 # Histories from before a step stopped while parked was taken off the parked list replay keeping it there.
 UNPARK_ON_CANCEL_PATCH = "parked-step-unparked-when-stopped"
+# Two calls of one step parked (two batches of a document) are two dead letters: one that goes on no longer
+# takes the other's off the list, which left it waiting unseen (no retry reached it). Earlier histories
+# replay with one entry per step.
+PER_CALL_PATCH = "dead-letter-per-parked-call"
 
 
 class DeadLetters:
@@ -30,11 +34,12 @@ class DeadLetters:
         self._on_change = on_change
         self._on_park = on_park
         self._while_waiting = while_waiting
-        self.parked: dict[str, DeadLetter] = {}
+        self.parked: dict[str, DeadLetter] = {}  # by parked call
+        self._calls = 0
         self.decisions: list[OperatorDecision] = []
         self._releases = 0
         self._discard: OperatorRequest | None = None
-        self._decided: set[str] = set()  # parked steps an operator has decided on, until they go on
+        self._decided: set[str] = set()  # parked calls an operator has decided on, until they go on
 
     async def park(self, step: str, *, attempts: int, reason: str, error_type: str | None) -> None:
         """Wait for an operator. Returns when they retry; raises a non-retryable ApplicationError when
@@ -43,7 +48,9 @@ class DeadLetters:
         now = workflow.now()
         letter = DeadLetter(step=step, attempts=attempts, error=reason, error_type=error_type,
                             parked_at=now, expires_at=now + ttl)
-        self.parked[step] = letter
+        self._calls += 1
+        key = f"{step}#{self._calls}" if workflow.patched(PER_CALL_PATCH) else step
+        self.parked[key] = letter
         self._on_change()
         self._on_park()
         self._events.emit("ragline.job.dead_lettered", letter.model_dump(mode="json"))
@@ -57,14 +64,14 @@ class DeadLetters:
                 # Stopped while parked (a chat turn's summary, when its reviewer rejects the answer): nothing
                 # is left for an operator. Earlier jobs kept the step listed as parked.
                 if workflow.patched(UNPARK_ON_CANCEL_PATCH):
-                    self._unpark(step)
+                    self._unpark(key)
                 raise
             except asyncio.TimeoutError:
-                self._unpark(step)
+                self._unpark(key)
                 raise ApplicationError(
                     f"dead-lettered {_human(ttl)} ago and nobody decided (RAGLINE_DEAD_LETTER_TTL); "
                     f"step {step} last failed with: {reason}", type="DeadLetterExpired", non_retryable=True) from None
-            self._unpark(step)
+            self._unpark(key)
             if self._discard is not None:
                 who = self._discard.operator or "an operator"
                 why = f": {self._discard.reason}" if self._discard.reason else ""
@@ -72,9 +79,9 @@ class DeadLetters:
                                        type="Discarded", non_retryable=True)
         self._events.emit("ragline.step.retrying", {"step": step, "by": "operator"})
 
-    def _unpark(self, step: str) -> None:
-        self.parked.pop(step, None)
-        self._decided.discard(step)
+    def _unpark(self, key: str) -> None:
+        self.parked.pop(key, None)
+        self._decided.discard(key)
         self._on_change()
 
     # -- what an operator may do -------------------------------------------------------------------
@@ -96,8 +103,8 @@ class DeadLetters:
         return self._record("discard", req)
 
     def _record(self, action, req: OperatorRequest) -> OperatorAck:
-        steps = sorted(self.parked)
-        self._decided.update(steps)
+        steps = sorted({letter.step for letter in self.parked.values()})
+        self._decided.update(self.parked)
         self.decisions.append(OperatorDecision(action=action, operator=req.operator, reason=req.reason,
                                                steps=steps, at=workflow.now()))
         return OperatorAck(action=action, steps=steps)
