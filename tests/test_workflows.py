@@ -119,8 +119,9 @@ class Fakes:
     async def extract_text(self, req: ExtractInput) -> ExtractOutput:
         call = self._start("extract_text", req)
         self._end(call)
-        if req.filename in self.extract_fails:
-            raise self.extract_fails[req.filename]
+        failure = self.extract_fails.get(req.filename) or self.extract_fails.get(req.blob_ref)  # by name or bytes
+        if failure is not None:
+            raise failure
         return ExtractOutput(pages_ref=f"pages:{req.document_id}", pages=2, chars=100, attempt=call.attempt)
 
     @activity.defn(name="chunk_text")
@@ -361,6 +362,20 @@ def test_the_fakes_stand_for_every_registered_activity():
 def document(filename: str, collection: str) -> DocumentInput:
     return DocumentInput(document_id=f"{collection}-{uuid.uuid4().hex[:12]}", collection=collection,
                          filename=filename, blob_ref=f"blob:{filename}", sha256="0" * 64, size=10, kind="text")
+
+
+async def test_files_of_one_name_in_an_upload_are_steps_of_their_own(env):
+    fakes = Fakes(extract_fails={"blob:b/report.pdf": ApplicationError(
+        "encrypted: password required", type="InputError", non_retryable=True)})
+    docs = [document("report.pdf", "c5"), document("report.pdf", "c5")]
+    docs[1] = docs[1].model_copy(update={"blob_ref": "blob:b/report.pdf"})
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(IngestWorkflow.run, IngestInput(collection="c5", documents=docs),
+                                                 id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+        result = await handle.result()
+        steps = {s.name: s.status for s in (await handle.query(IngestWorkflow.progress)).steps}
+    assert (result.indexed, result.failed) == (1, 1)
+    assert steps == {"document:report.pdf": "completed", "document:report.pdf (2)": "failed"}, steps
 
 
 async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(env):

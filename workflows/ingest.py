@@ -156,7 +156,8 @@ class IngestWorkflow(JobWorkflow):
 
     async def _ingest(self, job: IngestInput) -> IngestResult:
         self.begin()
-        outcomes = await asyncio.gather(*(self._ingest_document(doc) for doc in job.documents))
+        outcomes = await asyncio.gather(*(self._ingest_document(doc, step)
+                                          for doc, step in zip(job.documents, _step_names(job.documents))))
         indexed = sum(o.status == "indexed" for o in outcomes)
         result = IngestResult(collection=job.collection, indexed=indexed, failed=len(outcomes) - indexed,
                               documents=list(outcomes))
@@ -168,8 +169,7 @@ class IngestWorkflow(JobWorkflow):
                                    type=kind, non_retryable=True)
         return result
 
-    async def _ingest_document(self, doc: DocumentInput) -> DocumentOutcome:
-        step = f"document:{doc.filename}"
+    async def _ingest_document(self, doc: DocumentInput, step: str) -> DocumentOutcome:
         child_id = document_workflow_id(doc.tenant, doc.document_id)
         self.steps.start(step, detail=child_id)
         # A document that failed (e.g. wrong password) may be tried again; an indexed one is reused.
@@ -214,3 +214,16 @@ class IngestWorkflow(JobWorkflow):
         except ChildWorkflowError as exc:
             reason = CANCELLED if is_cancelled_exception(exc) else failure_reason(exc)
             return DocumentOutcome.failed_from(child_id, reason, doc.filename)
+
+
+def _step_names(documents: list[DocumentInput]) -> list[str]:
+    """A step per document, `document:<file>`; files of one name (two folders' report.pdf, files sent without
+    a name) are told apart in the upload's order: `document:report.pdf (2)`. One step for both showed
+    whichever ended last."""
+    seen: dict[str, int] = {}
+    names = []
+    for doc in documents:
+        seen[doc.filename] = seen.get(doc.filename, 0) + 1
+        n = seen[doc.filename]
+        names.append(f"document:{doc.filename}" + (f" ({n})" if n > 1 else ""))
+    return names
