@@ -257,9 +257,12 @@ class VectorIndex:
                 for lang in LANGUAGES]
             weights = [DENSE_WEIGHT] * len(LANGUAGES)
             if ids:
+                # IDF over the tenant's own searchable passages: another tenant's uploads (or chunks still
+                # pending) would change which of this tenant's passages a term ranks first.
+                own_idf = models.SearchParams(idf=models.IdfCorpusParams(corpus=found))
                 requests.append(models.QueryRequest(query=models.SparseVector(indices=ids, values=values),
                                                     using=LEXICAL, limit=CANDIDATES, with_payload=True,
-                                                    with_vector=[DENSE], filter=found))
+                                                    with_vector=[DENSE], filter=found, params=own_idf))
                 weights.append(LEXICAL_WEIGHT)
             responses = self.client.query_batch_points(name, requests=requests)
             fused: dict[str, float] = {}

@@ -931,3 +931,40 @@ def test_the_audit_log_goes_where_ragline_audit_log_says(tmp_path, capsys):
     assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="standard output"):
         audit.read(to_stdout)
+
+
+def test_one_tenants_uploads_do_not_change_how_anothers_passages_score_for_a_term():
+    """The lexical half of retrieval weighs a term by how rare it is (BM25's IDF). Counted over the whole
+    collection, another tenant's uploads changed which of this tenant's passages ranked first for it (and so
+    told a little of what others store); counted over the tenant's own searchable passages, they do not."""
+    from qdrant_client import QdrantClient
+
+    from ragline.vectorstore import LEXICAL, ChunkPoint, VectorIndex
+
+    index = VectorIndex(QdrantClient(":memory:"), 4, embedded=True)
+
+    def upload(tenant: str, document_id: str, texts: list[str], *, publish: bool = True) -> None:
+        index.upsert(tenant, "c", [ChunkPoint(document_id, i, [1.0, 0.0, 0.0, 0.0], {
+            "document_id": document_id, "filename": f"{tenant}.txt", "collection": "c", "page": 1, "chunk": i,
+            "text": text}) for i, text in enumerate(texts)])
+        if publish:
+            index.publish(tenant, "c", document_id, len(texts))
+
+    sent = []
+    batch = index.client.query_batch_points
+    index.client.query_batch_points = lambda name, requests, **kw: sent.append((name, requests)) or batch(
+        name, requests=requests, **kw)
+
+    def lexical_scores() -> dict[str, float]:
+        """The lexical request the search sent, as Qdrant scores it now."""
+        sent.clear()
+        index.search("acme", "c", [1.0, 0.0, 0.0, 0.0], 3, text="copper brass")
+        [(name, requests)] = sent
+        [lexical] = [r for r in requests if r.using == LEXICAL]
+        return {p.payload["text"]: round(p.score, 6) for p in batch(name, requests=[lexical])[0].points}
+
+    upload("acme", "a" * 32, ["the copper kettle whistles", "the brass valve leaks", "the brass pipe bends"])
+    alone = lexical_scores()
+    upload("globex", "b" * 32, [f"copper wire number {i}" for i in range(60)])
+    upload("acme", "c" * 32, [f"brass screw {i}" for i in range(30)], publish=False)  # pending: not yet found
+    assert lexical_scores() == alone
