@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from api.errors import ApiError
-from temporal.codec import CodecKeys, load_or_create
+from temporal.codec import CodecKeys, KeysFile
 
 # Names this use of the payload keys: another use derives with its own label and gets another key.
 LABEL = b"ragline/listing-cursor/v1"
@@ -41,21 +41,28 @@ def invalid_cursor() -> ApiError:
 
 
 class CursorSigner:
-    def __init__(self, keys: Sequence[bytes]) -> None:
-        """`keys`: cursor keys, the one that signs first; any of them verifies."""
+    def __init__(self, keys: Sequence[bytes], source: KeysFile | None = None) -> None:
+        """`keys`: cursor keys, the one that signs first; any of them verifies. With `source`, a cursor no key
+        verifies is checked again once the keys file has changed (another API process rotated it)."""
         if not keys:
             raise ValueError("a cursor signer needs at least one key")
         self._keys = list(keys)
+        self._source = source
+
+    @staticmethod
+    def _derived(codec_keys: CodecKeys) -> list[bytes]:
+        current = codec_keys.keys[codec_keys.current]
+        others = [raw for key_id, raw in codec_keys.keys.items() if key_id != codec_keys.current]
+        return [cursor_key(raw) for raw in (current, *others)]
 
     @classmethod
     def from_codec_keys(cls, codec_keys: CodecKeys) -> CursorSigner:
-        current = codec_keys.keys[codec_keys.current]
-        others = [raw for key_id, raw in codec_keys.keys.items() if key_id != codec_keys.current]
-        return cls([cursor_key(raw) for raw in (current, *others)])
+        return cls(cls._derived(codec_keys))
 
     @classmethod
     def for_deployment(cls, codec_keys_file: Path) -> CursorSigner:
-        return cls.from_codec_keys(load_or_create(codec_keys_file))
+        source = KeysFile(codec_keys_file)
+        return cls(cls._derived(source.keys), source)
 
     def encode(self, query: str, token: bytes) -> str:
         """Opaque to the client; valid only with the same query (tenant and filters)."""
@@ -68,9 +75,18 @@ class CursorSigner:
         except (ValueError, binascii.Error):
             raise invalid_cursor() from None
         tag, token = raw[:TAG_BYTES], raw[TAG_BYTES:]
-        if not token or not any(hmac.compare_digest(tag, _tag(key, query, token)) for key in self._keys):
+        if not token:
             raise invalid_cursor()
+        if not self._signed(tag, query, token):
+            if self._source is None or not self._source.refresh():
+                raise invalid_cursor()
+            self._keys = self._derived(self._source.keys)  # rotated since: signs with the new key from now on
+            if not self._signed(tag, query, token):
+                raise invalid_cursor()
         return token
+
+    def _signed(self, tag: bytes, query: str, token: bytes) -> bool:
+        return any(hmac.compare_digest(tag, _tag(key, query, token)) for key in self._keys)
 
 
 def _tag(key: bytes, query: str, token: bytes) -> bytes:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import os
 import secrets
+import sys
 import tempfile
 import tomllib
 from collections.abc import Sequence
@@ -120,8 +121,39 @@ def rotate(path: Path) -> str:
     return key_id
 
 
+class KeysFile:
+    """The keys file of a running process, read again when it has changed: a key that `rotate` added (in
+    another process, or on a volume every pod mounts) is known without a restart. A process that started
+    after the rotation encrypts with the new key at once; one that started before reads those payloads
+    (and from then on encrypts with it too)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seen = self._changed_at()
+        self.keys = load_or_create(path)
+
+    def _changed_at(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size  # a rotation writes a new file (os.replace): a new inode
+
+    def refresh(self) -> bool:
+        """Read the file again if it changed since; True when it did (and reads)."""
+        changed = self._changed_at()
+        if changed is None or changed == self._seen:
+            return False
+        self.keys, self._seen = load_keys(self.path), changed
+        return True
+
+
 class EncryptionCodec(PayloadCodec):
-    def __init__(self, keys: CodecKeys) -> None:
+    def __init__(self, keys: CodecKeys | KeysFile) -> None:
+        self._file = keys if isinstance(keys, KeysFile) else None
+        self._use(keys.keys if isinstance(keys, KeysFile) else keys)
+
+    def _use(self, keys: CodecKeys) -> None:
         self.current = keys.current
         self._ciphers = {key_id: AESGCM(raw) for key_id, raw in keys.keys.items()}
 
@@ -142,6 +174,9 @@ class EncryptionCodec(PayloadCodec):
                                  f"{p.metadata.get('encoding', b'').decode(errors='replace')!r})")
             key_id = p.metadata.get(KEY_ID, b"").decode()
             cipher = self._ciphers.get(key_id)
+            if cipher is None and self._file is not None and self._file.refresh():  # rotated since we read it
+                self._use(self._file.keys)
+                cipher = self._ciphers.get(key_id)
             if cipher is None:
                 raise CodecError(f"payload encrypted with unknown key {key_id!r} (not in the codec keys file)")
             try:
@@ -164,13 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--file", type=Path, help="keys file (default: RAGLINE_CODEC_KEYS_FILE)")
     args = parser.parse_args(argv)
     path = args.file or get_settings().effective_codec_keys_file
-    if args.command == "create":
-        keys = load_or_create(path)
-    elif args.command == "rotate":
-        rotate(path)
-        keys = load_keys(path)
-    else:
-        keys = load_keys(path)
+    try:
+        if args.command == "create":
+            keys = load_or_create(path)
+        elif args.command == "rotate":
+            rotate(path)
+            keys = load_keys(path)
+        else:
+            keys = load_keys(path)
+    except CodecError as exc:  # most often: not the data folder the services use (RAGLINE_DATA_DIR)
+        print(f"{exc}\n(the keys file is RAGLINE_CODEC_KEYS_FILE, or codec_keys.toml in RAGLINE_DATA_DIR; "
+              "--file names another)", file=sys.stderr)
+        return 2
     print(f"{path}: current key {keys.current}; {len(keys.keys)} key(s): {', '.join(keys.keys)}")
     return 0
 

@@ -89,9 +89,9 @@ def build_data_converter(settings: Settings) -> DataConverter:
     codec = None
     failures: type[DefaultFailureConverter] = DefaultFailureConverter
     if settings.encrypt_payloads:
-        from temporal.codec import EncryptionCodec, load_or_create  # never from workflow code (sandbox)
+        from temporal.codec import EncryptionCodec, KeysFile  # never from workflow code (sandbox)
 
-        codec = EncryptionCodec(load_or_create(settings.effective_codec_keys_file))
+        codec = EncryptionCodec(KeysFile(settings.effective_codec_keys_file))
         # Without it a failure's message and stack trace stay plain text beside the encrypted payloads.
         failures = EncodedFailureConverter
     return dataclasses.replace(

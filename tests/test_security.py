@@ -802,6 +802,29 @@ async def test_keys_rotate_and_old_payloads_stay_readable(tmp_path):
         await new.decode([tampered])
 
 
+async def test_a_process_started_before_a_rotation_reads_what_one_started_after_it_writes(tmp_path):
+    """`rotate` makes the new key current at once; an API or a worker that has not restarted since (a
+    worker the supervisor restarted after a crash, one API pod of several) reads the keys file again when it
+    meets the new key, instead of failing every view (500) or every workflow task of the new jobs."""
+    from api.cursors import CursorSigner
+    from api.errors import ApiError
+
+    path = tmp_path / "codec.toml"
+    running = codec_mod.EncryptionCodec(codec_mod.KeysFile(path))
+    running_api = CursorSigner.for_deployment(path)
+    codec_mod.rotate(path)
+    restarted = codec_mod.EncryptionCodec(codec_mod.KeysFile(path))
+    [sealed] = await restarted.encode([Payload(metadata={"encoding": b"json/plain"}, data=b'"turn"')])
+    [opened] = await running.decode([sealed])
+    assert opened.data == b'"turn"'
+    [again] = await running.encode([Payload(metadata={"encoding": b"json/plain"}, data=b'"next"')])
+    assert again.metadata["encryption-key-id"] == sealed.metadata["encryption-key-id"]  # and writes with it
+    cursor = CursorSigner.for_deployment(path).encode("tenant=acme", b"page-token")
+    assert running_api.decode("tenant=acme", cursor) == b"page-token"
+    with pytest.raises(ApiError, match="cursor"):
+        running_api.decode("tenant=globex", cursor)
+
+
 # -- sensitive data ----------------------------------------------------------------------------------
 
 def test_a_hosted_fallback_of_a_local_model_gets_masked_text(tmp_path):
