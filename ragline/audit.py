@@ -3,7 +3,7 @@
 One JSON object per line, appended to RAGLINE_AUDIT_LOG: a file (default <data_dir>/audit.log), or `-`
 for standard output, where the platform's log pipeline collects it (the API's own log goes to stderr).
 Outside stdout mode the same event also goes to the API log. Decisions sent straight to Temporal
-(Web UI, CLI) are recorded by the job itself (its result's `decisions` / `operator_decisions`, and its
+(Web UI, CLI) are recorded by the job itself (`decisions` / `operator_decisions` in its view, and its
 history), not here.
 
 On a cluster each API pod appends to a file of its own on a shared volume (deploy/k8s/api.yaml): the
@@ -53,12 +53,16 @@ def record(settings: Settings, *, action: str, tenant: str, key: str, key_name: 
 
 @contextlib.contextmanager
 def recorded(settings: Settings, **details: Any) -> Iterator[dict[str, Any]]:
-    """Record the action the block takes once it is done: `accepted`, or `refused: <error code>` when the
-    block raises. The block may add to the details it is given (what the action touched)."""
+    """Record the action the block takes once it is done: `accepted`; `refused: <error code>` when the block
+    raises a client's error (4xx: nothing was done); `unknown: <error>` for any other failure, which may
+    come after Temporal applied the action (its answer could not be read, it timed out). The block may add to
+    the details it is given (what the action touched)."""
     try:
         yield details
     except Exception as exc:
-        record(settings, outcome=f"refused: {getattr(exc, 'code', type(exc).__name__)}", **details)
+        code = getattr(exc, "code", type(exc).__name__)
+        refused = isinstance(getattr(exc, "status", None), int) and exc.status < 500
+        record(settings, outcome=f"{'refused' if refused else 'unknown'}: {code}", **details)
         raise
     record(settings, outcome="accepted", **details)
 

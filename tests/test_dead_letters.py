@@ -11,6 +11,8 @@ import uuid
 from datetime import timedelta
 
 import pytest
+
+from ragline import audit
 from temporalio.service import RPCError
 
 from api.job_views import failure_message
@@ -189,6 +191,9 @@ async def test_one_request_resumes_every_parked_job_of_a_collection_after_an_out
         assert llm.count("answer") == ATTEMPTS * 2 + 2  # each turn answered once after its retry
     assert all(job["status"] == "completed" for job in done), done
     assert all(job["operator_decisions"][0]["operator"] == "ana" for job in done)
+    # Each retry is audited under the job's id as the API shows it (greppable from any response).
+    audited = {e["job_id"] for e in audit.read(stack.settings) if e["action"] == "retry" and e["outcome"] == "accepted"}
+    assert parked <= audited, audited
 
 
 async def test_poison_input_fails_at_once_without_retries(stack):

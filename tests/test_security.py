@@ -991,3 +991,18 @@ def test_one_tenants_uploads_do_not_change_how_anothers_passages_score_for_a_ter
     upload("globex", "b" * 32, [f"copper wire number {i}" for i in range(60)])
     upload("acme", "c" * 32, [f"brass screw {i}" for i in range(30)], publish=False)  # pending: not yet found
     assert lexical_scores() == alone
+
+
+def test_an_action_that_fails_after_reaching_temporal_is_audited_as_unknown_not_refused(tmp_path):
+    """A refusal (4xx) did nothing; a failure after the request reached Temporal (its answer unreadable, a
+    timeout) may have been applied: the trail must not say it was refused."""
+    from api.errors import ApiError
+    from ragline import audit
+    from ragline.settings import Settings
+
+    settings = Settings(data_dir=tmp_path)
+    who = {"tenant": "acme", "key": "k", "key_name": "ops", "job_id": "acme.chat-1"}
+    for error in (ApiError(409, "not_dead_lettered", "no"), RuntimeError("answer unreadable")):
+        with pytest.raises(type(error)), audit.recorded(settings, action="retry", **who):
+            raise error
+    assert [e["outcome"] for e in audit.read(settings)] == ["refused: not_dead_lettered", "unknown: RuntimeError"]

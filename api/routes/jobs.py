@@ -21,7 +21,7 @@ from api.schemas import (
 )
 from api.validators import JOB_ID, CursorDep
 from models.jobs import COLLECTION_PATTERN, JobKind, JobStatus, OperatorAck, OperatorRequest
-from models.tenancy import local_id, scoped
+from models.tenancy import scoped
 from temporal import search_attributes as sa
 from ragline import audit
 from ragline.settings import Settings
@@ -140,6 +140,7 @@ async def retry_dead_letters(req: DeadLetterRetry, client: ClientDep, caller: Re
                     raise
                 refused.append(RetryRefused(job_id=scoped(caller.tenant, job_id), code=exc.code, message=exc.message))
 
-    await asyncio.gather(*(retry(local_id(e.id)) for e in parked[:req.limit]))
+    # By the id the API shows (tenant-scoped): each audit entry names the job as that id.
+    await asyncio.gather(*(retry(e.id) for e in parked[:req.limit]))
     return DeadLetterRetryResult(retried=sorted(retried, key=lambda r: r.job_id),
                                  refused=sorted(refused, key=lambda r: r.job_id), more=len(parked) > req.limit)
