@@ -452,7 +452,17 @@ async def _steps(client: Client, progress: JobProgress | None, desc) -> list[Ste
         if pending.HasField("last_failure") and (message := await failure_message(client, pending.last_failure)):
             step.error = message
             step.status = "running"
+    # Ended from outside (`temporal workflow terminate`, a run timeout): the job's own bookkeeping never ran,
+    # and its steps under way would show running for ever.
+    if (ended := _ENDED_FROM_OUTSIDE.get(desc.status)) is not None:
+        for step in steps:
+            if step.status in ("running", "dead_lettered"):
+                step.status, step.error = "failed", f"the job was {ended} while this step ran"
     return steps
+
+
+_ENDED_FROM_OUTSIDE = {WorkflowExecutionStatus.TERMINATED: "terminated",
+                       WorkflowExecutionStatus.TIMED_OUT: "timed out"}
 
 
 async def failure_message(client: Client, failure: Failure) -> str:

@@ -316,6 +316,11 @@ async def test_a_slot_held_by_a_terminated_job_is_freed_and_other_tenants_are_no
             # Terminated by hand, the holder never gives its slot back: the gate's sweep frees it.
             await stack.client.get_workflow_handle(held.holder).terminate(reason="test: a stuck job")
             assert await _wait_status(http, waiter, "completed", "failed", timeout=60) == "completed"
+            # Its view says how it ended, and leaves no step running for ever.
+            job = (await http.get(f"/v1/jobs/{held.holder}")).json()
+            assert job["status"] == "failed" and not [st for st in job["steps"] if st["status"] == "running"], job
+            [answer] = [st for st in job["steps"] if st["name"] == "generate_answer"]
+            assert answer["status"] == "failed" and "terminated" in answer["error"], answer
 
 
 async def test_cancelled_jobs_leave_the_line_and_give_their_slot_back(stack):
