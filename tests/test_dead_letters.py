@@ -288,6 +288,9 @@ async def test_a_parked_document_says_why_and_lends_its_uploads_slot(temporal_en
             r = await stack.http.delete(f"/v1/documents/{doc['document_id']}")
             assert (r.status_code, r.json()["error"]["code"]) == (409, "document_busy"), r.text
             assert doc["job_id"] in r.json()["error"]["message"]
+            # Named with a collection it is not in: not found there, busy or not.
+            r = await stack.http.delete(f"/v1/documents/{doc['document_id']}", params={"collection": "default"})
+            assert (r.status_code, r.json()["error"]["code"]) == (404, "document_not_found"), r.text
             # A document never waits for a review: said so, not with the workflow's list of handlers.
             r = await stack.http.post(f"/v1/jobs/{doc['job_id']}/review", json={"decision": "approve", "reviewer": "x"})
             assert (r.status_code, r.json()["error"]["code"]) == (409, "not_waiting_for_review"), r.text

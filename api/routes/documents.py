@@ -273,15 +273,15 @@ async def _start_removal(request: Request, client: Client, caller: Caller, setti
                        "uploaded with this tenant's keys, or indexed longer ago than the retention (the namespace's, "
                        "RAGLINE_TEMPORAL_RETENTION); for the last, name its collection (?collection=) and its chunks "
                        "are removed")
-    if desc is not None and desc.status == WorkflowExecutionStatus.RUNNING:
-        raise ApiError(409, "document_busy", f"document {document_id} is still being ingested by job {ingestion} "
-                       f"({job_views.job_status(desc)}): cancel it (POST /v1/jobs/{ingestion}/cancel), discard it "
-                       "if it waits for an operator, or wait for it to end", job_id=ingestion)
     attrs = desc.typed_search_attributes if desc is not None else None
     collection = (attrs.get(sa.COLLECTION) if attrs else None) or named or "default"
     filename = (attrs.get(sa.FILENAME) if attrs else None) or ""
     if named is not None and named != collection:
         raise ApiError(404, "document_not_found", f"document {document_id} is not in collection {named}")
+    if desc is not None and desc.status == WorkflowExecutionStatus.RUNNING:
+        raise ApiError(409, "document_busy", f"document {document_id} is still being ingested by job {ingestion} "
+                       f"({job_views.job_status(desc)}): cancel it (POST /v1/jobs/{ingestion}/cancel), discard it "
+                       "if it waits for an operator, or wait for it to end", job_id=ingestion)
     job_id = removal_workflow_id(caller.tenant, document_id)
     try:
         await client.start_workflow(
