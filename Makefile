@@ -77,6 +77,7 @@ test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS) $(REDIS)
 bench: install
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench scaleout
+	$(BIN)/python -m bench sweep
 	$(BIN)/python -m bench.quality
 
 clean:

@@ -91,6 +91,7 @@ class VectorIndex:
         self._lock = threading.RLock() if embedded else _NoLock()
         self._known: set[str] = set()
         self._layouts: dict[str, bool] = {}
+        self._shared: dict[tuple[str, str], bool] = {}  # (collection, tenant): another tenant has passages there
 
     def _ensure_collection(self, collection: str) -> str:
         name = qdrant_collection(collection)
@@ -115,6 +116,18 @@ class VectorIndex:
             self.client.create_payload_index(name, PENDING, models.PayloadSchemaType.BOOL)
         self._known.add(name)
         return name
+
+    def _shared_with_others(self, name: str, tenant: str) -> bool:
+        """Another tenant has passages in the collection, so a term's rarity must be counted over this tenant's
+        own. Embedded, that count is a pass in Python over every passage of the tenant (a third more time
+        for a search of 5,000 passages), and this process is the only writer: asked once, then kept (a
+        write of another tenant's makes it true). A server counts it in its index: always asked."""
+        if not self.embedded:
+            return True
+        if (name, tenant) not in self._shared:
+            others = models.Filter(must_not=[_tenant(tenant)])
+            self._shared[(name, tenant)] = self.client.count(name, count_filter=others, exact=True).count > 0
+        return self._shared[(name, tenant)]
 
     def _hybrid(self, name: str) -> bool:
         """Collections made before hybrid retrieval have one unnamed dense vector: searched dense-only
@@ -146,6 +159,9 @@ class VectorIndex:
             found = {str(r.id) for r in self.client.retrieve(name, ids=ids, with_payload=[PENDING])
                      if not (r.payload or {}).get(PENDING)}
             now = time.time()
+            for collection_, tenant_ in self._shared:
+                if collection_ == name and tenant_ != tenant:
+                    self._shared[(collection_, tenant_)] = True
             self.client.upsert(name, wait=True, points=[
                 self._point(name, tenant, p, pending=i not in found, written_at=now) for p, i in zip(points, ids)])
         return len(points)
@@ -259,7 +275,8 @@ class VectorIndex:
             if ids:
                 # IDF over the tenant's own searchable passages: another tenant's uploads (or chunks still
                 # pending) would change which of this tenant's passages a term ranks first.
-                own_idf = models.SearchParams(idf=models.IdfCorpusParams(corpus=found))
+                own_idf = models.SearchParams(idf=models.IdfCorpusParams(corpus=found)) \
+                    if self._shared_with_others(name, tenant) else None
                 requests.append(models.QueryRequest(query=models.SparseVector(indices=ids, values=values),
                                                     using=LEXICAL, limit=CANDIDATES, with_payload=True,
                                                     with_vector=[DENSE], filter=found, params=own_idf))
