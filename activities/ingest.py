@@ -62,8 +62,10 @@ class IngestActivities:
         chunks = self.blobs.get_json(req.chunks_ref)[req.start:req.end]
         activity.heartbeat({"embedding": len(chunks)})
         started = time.monotonic()
-        with heartbeating_in_thread({"embedding": len(chunks)}):  # waits for the one embedding engine, then runs it: seconds, or more
-            vectors = np.asarray(self.embedder.passages([c["text"] for c in chunks]), dtype=np.float32)
+        # Waits for the one embedding engine, then runs it: seconds, or more.
+        with heartbeating_in_thread({"embedding": len(chunks)}):
+            vectors = np.asarray(self.embedder.passages([c["text"] for c in chunks],
+                                                        give_up=activity.is_worker_shutdown), dtype=np.float32)
         metrics.passages_embedded(self.embedder.name, len(chunks), time.monotonic() - started)
         return EmbedOutput(vectors_ref=self.blobs.put(vectors.tobytes()), count=len(chunks),
                            model=self.embedder.name, attempt=_attempt())
@@ -93,7 +95,8 @@ class IngestActivities:
     @translate_errors
     def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
         """Undo the batches a failed ingestion indexed (pending_only), or remove a document on request: nobody
-        should find a document that is not there. The collection's version changes with it, so its cached answers go too."""
+        should find a document that is not there. The collection's version changes with it, so its cached
+        answers go too."""
         before = self.index.count(req.tenant, req.collection, req.document_id)
         if before == 0:  # nothing indexed (nor a collection made for a name given by mistake)
             return PruneOutput(points=0, removed=0, attempt=_attempt())

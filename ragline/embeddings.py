@@ -4,17 +4,19 @@ embeddings endpoint when RAGLINE_EMBEDDINGS_BASE_URL is set."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+from ragline.errors import TransientError
 from ragline.settings import Settings
 
 
 class Embedder(Protocol):
     name: str
 
-    def passages(self, texts: list[str]) -> list[list[float]]: ...
+    def passages(self, texts: list[str], *, give_up: Callable[[], bool] | None = None) -> list[list[float]]:
+        """`give_up`: asked while the batch waits for its turn; once true, TransientError (the worker stops)."""
 
     def query(self, text: str) -> list[float]: ...
 
@@ -30,13 +32,16 @@ class LocalE5Embedder:
         self._model = E5()
         self._turns = InferenceTurns()
 
-    def passages(self, texts: list[str]) -> list[list[float]]:
-        with self._turns.take(query=False):
+    def passages(self, texts: list[str], *, give_up: Callable[[], bool] | None = None) -> list[list[float]]:
+        with self._turns.take(query=False, give_up=give_up):
             return self._model.passage(texts).tolist()
 
     def query(self, text: str) -> list[float]:
         with self._turns.take(query=True):
             return self._model.query(text).tolist()
+
+
+GIVE_UP_EVERY = 0.25
 
 
 class InferenceTurns:
@@ -51,11 +56,16 @@ class InferenceTurns:
         self._queries_waiting = 0
 
     @contextmanager
-    def take(self, *, query: bool) -> Iterator[None]:
+    def take(self, *, query: bool, give_up: Callable[[], bool] | None = None) -> Iterator[None]:
+        """`give_up` is asked every GIVE_UP_EVERY s of the wait: a worker that stops leaves its waiting
+        batches to the next one at once (they ran one after another and held the stop past its deadline)."""
         with self._cond:
             self._queries_waiting += query
             try:
-                self._cond.wait_for(lambda: not self._busy and (query or not self._queries_waiting))
+                while not self._cond.wait_for(lambda: not self._busy and (query or not self._queries_waiting),
+                                              timeout=GIVE_UP_EVERY if give_up else None):
+                    if give_up():
+                        raise TransientError("the worker is stopping: this batch is left to the next one")
             finally:
                 self._queries_waiting -= query
             self._busy = True
@@ -86,8 +96,8 @@ class OpenAIEmbedder:
             response = self._client.embeddings.create(model=self.name, input=texts)
         return [item.embedding for item in sorted(response.data, key=lambda d: d.index)]
 
-    def passages(self, texts: list[str]) -> list[list[float]]:
-        return self._embed([f"passage: {t}" if self._e5 else t for t in texts])
+    def passages(self, texts: list[str], *, give_up: Callable[[], bool] | None = None) -> list[list[float]]:
+        return self._embed([f"passage: {t}" if self._e5 else t for t in texts])  # no wait to give up
 
     def query(self, text: str) -> list[float]:
         return self._embed([f"query: {text}" if self._e5 else text])[0]

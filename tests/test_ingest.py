@@ -8,6 +8,8 @@ import threading
 import time
 import uuid
 
+import pytest
+
 
 from ragline.blobstore import BlobStore
 from tests.conftest import shared_pdf
@@ -339,6 +341,52 @@ def test_an_embedding_batch_queued_for_the_engine_keeps_heartbeating(tmp_path, r
     out = env.run(activities.embed_chunks, EmbedInput(chunks_ref=chunks, start=0, end=1))
     assert out.count == 1
     assert len(beats) >= 3, beats  # the first, then one every 500 ms while it waited (2 s: 3 or 4 more)
+
+
+def test_a_batch_waiting_for_the_embedding_engine_leaves_at_once_when_its_worker_stops(tmp_path):
+    """`make run` stopped during a large upload: the batches queued behind the one being embedded left one
+    after another, held the worker past the supervisor's 10 s (SIGKILL), and after the restart waited a
+    heartbeat timeout (1 min). A waiting batch now fails over at once, retried by the next worker."""
+    import concurrent.futures
+
+    import worker
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.ingest import IngestActivities
+    from models.ingest import EmbedInput
+    from ragline.blobstore import BlobStore
+    from ragline.embeddings import LocalE5Embedder
+    from ragline.settings import Settings
+    from temporal import policies
+    from tests.conftest import FIXTURES
+
+    policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())
+    embedder = LocalE5Embedder()
+    blobs = BlobStore(tmp_path / "blobs")
+    chunks = blobs.put_json([{"i": 0, "page": 1, "text": "Keepers light the lighthouses at dusk."}])
+    activities = IngestActivities(Settings(data_dir=tmp_path), blobs, embedder, index=None)
+    env = ActivityEnvironment()
+    held, release = threading.Event(), threading.Event()
+
+    def another_batch() -> None:  # being embedded until the test says
+        with embedder._turns.take(query=False):
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=another_batch).start()
+    assert held.wait(10)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(env.run, activities.embed_chunks, EmbedInput(chunks_ref=chunks, start=0, end=1))
+            time.sleep(0.5)
+            assert not waiting.done()
+            env.worker_shutdown()
+            with pytest.raises(ApplicationError) as failure:
+                waiting.result(timeout=5)  # not after the batch under way
+        assert failure.value.type == "TransientError" and not failure.value.non_retryable
+    finally:
+        release.set()
 
 
 def test_the_undo_of_a_failed_run_keeps_the_chunks_an_earlier_run_published(tmp_path):
