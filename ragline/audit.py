@@ -61,7 +61,10 @@ def recorded(settings: Settings, **details: Any) -> Iterator[dict[str, Any]]:
         yield details
     except Exception as exc:
         code = getattr(exc, "code", type(exc).__name__)
-        refused = isinstance(getattr(exc, "status", None), int) and exc.status < 500
+        # An HTTP 4xx of the API's own (ApiError.status, a plain int); an RPCError's status is a gRPC code,
+        # an IntEnum of small numbers that says nothing of whether Temporal applied the request.
+        status = getattr(exc, "status", None)
+        refused = type(status) is int and status < 500
         record(settings, outcome=f"{'refused' if refused else 'unknown'}: {code}", **details)
         raise
     record(settings, outcome="accepted", **details)

@@ -10,10 +10,12 @@ heartbeat details may name blobs), encrypted payloads decoded with the codec key
 inside the blobs so marked (a payload moved to the blob store, a JSON list). The namespace is listed again
 once it was read, and what started meanwhile is read too.
 
-Sweep: a blob not marked and not put for `min_age` is deleted. A put of bytes already stored marks the
-blob as just put (BlobStore.put), so `min_age` covers the time from a blob's put to its reference
-reaching a history (an activity's result; an upload's start): minutes, against a default of a day.
-Temp files a crashed write left behind go once as old.
+Sweep: a blob not marked and not put for `min_age` is set aside (quarantine/), and deleted by the next
+sweep if it is still unmarked and not put since; one referred to (or put) again meanwhile goes back in
+place, and a read finds it there meanwhile (BlobStore.set_aside says why not at once). A put of bytes
+already stored marks the blob as just put (BlobStore.put), so `min_age` covers the time from a blob's
+put to its reference reaching a history (an activity's result; an upload's start): minutes, against a
+default of a day. Temp files a crashed write left behind go once as old.
 
 Nothing is deleted when any part of the mark fails (a history that cannot be read, a payload the codec
 keys cannot decrypt): a reference missed would be a blob lost.
@@ -24,6 +26,7 @@ operator runs it by hand with `python -m ragline.blob_sweep [--dry-run]`.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import re
 import time
@@ -134,11 +137,13 @@ async def mark(client: Client, store: BlobStore) -> ReferenceMark:
         async with limit:
             handle = client.get_workflow_handle(workflow_id, run_id=run_id)
             try:
+                # The description first: what leaves a pending activity after it (heartbeat details, then a
+                # failure carrying them) is in the history read next. The other way round, it was in neither.
+                if running:
+                    await marked.add(payloads_in((await handle.describe()).raw_description))
                 history = await handle.fetch_history()
                 for event in history.events:
                     await marked.add(payloads_in(event))
-                if running:
-                    await marked.add(payloads_in((await handle.describe()).raw_description))
             except RPCError as exc:
                 if exc.status != RPCStatusCode.NOT_FOUND:  # deleted since it was listed: refers to nothing
                     raise SweepAborted(f"cannot read workflow {workflow_id}: {exc}") from exc
@@ -170,7 +175,18 @@ async def sweep(client: Client, store: BlobStore, *, min_age: float, dry_run: bo
 
 
 def _delete_unmarked(store: BlobStore, refs: set[str], since: float, report: SweepReport) -> None:
+    """First what earlier sweeps set aside (deleted, or back in place), then set aside what is unreferenced
+    now: a blob is deleted by the sweep after the one that found it unreferenced (BlobStore.set_aside)."""
     dry_run = report.dry_run
+    for ref, stat in list(store.quarantined()):
+        needed = ref in refs or stat.st_mtime >= since
+        size = stat.st_size if dry_run and not needed else \
+            None if dry_run else store.settle(ref, needed=ref in refs, since=since)
+        if size is None:
+            report.restored += needed
+        else:
+            report.deleted += 1
+            report.bytes_freed += size
     for ref, stat in store.stored():
         report.stored += 1
         if ref in refs:
@@ -178,16 +194,12 @@ def _delete_unmarked(store: BlobStore, refs: set[str], since: float, report: Swe
         if stat.st_mtime >= since:
             report.kept_young += 1
             continue
-        if dry_run:
-            report.deleted += 1
-            report.bytes_freed += stat.st_size
-            continue
-        size = store.delete_unless_put_since(ref, since)
+        size = stat.st_size if dry_run else store.set_aside(ref, since)
         if size is None:
             report.kept_young += 1
         else:
-            report.deleted += 1
-            report.bytes_freed += size
+            report.set_aside += 1
+            report.bytes_set_aside += size
     for path, stat in list(store.leftovers()):
         if stat.st_mtime < since:
             report.leftovers_deleted += 1
@@ -195,9 +207,19 @@ def _delete_unmarked(store: BlobStore, refs: set[str], since: float, report: Swe
                 path.unlink(missing_ok=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+def _min_age(value: str) -> str:
+    """As RAGLINE_BLOB_SWEEP_MIN_AGE: at least an hour (a blob an activity is still reporting would go)."""
+    from pydantic import ValidationError
 
+    from ragline.settings import Settings
+
+    try:
+        return Settings(blob_sweep_min_age=value).blob_sweep_min_age
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(exc.errors()[0]["msg"]) from None
+
+
+def main(argv: list[str] | None = None) -> int:
     from ragline import logs
     from ragline.settings import get_settings
     from temporal.client import connect
@@ -205,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="python -m ragline.blob_sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--min-age", default=settings.blob_sweep_min_age,
+    parser.add_argument("--min-age", default=settings.blob_sweep_min_age, type=_min_age,
                         help="spare blobs put more recently than this "
                              "(default: RAGLINE_BLOB_SWEEP_MIN_AGE, %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="count what would go; delete nothing")
@@ -222,10 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     except SweepAborted as exc:
         print(f"blob sweep aborted, nothing deleted: {exc}")
         return 1
-    verb = "would delete" if report.dry_run else "deleted"
+    would = "would be " if report.dry_run else ""
     print(f"{settings.blob_dir}: {report.stored} blobs, {report.referenced} references in {report.workflows_read} "
-          f"workflows; {verb} {report.deleted} ({report.bytes_freed / 1e6:.1f} MB) and {report.leftovers_deleted} "
-          f"temp files; {report.kept_young} unreferenced blobs younger than {args.min_age} kept")
+          f"workflows; {report.deleted} blobs set aside by an earlier sweep {would}deleted "
+          f"({report.bytes_freed / 1e6:.1f} MB), {report.restored} {would}put back; {report.set_aside} unreferenced "
+          f"{would}set aside ({report.bytes_set_aside / 1e6:.1f} MB, deleted by the next sweep); "
+          f"{report.leftovers_deleted} temp files {would}deleted; {report.kept_young} unreferenced blobs younger "
+          f"than {args.min_age} kept")
     return 0
 
 

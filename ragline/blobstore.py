@@ -13,7 +13,6 @@ import json
 import os
 import re
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,6 +37,7 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._quarantine = self.root / "quarantine"
 
     def _path(self, ref: str) -> Path:
         if not ref.startswith(REF_PREFIX):
@@ -83,20 +83,26 @@ class BlobStore:
             raise
 
     def get(self, ref: str) -> bytes:
-        try:
-            return self._path(ref).read_bytes()
-        except FileNotFoundError:
-            raise BlobNotFound(ref) from None
+        for _ in range(2):
+            try:
+                return self._path(ref).read_bytes()
+            except FileNotFoundError:
+                if not self._restore(ref):  # set aside by the sweep: back in place, and read
+                    break
+        raise BlobNotFound(ref)
 
     def get_if_starts_with(self, ref: str, starts: tuple[bytes, ...]) -> bytes | None:
-        """The blob's bytes if they start with one of `starts` (None otherwise, or if it is gone): reads
-        one byte of a blob that does not."""
-        try:
-            with self._path(ref).open("rb") as f:
-                head = f.read(1)
-                return head + f.read() if head[:1] and head.startswith(starts) else None
-        except FileNotFoundError:
-            return None
+        """The blob's bytes if they start with one of `starts` (None otherwise, or if it is not in place):
+        reads one byte of a blob that does not."""
+        for _ in range(2):
+            try:
+                with self._path(ref).open("rb") as f:
+                    head = f.read(1)
+                    return head + f.read() if head[:1] and head.startswith(starts) else None
+            except FileNotFoundError:
+                if not self._restore(ref):
+                    break
+        return None
 
     def exists(self, ref: str) -> bool:
         return self._path(ref).exists()
@@ -116,7 +122,7 @@ class BlobStore:
     def leftovers(self) -> Iterator[tuple[Path, os.stat_result]]:
         """Temp files a crashed write left behind (an upload cut off, a worker killed mid-put)."""
         for folder in sorted(self.root.iterdir()):
-            if not folder.is_dir() or not (folder.name == "tmp" or len(folder.name) == 2):
+            if not folder.is_dir() or not (folder.name == "tmp" or len(folder.name) == 2):  # not quarantine/
                 continue
             for entry in os.scandir(folder):
                 if entry.is_file() and not _DIGEST.fullmatch(entry.name):
@@ -125,27 +131,63 @@ class BlobStore:
                     except FileNotFoundError:
                         continue
 
-    def delete_unless_put_since(self, ref: str, since: float) -> int | None:
-        """Delete the blob unless it was put at or after `since` (a time.time()): its size, or None if kept.
+    # -- the sweep's two steps (ragline/blob_sweep.py) ------------------------------------------------
+    # A blob nobody refers to is first set aside (renamed into quarantine/), and deleted only by a later
+    # sweep that still finds it unreferenced and not put since. Deleting at once is not safe on a shared
+    # network volume: a pod whose client still holds the blob's old name (NFS caches lookups for up to a
+    # minute) puts the same bytes by touching the file the sweep has just renamed, believing them stored.
+    # Set aside, that touch is seen by the next sweep, which puts the blob back; and a get() meanwhile
+    # finds it there and puts it back at once.
 
-        A put of the same bytes racing this one is never lost. The blob is first renamed aside, in one step:
-        a put that touched it before the rename touched the file renamed (it is seen, and put back), and a
-        put after the rename finds nothing and writes the bytes anew."""
+    def set_aside(self, ref: str, since: float) -> int | None:
+        """Move the blob to quarantine unless it was put at or after `since` (a time.time()): its size, or
+        None if kept. A put after the move finds nothing at the blob's name, and writes the bytes anew."""
         path = self._path(ref)
         try:
-            if path.stat().st_mtime >= since:
+            stat = path.stat()
+            if stat.st_mtime >= since:
                 return None
-            aside = self.root / "tmp" / f"sweep-{ref[len(REF_PREFIX):]}-{uuid.uuid4().hex}"
-            aside.parent.mkdir(exist_ok=True)
-            os.rename(path, aside)
+            self._quarantine.mkdir(exist_ok=True)
+            os.rename(path, self._quarantine / path.name)
         except FileNotFoundError:
             return None
-        stat = aside.stat()
-        if stat.st_mtime >= since:
-            os.replace(aside, path)  # same bytes as any copy a put wrote meanwhile
-            return None
-        aside.unlink()
         return stat.st_size
+
+    def quarantined(self) -> Iterator[tuple[str, os.stat_result]]:
+        if not self._quarantine.is_dir():
+            return
+        for entry in os.scandir(self._quarantine):
+            if _DIGEST.fullmatch(entry.name):
+                try:
+                    yield REF_PREFIX + entry.name, entry.stat()
+                except FileNotFoundError:
+                    continue
+
+    def settle(self, ref: str, *, needed: bool, since: float) -> int | None:
+        """A blob set aside by an earlier sweep: back in place if `needed` (a job refers to it again) or put
+        since `since` (its touch landed on the quarantined file), else deleted: its size when deleted."""
+        aside = self._quarantine / ref[len(REF_PREFIX):]
+        try:
+            stat = aside.stat()
+            if needed or stat.st_mtime >= since or self._path(ref).exists():  # (the last: written anew)
+                self._restore(ref)
+                return None
+            aside.unlink()
+        except FileNotFoundError:  # restored by a get(), or settled by another sweep
+            return None
+        return stat.st_size
+
+    def _restore(self, ref: str) -> bool:
+        path = self._path(ref)
+        try:
+            if path.exists():  # written anew meanwhile: the same bytes
+                (self._quarantine / path.name).unlink(missing_ok=True)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(self._quarantine / path.name, path)
+        except FileNotFoundError:
+            return False
+        return True
 
     def put_json(self, obj: Any) -> str:
         return self.put(json.dumps(obj, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode())

@@ -36,39 +36,50 @@ def _age(store: BlobStore, *refs: str, days: float = 2) -> None:
         os.utime(store._path(ref), (then, then))
 
 
+def _aside(store: BlobStore, ref: str) -> Path:
+    return store.root / "quarantine" / ref.removeprefix("sha256:")
+
+
 def test_putting_stored_bytes_again_marks_the_blob_as_just_put(tmp_path):
     store = BlobStore(tmp_path)
     ref = store.put(b"passages")
     _age(store, ref)
-    assert store.delete_unless_put_since(ref, time.time() - DAY) is not None  # old: deleted
-    ref = store.put(b"passages")
-    _age(store, ref)
     assert store.put(b"passages") == ref
-    assert store.delete_unless_put_since(ref, time.time() - DAY) is None  # put again just now: kept
-    assert store.get(ref) == b"passages"
-
-
-@pytest.mark.parametrize("put_when", ["before the rename", "after the rename"])
-def test_a_put_racing_the_delete_keeps_the_blob(tmp_path, monkeypatch, put_when):
-    """The sweep found the blob old; a job puts the same bytes while it deletes. The blob must survive:
-    the job's reference is about to reach a history, after the sweep's mark has read it."""
-    store = BlobStore(tmp_path)
-    ref = store.put(b"chunks of a document")
+    assert store.set_aside(ref, time.time() - DAY) is None  # put again just now: kept in place
     _age(store, ref)
-    real_rename = os.rename
+    assert store.set_aside(ref, time.time() - DAY) == len(b"passages")  # old: set aside
+    assert not store.exists(ref) and _aside(store, ref).exists()
 
-    def rename(src, dst):
-        if put_when == "before the rename":
-            store.put(b"chunks of a document")
-        real_rename(src, dst)
-        if put_when == "after the rename":
-            store.put(b"chunks of a document")
 
-    monkeypatch.setattr(os, "rename", rename)
-    store.delete_unless_put_since(ref, time.time() - DAY)
-    monkeypatch.undo()
-    assert store.get(ref) == b"chunks of a document"
-    assert not list((tmp_path / "tmp").iterdir())  # nothing left aside
+def test_a_blob_set_aside_is_deleted_by_the_next_sweep_only_if_nobody_put_or_named_it_since(tmp_path):
+    store = BlobStore(tmp_path)
+    refs = [store.put(f"blob {n}".encode()) for n in range(3)]
+    _age(store, *refs)
+    for ref in refs:
+        store.set_aside(ref, time.time() - DAY)
+    # A pod whose network filesystem still had the old name put the bytes: its touch lands on the file set aside.
+    os.utime(_aside(store, refs[1]))
+    since = time.time() - DAY
+    settled = [store.settle(refs[0], needed=False, since=since), store.settle(refs[1], needed=False, since=since),
+               store.settle(refs[2], needed=True, since=since)]  # a job names it again
+    assert settled == [len(b"blob 0"), None, None]
+    assert [store.exists(ref) for ref in refs] == [False, True, True]
+    assert not list(store.quarantined())
+
+
+def test_a_blob_put_or_read_after_it_was_set_aside_is_there(tmp_path):
+    """The sweep found the blob unreferenced and old, and set it aside; then a job puts the same bytes (its
+    reference is about to reach a history, after the sweep's mark read it), or reads it."""
+    store = BlobStore(tmp_path)
+    put, read = store.put(b"chunks of a document"), store.put(b"a turn's passages")
+    _age(store, put, read)
+    store.set_aside(put, time.time() - DAY)
+    store.set_aside(read, time.time() - DAY)
+    assert store.put(b"chunks of a document") == put and store.exists(put)  # written anew
+    assert store.get(read) == b"a turn's passages" and store.exists(read)  # back in place
+    # The next sweep finds the first in place and drops its copy set aside; the second is back already.
+    assert store.settle(put, needed=False, since=time.time() - DAY) is None
+    assert store.get(put) == b"chunks of a document" and not list(store.quarantined())
 
 
 def test_leftover_temp_files_are_listed_and_blobs_are_not(tmp_path):
@@ -131,11 +142,11 @@ async def test_the_sweep_deletes_what_no_job_refers_to_and_a_removed_documents_t
     assert len(extracted) >= 3 and upload_ref not in extracted
     _age(store, orphan, upload_ref, *extracted)
 
-    # A dry run counts, and deletes nothing.
+    # A dry run counts, and moves nothing.
     report = await blob_sweep.sweep(stack.client, store, min_age=DAY, dry_run=True)
-    assert report.deleted >= 1 and store.exists(orphan)
+    assert report.set_aside >= 1 and store.exists(orphan)
 
-    # Through the schedule the worker keeps, as it runs every day.
+    # Through the schedule the worker keeps, as it runs every day: the orphan is set aside...
     settings = stack.settings.model_copy(update={"blob_sweep_every": "1d"})
     await schedules.ensure_blob_sweep(stack.client, settings)
     try:
@@ -145,10 +156,13 @@ async def test_the_sweep_deletes_what_no_job_refers_to_and_a_removed_documents_t
         report = await stack.client.get_workflow_handle(run).result()
     finally:
         await stack.client.get_schedule_handle(schedules.BLOB_SWEEP).delete()
-    assert report["deleted"] >= 1 and report["workflows_read"] >= 2
-    assert not store.exists(orphan)
-    assert all(store.exists(ref) for ref in (upload_ref, *extracted)), "a blob a job refers to was deleted"
-    # The document is still searchable, and its job still shows its steps.
+    assert report["set_aside"] >= 1 and report["workflows_read"] >= 2
+    assert not store.exists(orphan) and _aside(store, orphan).exists()
+    assert all(store.exists(ref) for ref in (upload_ref, *extracted)), "a blob a job refers to was set aside"
+    # ... and deleted by the next sweep.
+    report = await blob_sweep.sweep(stack.client, store, min_age=DAY)
+    assert report.deleted >= 1 and not _aside(store, orphan).exists()
+    # The document is still searchable.
     assert doc["document_id"] in {h["document_id"] for h in await stack.search("granite lighthouse", "sweep")}
 
     # Removed, the document's job leaves Temporal: its extracted text is no longer referred to.
@@ -156,8 +170,10 @@ async def test_the_sweep_deletes_what_no_job_refers_to_and_a_removed_documents_t
     assert r.status_code == 202, r.text
     assert (await stack.wait_done(r.json()["job_id"]))["status"] == "completed"
     await eventually(lambda: _gone(stack.client, doc_job), timeout=60)
-    report = await blob_sweep.sweep(stack.client, store, min_age=DAY)
-    assert not any(store.exists(ref) for ref in extracted), "the removed document's text is still on disk"
+    for _ in range(2):
+        await blob_sweep.sweep(stack.client, store, min_age=DAY)
+    assert not any(store.exists(ref) or _aside(store, ref).exists() for ref in extracted), \
+        "the removed document's text is still on disk"
     # The upload that brought it is kept for the retention, and names its bytes: they stay until it goes.
     assert store.exists(upload_ref)
 
@@ -208,7 +224,7 @@ def test_a_step_whose_blob_is_gone_fails_at_once_naming_it(tmp_path):
 
     store = BlobStore(tmp_path / "blobs")
     ref = store.put(b"an upload")
-    store._path(ref).unlink()
+    store._path(ref).unlink()  # not set aside: gone
     activities = IngestActivities(Settings(data_dir=tmp_path), store, None, None)
     with pytest.raises(ApplicationError) as failure:
         ActivityEnvironment().run(activities.extract_text, ExtractInput(

@@ -1002,7 +1002,11 @@ def test_an_action_that_fails_after_reaching_temporal_is_audited_as_unknown_not_
 
     settings = Settings(data_dir=tmp_path)
     who = {"tenant": "acme", "key": "k", "key_name": "ops", "job_id": "acme.chat-1"}
-    for error in (ApiError(409, "not_dead_lettered", "no"), RuntimeError("answer unreadable")):
+    from temporalio.service import RPCError, RPCStatusCode
+
+    for error in (ApiError(409, "not_dead_lettered", "no"), RuntimeError("answer unreadable"),
+                  RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b"")):
         with pytest.raises(type(error)), audit.recorded(settings, action="retry", **who):
             raise error
-    assert [e["outcome"] for e in audit.read(settings)] == ["refused: not_dead_lettered", "unknown: RuntimeError"]
+    assert [e["outcome"] for e in audit.read(settings)] == [
+        "refused: not_dead_lettered", "unknown: RuntimeError", "unknown: RPCError"]
