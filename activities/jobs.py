@@ -16,7 +16,8 @@ from activities.heartbeats import heartbeating
 
 from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
 from models.ingest import (
-    CANCELLED, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput, RemovalConfirmed,
+    CANCELLED, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput, NewerRun,
+    RemovalConfirmed,
 )
 from models.jobs import StepResult
 from ragline.errors import InputError
@@ -106,6 +107,26 @@ class JobActivities:
             raise InputError(f"the document was uploaded again (job {req.workflow_id}) after its removal was "
                              "asked for: nothing was removed; remove it again once that upload has ended")
         return RemovalConfirmed(attempt=activity.info().attempt, at=confirmed)
+
+    @activity.defn
+    @translate_errors
+    async def await_newer_run(self, req: ForgetDocumentInput) -> NewerRun:
+        """The document's run that started after the removal was confirmed, waited for to its end: whether
+        it indexed the document (then its chunks stay) or not (then what it wrote goes too)."""
+        try:
+            latest = await self.client.get_workflow_handle(req.workflow_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return NewerRun(attempt=activity.info().attempt)
+            raise
+        if latest.run_id == req.run_id:
+            return NewerRun(attempt=activity.info().attempt)
+        try:
+            async with heartbeating():
+                await self.client.get_workflow_handle(req.workflow_id, run_id=latest.run_id).result()
+        except WorkflowFailureError:  # failed, cancelled, terminated
+            return NewerRun(started=True, indexed=False, attempt=activity.info().attempt)
+        return NewerRun(started=True, indexed=True, attempt=activity.info().attempt)
 
     @activity.defn
     @translate_errors

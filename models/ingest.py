@@ -189,6 +189,13 @@ class ForgetDocumentInput(BaseModel):
     run_started_at: datetime | None = None
 
 
+class NewerRun(StepResult):
+    """A run of the document's job that started after the removal was confirmed (an upload queued before the
+    DELETE), once it has ended."""
+    started: bool = False
+    indexed: bool = False
+
+
 class ForgetDocumentOutput(StepResult):
     runs: int
 

@@ -54,7 +54,8 @@ async def test_a_removed_document_is_found_by_no_search_or_answer_and_may_be_upl
     job = await stack.wait_done(accepted["job_id"])
     assert job["status"] == "completed" and job["kind"] == "remove_document", job
     assert job["result"]["chunks_removed"] >= 1 and job["result"]["ingestion_runs_forgotten"] == 1
-    assert [s["name"] for s in job["steps"]] == ["confirm_removal", "remove_document_chunks", "forget_document"]
+    assert [s["name"] for s in job["steps"]] == ["confirm_removal", "remove_document_chunks", "await_newer_run",
+                                                 "forget_document"]
 
     # Nobody finds it: not a search, not an answer (test_grounded.py: nor a cached one), not the list.
     assert doc_id not in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}

@@ -41,8 +41,8 @@ from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
     AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
     ExtractInput, ExtractOutput, ForgetDocumentInput, ForgetDocumentOutput, IndexInput, IndexOutput, IngestInput,
-    IngestResult, PruneInput, PruneOutput, RemoveInput, SearchInput, SearchOutput, document_workflow_id,
-    removal_workflow_id,
+    IngestResult, NewerRun, PruneInput, PruneOutput, RemovalConfirmed, RemoveDocumentInput, RemoveInput, SearchInput,
+    SearchOutput, document_workflow_id, removal_workflow_id,
 )
 from ragline.settings import Settings
 from temporal import policies, queues
@@ -56,6 +56,7 @@ from workflows.dead_letters import DeadLetters
 from workflows.events import JobEvents
 from workflows.gate import TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+from workflows.remove import RemoveDocumentWorkflow
 from workflows.slot import RunningSlot
 
 FAST_POLICIES = Path(__file__).resolve().parent / "fast_policies.toml"
@@ -95,6 +96,7 @@ class Fakes:
     ended: set[str] = field(default_factory=set)  # jobs ended_jobs reports as no longer running
     sweeps_fail: int = 0  # how many ended_jobs calls fail (a server too busy to answer)
     removed_documents: set[str] = field(default_factory=set)  # document jobs await_document finds removed
+    newer_run: NewerRun = field(default_factory=NewerRun)  # what await_newer_run finds
     calls: list[Call] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -180,9 +182,14 @@ class Fakes:
         return DocumentOutcome.failed_from(req.workflow_id, "not expected in these tests")
 
     @activity.defn(name="confirm_removal")
-    async def confirm_removal(self, req: ForgetDocumentInput) -> StepResult:
+    async def confirm_removal(self, req: ForgetDocumentInput) -> RemovalConfirmed:
         self._end(self._start("confirm_removal", req))
-        return StepResult()
+        return RemovalConfirmed(at=1_800_000_000.0)
+
+    @activity.defn(name="await_newer_run")
+    async def await_newer_run(self, req: ForgetDocumentInput) -> NewerRun:
+        self._end(self._start("await_newer_run", req))
+        return self.newer_run
 
     @activity.defn(name="forget_document")
     async def forget_document(self, req: ForgetDocumentInput) -> ForgetDocumentOutput:
@@ -256,7 +263,7 @@ class Fakes:
 
     def all(self) -> list:
         return [self.extract_text, self.chunk_text, self.embed_chunks, self.index_chunks, self.prune_stale_chunks,
-                self.remove_document_chunks, self.confirm_removal, self.forget_document,
+                self.remove_document_chunks, self.confirm_removal, self.await_newer_run, self.forget_document,
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
@@ -376,6 +383,25 @@ async def test_files_of_one_name_in_an_upload_are_steps_of_their_own(env):
         steps = {s.name: s.status for s in (await handle.query(IngestWorkflow.progress)).steps}
     assert (result.indexed, result.failed) == (1, 1)
     assert steps == {"document:report.pdf": "completed", "document:report.pdf (2)": "failed"}, steps
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+async def test_a_removal_takes_what_an_upload_that_reached_the_document_after_it_wrote_unless_it_indexed_it(
+        env, indexed):
+    """An upload queued before the DELETE started the document's new run once the removal was confirmed.
+    The removal keeps what that run writes, waits for its end, and if the run did not index the document
+    (it failed, or was cancelled), takes what it wrote too: chunks it rewrote while still found stayed found."""
+    fakes = Fakes(newer_run=NewerRun(started=True, indexed=indexed))
+    doc_id = f"c6-{uuid.uuid4().hex[:12]}"
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(
+            RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant="t", document_id=doc_id, collection="c6",
+                                                            filename="a.txt", run_id="r1"),
+            id=removal_workflow_id("t", doc_id), task_queue=queue)
+    removals = [c.arg for c in fakes.named("remove_document_chunks")]
+    assert [r.written_before is None for r in removals] == ([False] if indexed else [False, True])
+    assert [c.name for c in fakes.calls][-1] == "forget_document"
+    assert result.status in ("removed", "not_found")
 
 
 async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(env):

@@ -6,6 +6,8 @@ RemoveDocumentWorkflow (one job per removal; kind `remove_document`; takes no ru
   -> remove_document_chunks  nobody finds the document any more (the collection's cached answers go too); an
                           upload that reached it after the confirmation (queued before the DELETE) keeps
                           the chunks it writes
+  -> await_newer_run      that upload's run, waited for: if it did not index the document, what it wrote
+                          goes too (remove_document_chunks again)
   -> forget_document      that run and the ones before it leave Temporal: the document is no longer
                           listed, and the same bytes uploaded again are ingested anew
 
@@ -25,10 +27,14 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.job import JobWorkflow
 
+# Removals in flight before it replay without waiting for a run that started after their confirmation.
+NEWER_RUN_PATCH = "removal-waits-for-a-newer-run"
+
 
 @workflow.defn
 class RemoveDocumentWorkflow(JobWorkflow):
-    PLANNED = (JobActivities.confirm_removal, IngestActivities.remove_document_chunks, JobActivities.forget_document)
+    PLANNED = (JobActivities.confirm_removal, IngestActivities.remove_document_chunks, JobActivities.await_newer_run,
+               JobActivities.forget_document)
 
     @workflow.run
     async def run(self, doc: RemoveDocumentInput) -> RemovalResult:
@@ -46,6 +52,15 @@ class RemoveDocumentWorkflow(JobWorkflow):
         confirmed = await self.step(JobActivities.confirm_removal, ingestion)
         removed = await self.step(IngestActivities.remove_document_chunks, RemoveInput(
             tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, written_before=confirmed.at))
+        if workflow.patched(NEWER_RUN_PATCH):
+            newer = await self.step(JobActivities.await_newer_run, ingestion)
+            if newer.started and not newer.indexed:
+                # Chunks it rewrote while they were still found stayed found: neither this removal (written
+                # after its confirmation) nor its own undo (not pending) took them.
+                again = await self.step(IngestActivities.remove_document_chunks, RemoveInput(
+                    tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection),
+                    name="remove_document_chunks (after the upload that failed)")
+                removed = removed.model_copy(update={"removed": removed.removed + again.removed})
         forgotten = await self.step(JobActivities.forget_document, ingestion)
         # Named with ?collection= past the retention, an id may have nothing of this tenant's behind it.
         found = removed.removed or forgotten.runs
