@@ -49,7 +49,9 @@ log = structlog.get_logger("ragline.blobs")
 _REF = re.compile(rb"sha256:([0-9a-f]{64})")
 _ENCRYPTED = b"binary/encrypted"
 # Histories read at once: each is one paginated RPC stream; the server is shared with the jobs.
-_READERS = 4
+_READERS = 2
+# Idle time after each history, as a share of the time reading it took (module-level: a test may set 0).
+PACE = 1.0
 
 
 class SweepAborted(TransientError):
@@ -79,14 +81,17 @@ class ReferenceMark:
     """The blob references found so far, read through the codec where a payload is encrypted."""
 
     def __init__(self, codec: PayloadCodec | None) -> None:
-        self.codec = codec
+        # Synchronous: the sweep decodes in a thread, off the worker's event loop (temporal/codec.py).
+        self._decode = getattr(codec, "decode_sync", None)
+        if codec is not None and self._decode is None:
+            raise SweepAborted(f"the payload codec {type(codec).__name__} has no decode_sync for the sweep")
         self.refs: set[str] = set()
         self.workflows_read = 0
 
     def _scan(self, data: bytes) -> None:
         self.refs.update(REF_PREFIX + m.decode() for m in _REF.findall(data))
 
-    async def add(self, payloads: Iterable[Payload]) -> None:
+    def add(self, payloads: Iterable[Payload]) -> None:
         encrypted = []
         for payload in payloads:
             if payload.metadata.get("encoding") == _ENCRYPTED:
@@ -95,13 +100,17 @@ class ReferenceMark:
                 self._scan(payload.data)
         if not encrypted:
             return
-        if self.codec is None:
+        if self._decode is None:
             raise SweepAborted("encrypted payloads, and no codec keys to read them (RAGLINE_ENCRYPT_PAYLOADS)")
         try:
-            decoded = await self.codec.decode(encrypted)
+            decoded = self._decode(encrypted)
         except Exception as exc:  # an unknown or dropped key: its references cannot be known
             raise SweepAborted(f"a payload cannot be decoded: {exc}") from exc
-        await self.add(decoded)
+        self.add(decoded)
+
+    def add_messages(self, messages: Iterable[Message]) -> None:
+        for message in messages:
+            self.add(payloads_in(message))
 
     async def add_inside_blobs(self, store: BlobStore) -> None:
         """References inside marked blobs, and inside the blobs those name, until no new one turns up."""
@@ -113,7 +122,7 @@ class ReferenceMark:
                 # the activities wrote may name blobs: uploads and vectors are skipped unread.
                 blob = await asyncio.to_thread(store.get_if_starts_with, ref, (b"\x0a", b"[", b"{"))
                 if blob is not None:
-                    await self.add(_readable_payloads(blob))
+                    await asyncio.to_thread(self.add, _readable_payloads(blob))
 
 
 def _readable_payloads(blob: bytes) -> list[Payload]:
@@ -135,18 +144,21 @@ async def mark(client: Client, store: BlobStore) -> ReferenceMark:
 
     async def read_one(workflow_id: str, run_id: str, running: bool) -> None:
         async with limit:
+            began = time.monotonic()
             handle = client.get_workflow_handle(workflow_id, run_id=run_id)
             try:
                 # The description first: what leaves a pending activity after it (heartbeat details, then a
                 # failure carrying them) is in the history read next. The other way round, it was in neither.
-                if running:
-                    await marked.add(payloads_in((await handle.describe()).raw_description))
-                history = await handle.fetch_history()
-                for event in history.events:
-                    await marked.add(payloads_in(event))
+                messages: list[Message] = [(await handle.describe()).raw_description] if running else []
+                messages += (await handle.fetch_history()).events
             except RPCError as exc:
                 if exc.status != RPCStatusCode.NOT_FOUND:  # deleted since it was listed: refers to nothing
                     raise SweepAborted(f"cannot read workflow {workflow_id}: {exc}") from exc
+                return
+            await asyncio.to_thread(marked.add_messages, messages)
+            # Paced: as long again idle as this one took, so the jobs running meanwhile (whose worker and
+            # server it shares) keep most of the machine. A day's sweep may take its time.
+            await asyncio.sleep((time.monotonic() - began) * PACE)
 
     # Twice: a workflow started while the first pass read (a continue-as-new, a child) is read the second time.
     for _ in range(2):

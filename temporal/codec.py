@@ -167,6 +167,10 @@ class EncryptionCodec(PayloadCodec):
         return out
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        return self.decode_sync(payloads)
+
+    def decode_sync(self, payloads: Sequence[Payload]) -> list[Payload]:
+        """As decode, for a thread of its own (the blob sweep reads every history off the event loop)."""
         out = []
         for p in payloads:
             if p.metadata.get("encoding") != ENCODING:
