@@ -19,6 +19,7 @@ from pathlib import Path
 
 
 from devtools.devserver import DevServer
+from temporal import schedules
 from tests.conftest import FIXTURES, SHARED_CODEC_KEYS, free_server_port, running_stack
 from tests.helpers import assert_nothing_lost_or_doubled, eventually
 from tests.pdfgen import pdf_bytes
@@ -139,6 +140,14 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
 
         assert [j["status"] for j in ingest_jobs] == ["completed"] * 20
         assert [j["status"] for j in chat_jobs] == ["completed"] * 20
+        # The worker process keeps the blob sweep's daily schedule, for its own task queue.
+        sweep = stack.client.get_schedule_handle(schedules.BLOB_SWEEP)
+        try:
+            described = await sweep.describe()
+            assert (described.schedule.action.workflow, described.schedule.action.task_queue) == \
+                ("BlobSweepWorkflow", queue)
+        finally:
+            await sweep.delete()
         # Qdrant holds exactly the expected points, and every turn was answered once, in order.
         await assert_nothing_lost_or_doubled(stack, "kill", ingest_jobs, sessions, turns=10)
         # The kills mattered: each one cut off a model call in flight (the worker's connection dropped
