@@ -78,11 +78,11 @@ async def _send_update(node: str, ui: str, workflow_id: str, name: str, payload:
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, start_new_session=True)
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
     except asyncio.TimeoutError:
         os.killpg(proc.pid, signal.SIGKILL)
         await proc.wait()
-        pytest.fail(f"send_update.mjs did not finish in 90 s: {' '.join(argv)}")
+        pytest.fail(f"send_update.mjs did not finish in 120 s: {' '.join(argv)}")
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     assert proc.returncode == 0, f"send_update.mjs exited {proc.returncode}:\n{stderr}\n{stdout}"
     lines = [line for line in stdout.splitlines() if line.strip()]

@@ -36,6 +36,8 @@ const LAUNCH_FLAGS = [
   '--disable-background-networking', '--disable-component-update', '--disable-sync',
 ];
 const STEP_MS = 15_000;    // any single wait on the page
+// Chromium's start: on a busy 2-core machine (a CI run's other tests beside it) it once took over 15 s.
+const LAUNCH_MS = 45_000;
 const OUTCOME_MS = 25_000; // from Submit to "dialog closed" or "error shown" (server waits ~20 s)
 
 class DriveError extends Error {}
@@ -261,7 +263,7 @@ async function main() {
     if (args.screenshots) fs.mkdirSync(args.screenshots, { recursive: true });
     context = await chromium.launchPersistentContext(userDataDir, {
       executablePath: CHROMIUM, headless: true, args: LAUNCH_FLAGS,
-      viewport: { width: 1280, height: 860 }, timeout: STEP_MS,
+      viewport: { width: 1280, height: 860 }, timeout: LAUNCH_MS,
     });
     const page = context.pages()[0] ?? (await context.newPage());
     page.setDefaultTimeout(STEP_MS);
