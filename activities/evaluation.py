@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.chat import cited_passages
 from activities.heartbeats import heartbeating
@@ -61,6 +62,8 @@ class EvaluationActivities:
         except RaglineError as exc:  # the step's failure carries what it saved, for an operator's retry
             exc.details = {**exc.details, "checkpoints": checkpoints}
             raise
+        except Exception as exc:  # not one of ours (a store's client, a bug): retried as it would be, saves kept
+            raise ApplicationError(str(exc), {"checkpoints": checkpoints}, type=type(exc).__name__) from exc
         outcomes += unsaved
         report = evaluation.summarise(req.collection, req.k, threshold, outcomes)
         ref = await asyncio.to_thread(self.blobs.put, report.model_dump_json().encode("utf-8"))

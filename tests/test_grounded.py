@@ -378,3 +378,47 @@ def test_a_golden_set_an_editor_saved_with_a_bom_is_read():
 
     [q] = evaluation.parse_jsonl('\ufeff{"question": "q", "expected_document": null}\n')
     assert (q.question, q.expected_document) == ("q", None)
+
+
+async def test_an_evaluation_failing_on_an_unexpected_error_still_hands_on_the_answers_it_saved(tmp_path, monkeypatch):
+    """Not one of Ragline's errors (a store client's, a bug): the step is retried as before, and its failure
+    still carries the answers saved so far, for an operator's retry of the parked step."""
+    from types import SimpleNamespace
+
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    import activities.evaluation as evaluation_activities
+    import worker
+    from models.evaluation import EvaluationInput
+    from models.ingest import SearchHit
+    from ragline.blobstore import BlobStore
+    from ragline.settings import Settings
+    from temporal import policies
+    from tests.conftest import FIXTURES
+
+    policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())  # heartbeats while it answers
+
+    hit = SearchHit(text="The gateway's TLS certificate expired.", document_id="d", filename="postmortem.txt",
+                    page=1, chunk=0, score=0.9, relevance=0.95)
+    monkeypatch.setattr(evaluation_activities, "find_passages", lambda *args: [hit])
+
+    class Model:
+        calls = 0
+
+        async def complete(self, messages, step):  # noqa: ANN001, ANN201
+            Model.calls += 1
+            if Model.calls == 2:
+                raise RuntimeError("connection reset by the store")
+            return SimpleNamespace(text="The TLS certificate [1].")
+
+    blobs = BlobStore(tmp_path / "blobs")
+    golden = "\n".join(json.dumps({"question": f"What expired? ({n})", "expected_document": "postmortem.txt"})
+                       for n in range(3))
+    activities = evaluation_activities.EvaluationActivities(Settings(data_dir=tmp_path), blobs, None, None, Model())
+    req = EvaluationInput(collection="c", questions_ref=blobs.put(golden.encode()), questions=3, answers=True)
+    with pytest.raises(ApplicationError) as failure:
+        await ActivityEnvironment().run(activities.evaluate_collection, req)
+    assert not failure.value.non_retryable and failure.value.type == "RuntimeError"
+    [saved] = failure.value.details[0]["checkpoints"]
+    assert [o["question"] for o in blobs.get_json(saved)] == ["What expired? (0)"]
