@@ -92,6 +92,7 @@ class VectorIndex:
         self._known: set[str] = set()
         self._layouts: dict[str, bool] = {}
         self._shared: dict[tuple[str, str], bool] = {}  # (collection, tenant): another tenant has passages there
+        self._pending: dict[tuple[str, str], bool] = {}  # (collection, tenant): some of its chunks are pending
 
     def _ensure_collection(self, collection: str) -> str:
         name = qdrant_collection(collection)
@@ -117,17 +118,23 @@ class VectorIndex:
         self._known.add(name)
         return name
 
-    def _shared_with_others(self, name: str, tenant: str) -> bool:
-        """Another tenant has passages in the collection, so a term's rarity must be counted over this tenant's
-        own. Embedded, that count is a pass in Python over every passage of the tenant (a third more time
-        for a search of 5,000 passages), and this process is the only writer: asked once, then kept (a
-        write of another tenant's makes it true). A server counts it in its index: always asked."""
+    def _own_rarity_needed(self, name: str, tenant: str) -> bool:
+        """Another tenant has passages in the collection, or this tenant has chunks still pending: a term's
+        rarity must then be counted over the tenant's own searchable passages. Embedded, that count is a pass
+        in Python over every passage of the tenant (a fifth more time for a search of 5,000 passages), so it
+        is done only then; this process is the only writer, so both facts are asked once and kept (a write of
+        another tenant's, or a pending write, makes them true; a publish or a removal asks again). A server
+        counts it in its index: always."""
         if not self.embedded:
             return True
-        if (name, tenant) not in self._shared:
+        key = (name, tenant)
+        if key not in self._shared:
             others = models.Filter(must_not=[_tenant(tenant)])
-            self._shared[(name, tenant)] = self.client.count(name, count_filter=others, exact=True).count > 0
-        return self._shared[(name, tenant)]
+            self._shared[key] = self.client.count(name, count_filter=others, exact=True).count > 0
+        if key not in self._pending:
+            pending = models.Filter(must=[_tenant(tenant), _PENDING])
+            self._pending[key] = self.client.count(name, count_filter=pending, exact=True).count > 0
+        return self._shared[key] or self._pending[key]
 
     def _hybrid(self, name: str) -> bool:
         """Collections made before hybrid retrieval have one unnamed dense vector: searched dense-only
@@ -164,6 +171,8 @@ class VectorIndex:
                     self._shared[(collection_, tenant_)] = True
             self.client.upsert(name, wait=True, points=[
                 self._point(name, tenant, p, pending=i not in found, written_at=now) for p, i in zip(points, ids)])
+            if len(found) < len(ids):
+                self._pending[(name, tenant)] = True
         return len(points)
 
     def publish(self, tenant: str, collection: str, document_id: str, chunks: int) -> None:
@@ -179,6 +188,7 @@ class VectorIndex:
                 self.client.delete_payload(name, keys=[PENDING], wait=True, points=models.FilterSelector(
                     filter=models.Filter(must=[*mine, _PENDING])))
             finally:  # a delete that went through changed what searches find, even if the next call failed
+                self._pending.pop((name, tenant), None)
                 self._bump(tenant, collection)
 
     # -- the collection's version (per tenant) -----------------------------------------------------
@@ -223,6 +233,7 @@ class VectorIndex:
                       models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)),
                       models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))],
                 must_not=later)))
+            self._pending.pop((name, tenant), None)
             self._bump(tenant, collection)
 
     def remove_pending(self, tenant: str, collection: str, document_id: str) -> None:
@@ -232,6 +243,7 @@ class VectorIndex:
             self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
                 must=[_tenant(tenant), _PENDING,
                       models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))])))
+            self._pending.pop((name, tenant), None)
 
     def count(self, tenant: str, collection: str, document_id: str | None = None, *, searchable: bool = False) -> int:
         """The tenant's chunks in a collection (of one document): all of them, or only the ones searches find."""
@@ -276,7 +288,7 @@ class VectorIndex:
                 # IDF over the tenant's own searchable passages: another tenant's uploads (or chunks still
                 # pending) would change which of this tenant's passages a term ranks first.
                 own_idf = models.SearchParams(idf=models.IdfCorpusParams(corpus=found)) \
-                    if self._shared_with_others(name, tenant) else None
+                    if self._own_rarity_needed(name, tenant) else None
                 requests.append(models.QueryRequest(query=models.SparseVector(indices=ids, values=values),
                                                     using=LEXICAL, limit=CANDIDATES, with_payload=True,
                                                     with_vector=[DENSE], filter=found, params=own_idf))

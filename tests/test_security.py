@@ -959,7 +959,8 @@ def test_the_audit_log_goes_where_ragline_audit_log_says(tmp_path, capsys):
 def test_one_tenants_uploads_do_not_change_how_anothers_passages_score_for_a_term():
     """The lexical half of retrieval weighs a term by how rare it is (BM25's IDF). Counted over the whole
     collection, another tenant's uploads changed which of this tenant's passages ranked first for it (and so
-    told a little of what others store); counted over the tenant's own searchable passages, they do not."""
+    told a little of what others store), and so did chunks still pending; counted over the tenant's own
+    searchable passages, they do not."""
     from qdrant_client import QdrantClient
 
     from ragline.vectorstore import LEXICAL, ChunkPoint, VectorIndex
@@ -988,9 +989,15 @@ def test_one_tenants_uploads_do_not_change_how_anothers_passages_score_for_a_ter
 
     upload("acme", "a" * 32, ["the copper kettle whistles", "the brass valve leaks", "the brass pipe bends"])
     alone = lexical_scores()
-    upload("globex", "b" * 32, [f"copper wire number {i}" for i in range(60)])
-    upload("acme", "c" * 32, [f"brass screw {i}" for i in range(30)], publish=False)  # pending: not yet found
+    # The tenant's own chunks still being indexed are found by nothing yet: they count for nothing either.
+    upload("acme", "c" * 32, [f"brass screw {i}" for i in range(30)], publish=False)
     assert lexical_scores() == alone
+    index.remove_pending("acme", "c", "c" * 32)
+    upload("globex", "b" * 32, [f"copper wire number {i}" for i in range(60)])
+    upload("acme", "d" * 32, [f"brass screw {i}" for i in range(30)], publish=False)
+    assert lexical_scores() == alone
+    index.publish("acme", "c", "d" * 32, 30)  # once found, they count
+    assert lexical_scores() != alone
 
 
 def test_an_action_that_fails_after_reaching_temporal_is_audited_as_unknown_not_refused(tmp_path):
