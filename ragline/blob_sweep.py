@@ -192,8 +192,10 @@ def _delete_unmarked(store: BlobStore, refs: set[str], since: float, report: Swe
     dry_run = report.dry_run
     for ref, stat in list(store.quarantined()):
         needed = ref in refs or stat.st_mtime >= since
-        size = stat.st_size if dry_run and not needed else \
-            None if dry_run else store.settle(ref, needed=ref in refs, since=since)
+        if dry_run:
+            size = None if needed else stat.st_size
+        else:
+            size = store.settle(ref, needed=ref in refs, since=since)
         if size is None:
             report.restored += needed
         else:

@@ -29,7 +29,10 @@ def _resume(req: EvaluationInput, error: ActivityError) -> EvaluationInput:
     """An operator's retry goes on from the outcomes the last round saved: its failure carries them (a
     model error) or its last heartbeat did (a timeout)."""
     cause = error.cause
-    carried = getattr(cause, "details", None) if isinstance(cause, ApplicationError) else \
-        getattr(cause, "last_heartbeat_details", None) if isinstance(cause, TimeoutError) else None
+    carried = None
+    if isinstance(cause, ApplicationError):
+        carried = cause.details
+    elif isinstance(cause, TimeoutError):
+        carried = cause.last_heartbeat_details
     saved = carried[0].get("checkpoints") if carried and isinstance(carried[0], dict) else None
     return req.model_copy(update={"checkpoints": list(saved)}) if saved else req
