@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import random
 import shutil
 import socket
@@ -64,11 +65,22 @@ def free_server_port(span: int = 12) -> int:
     back on the same ports after a restart: an ephemeral port could be taken meanwhile by an outgoing
     connection. (The dev server puts its HTTP API on p+10 and metrics on p+11.)"""
     rng = random.Random()
+    low, high = _server_port_range()
     for _ in range(500):
-        base = rng.randrange(20000, 32000 - span)
+        base = rng.randrange(low, high - span)
         if all(_bindable(base + i) for i in (0, 10, 11) if i < span) and _bindable(base + span - 1):
             return base
     raise RuntimeError("no free port block found below the ephemeral range")
+
+
+def _server_port_range() -> tuple[int, int]:
+    """Each pytest-xdist process (PYTEST_XDIST_WORKER gw0, gw1, ...) picks in a slice of its own, so two
+    processes never choose the same block between checking it and binding it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = (32000 - 20000) // max(count, 1)
+    low = 20000 + int(worker.removeprefix("gw")) * size
+    return low, low + size
 
 
 def _bindable(port: int) -> bool:
