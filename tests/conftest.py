@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -111,6 +112,9 @@ def worker_metrics_url() -> str:
 
 
 TEMPORAL_METRICS_PORT = free_server_port()
+# The SDK gives a server it starts 5 s to answer: too little for two test processes starting theirs at
+# once on 2 busy cores.
+SERVER_STARTUP = timedelta(seconds=60)
 # Every stack of the test session is one deployment's worth of processes on one namespace, and tenant
 # `acme` lists the jobs of all of them: like the API and the workers of a deployment, they share one
 # set of payload keys (a test that needs keys of its own sets codec_keys_file).
@@ -192,7 +196,7 @@ class Stack:
 @pytest_asyncio.fixture(scope="session")
 async def temporal_env():
     env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(),
+        dev_server_existing_path=temporal_binary(), dev_server_startup_timeout=SERVER_STARTUP,
         search_attributes=list(sa.ALL),
         dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=off",
                                "--metrics-port", str(TEMPORAL_METRICS_PORT), *dynamic_config_flags()],

@@ -15,7 +15,7 @@ from models.chat import ChatQuestion, TurnContext, TurnInput
 from ragline.settings import Settings
 from ragline.vectorstore import ChunkPoint, open_index
 from temporal.converter import build_data_converter
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, SERVER_STARTUP
 from tests.helpers import time_skipping_server_binary
 from worker import build_worker
 from workflows.agent import AgentWorkflow
@@ -35,7 +35,8 @@ async def time_skipping_worker(llm, tmp_path, **overrides):
                         relevance_threshold=0.0, answer_cache_size=0, worker_metrics_port=0, **overrides)
     # The environment's own client is the one that lets the server skip time while we wait.
     env = await WorkflowEnvironment.start_time_skipping(
-        test_server_existing_path=binary, data_converter=build_data_converter(settings))
+        test_server_existing_path=binary, data_converter=build_data_converter(settings),
+        test_server_startup_timeout=SERVER_STARTUP)
     index = open_index(settings)
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as executor:

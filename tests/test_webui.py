@@ -30,7 +30,7 @@ from temporalio.testing import WorkflowEnvironment
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from devtools.devserver import temporal_binary
-from tests.conftest import running_stack
+from tests.conftest import SERVER_STARTUP, running_stack
 from tests.helpers import delegate_until, waiting_reviews
 
 WEBUI_DIR = Path(__file__).parent / "webui"
@@ -100,6 +100,7 @@ async def test_agent_review_approved_from_the_web_ui(scripted_llm, tmp_path: Pat
     codec_endpoint = f"http://127.0.0.1:{api_port}/codec/k/{ui_key}"
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(), ui=True, ui_port=ui_port, search_attributes=list(sa.ALL),
+        dev_server_startup_timeout=SERVER_STARTUP,
         dev_server_extra_args=["--ui-disable-news-fetch", "--ui-codec-endpoint", codec_endpoint])
     ui = f"http://127.0.0.1:{ui_port}"
     keep = bool(os.environ.get("RAGLINE_SCREENSHOTS"))

@@ -48,6 +48,7 @@ from ragline.settings import Settings
 from temporal import policies, queues
 from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
+from tests.conftest import SERVER_STARTUP
 from tests.helpers import SlowSignals, WaitsForSlot, eventually, time_skipping_server_binary
 from workflows.agent import AgentWorkflow
 from workflows.blob_sweep import BlobSweepWorkflow
@@ -309,7 +310,8 @@ def finish(answer: str, tokens: int = 15) -> PlanOutput:
 async def _time_skipping_env(tmp_path_factory) -> WorkflowEnvironment:
     converter = build_data_converter(Settings(data_dir=tmp_path_factory.mktemp("workflow-data")))
     return await WorkflowEnvironment.start_time_skipping(test_server_existing_path=time_skipping_server_binary(),
-                                                         data_converter=converter)
+                                                         data_converter=converter,
+                                                         test_server_startup_timeout=SERVER_STARTUP)
 
 
 @pytest_asyncio.fixture(scope="module")
