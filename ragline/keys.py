@@ -10,10 +10,11 @@
                                    # payloads; a codec key may use that endpoint and nothing else)
     requests_per_minute = 120      # optional; RAGLINE_RATE_LIMIT_PER_MINUTE otherwise
 
-    [tenants.acme]                 # optional per-tenant limits, each below the server's own
-    max_running_jobs = 4           # RAGLINE_TENANT_MAX_RUNNING_JOBS
-    max_upload_mb = 10             # RAGLINE_MAX_UPLOAD_MB, per file; bounds an upload's body too
-    max_pages = 100                # RAGLINE_MAX_PAGES
+    [tenants.acme]                 # optional per-tenant limits
+    max_running_jobs = 4           # RAGLINE_TENANT_MAX_RUNNING_JOBS (overrides it)
+    max_documents = 5000           # RAGLINE_TENANT_MAX_DOCUMENTS (overrides it): documents held at once
+    max_upload_mb = 10             # RAGLINE_MAX_UPLOAD_MB (at most it), per file; bounds an upload's body too
+    max_pages = 100                # RAGLINE_MAX_PAGES (at most it)
     fairness_weight = 3            # this tenant's share of busy task queues against the others' (default 1)
 
 `python -m ragline.keys create --tenant acme --role reviewer [--name ci] [--rpm 120]` adds a key and
@@ -56,6 +57,8 @@ class TenantLimits(BaseModel):
     max_running_jobs: int | None = Field(None, ge=1)
     max_upload_mb: float | None = Field(None, gt=0)
     max_pages: int | None = Field(None, ge=1)
+    # Documents it may hold at once, over all its collections (RAGLINE_TENANT_MAX_DOCUMENTS otherwise).
+    max_documents: int | None = Field(None, ge=1)
     # How many of a busy queue's tasks go to this tenant for each one of a tenant with weight 1.
     fairness_weight: float | None = Field(None, gt=0, le=1000)
 
