@@ -461,6 +461,10 @@ async def test_limits_above_the_ceiling_are_refused(stack):
     assert r.status_code == 422 and "max_depth" in r.json()["error"]["message"]
     r = await stack.http.post("/v1/agents", json={"goal": "x", "budget": {"max_llm_calls": 10**6}})
     assert r.status_code == 422
+    # Past what a float holds: still the ceiling's 422, with the number as sent.
+    r = await stack.http.post("/v1/agents", json={"goal": "x", "budget": {"max_tokens": 10**400}})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "over_ceiling"), r.text
+    assert f"budget.max_tokens {10**400} >" in r.json()["error"]["message"]
 
 
 async def test_chat_with_require_review_releases_the_answer_only_after_approval(stack):

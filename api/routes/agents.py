@@ -49,6 +49,11 @@ class AgentRequest(BaseModel):
     budget: BudgetRequest = BudgetRequest()
 
 
+def _shown(number: float) -> str:
+    # An int of any size as it was sent: ":g" would make it a float, which overflows past ~1e308.
+    return f"{number:g}" if isinstance(number, float) else str(number)
+
+
 @router.post("/v1/agents", status_code=202, summary="Start an agent; answers at once with a job",
              response_description=ACCEPTED,
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, over_ceiling, "
@@ -61,7 +66,7 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
                 "budget.max_llm_calls": (req.budget.max_llm_calls, settings.agent_max_llm_calls),
                 "budget.max_tokens": (req.budget.max_tokens, settings.agent_max_tokens),
                 "budget.max_seconds": (req.budget.max_seconds, settings.agent_max_seconds)}
-    over = [f"{name} {value:g} > {limit:g}" for name, (value, limit) in ceilings.items() if value > limit]
+    over = [f"{name} {_shown(value)} > {_shown(limit)}" for name, (value, limit) in ceilings.items() if value > limit]
     if over:
         raise ApiError(422, "over_ceiling", "above the server's ceiling: " + "; ".join(over), limits={
             name: limit for name, (_, limit) in ceilings.items()})
