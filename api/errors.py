@@ -124,8 +124,26 @@ def install(app: FastAPI) -> None:
             "again, with the same Idempotency-Key to be sure it runs once"), status_code=503)
 
     @app.exception_handler(RPCError)
-    async def _rpc(_: Request, exc: RPCError) -> JSONResponse:
-        if exc.status in (RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+    async def _rpc(request: Request, exc: RPCError) -> JSONResponse:
+        if exc.status == RPCStatusCode.UNAVAILABLE:
             err = temporal_unavailable(exc)
             return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503)
+        if exc.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
+            return JSONResponse(_timed_out(request, exc), status_code=504)
         return JSONResponse(_body("temporal_error", str(exc)), status_code=502)
+
+
+def _timed_out(request: Request, exc: RPCError) -> dict:
+    """Temporal had the request but did not answer in time: a read can simply be sent again, but what it
+    was to record may have been recorded all the same. "Not reachable, nothing recorded" (503) would have
+    the caller send it again and, without an Idempotency-Key, run the work twice."""
+    if request.method in ("GET", "HEAD") or getattr(request.state, "only_reads", False):
+        return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time; try again shortly",
+                     reason=str(exc))
+    job = getattr(request.state, "starting", None) or {}
+    if not job:
+        return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time: the request may "
+                     "have taken effect all the same; look at the job before sending it again", reason=str(exc))
+    return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time: the request may "
+                 f"have been recorded all the same; look at {job['status_url']} before sending it again (404: it "
+                 "was not). Sent again with the same Idempotency-Key, it is recorded once", reason=str(exc), **job)

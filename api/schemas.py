@@ -69,7 +69,9 @@ def error_responses(codes: dict[int, str], *, auth: bool = True) -> dict[int | s
     documented["default"] = {"model": ErrorBody,
                              "description": "unexpected error: internal_error (500); payload_unreadable (500: the "
                                             "job's data is encrypted with a key this API does not hold); "
-                                            "temporal_error (502)"}
+                                            "temporal_error (502); temporal_timeout (504: Temporal did not answer "
+                                            "in time, so a request that starts a job may have been recorded: its "
+                                            "job_id and status_url say where to look before sending it again)"}
     return documented
 
 
@@ -93,6 +95,19 @@ class Accepted(BaseModel):
         status_path, events_path = _job_paths(request.app)
         return cls(job_id=job_id, status_url=base + status_path.replace(_JOB_ID, job_id),
                    events_url=base + events_path.replace(_JOB_ID, job_id), **fields)
+
+
+def starting(request: Request, job_id: str) -> None:
+    """Names the job this request is about to start: should Temporal not confirm it in time, the answer
+    (504 `temporal_timeout`, api/errors.py) points to where the job would be, to look before sending again."""
+    status_url = str(request.base_url).rstrip("/") + _job_paths(request.app)[0].replace(_JOB_ID, job_id)
+    request.state.starting = {"job_id": job_id, "status_url": status_url}
+
+
+def only_reads(request: Request) -> None:
+    """Marks a POST that records nothing lasting (a search): should Temporal not answer in time, it may
+    simply be sent again."""
+    request.state.only_reads = True
 
 
 _JOB_ID = "{job_id}"

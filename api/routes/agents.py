@@ -19,6 +19,7 @@ from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, decision_id, key_digest, request_digest, start_once
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AgentAccepted, ReviewItem, ReviewList, ReviewResult, error_responses,
+    starting,
 )
 from api.validators import JOB_ID, review_timeout_seconds, validate_collection
 from models.agent import AgentInput, Budget
@@ -72,6 +73,7 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
             name: limit for name, (_, limit) in ceilings.items()})
     name = key_digest(idempotency_key) if idempotency_key is not None else uuid.uuid4().hex[:16]
     job_id = workflow_id(caller.tenant, f"agent-{name}")
+    starting(request, job_id)
     duplicate = await start_once(
         client, AgentWorkflow.run,
         AgentInput(tenant=caller.tenant, goal=req.goal, collection=req.collection, max_depth=req.max_depth,

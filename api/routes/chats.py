@@ -24,7 +24,7 @@ from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, ensure_same_request, recorded_request, request_digest
 from api.job_views import RecentlyAccepted
 from api.schemas import (
-    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses,
+    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses, starting,
 )
 from api.validators import SESSION_ID, review_timeout_seconds, validate_collection, validate_session_id
 from models.chat import (
@@ -62,6 +62,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
         session_id = keyed_session_id(idempotency_key) if idempotency_key is not None else uuid.uuid4().hex
     # Scoped per tenant: two tenants may use the same session id and the same Idempotency-Key.
     job_id = workflow_id(caller.tenant, turn_job_id(session_id, idempotency_key or uuid.uuid4().hex))
+    starting(request, job_id)
     digest = request_digest("chat", req.model_dump(exclude={"session_id"})) if idempotency_key is not None else None
     # A keyed request is recorded once: the same key sent again while the first is on its way waits here.
     async with accepted.claimed(job_id) if idempotency_key is not None else contextlib.nullcontext():

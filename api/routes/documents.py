@@ -23,7 +23,7 @@ from api.errors import ApiError
 from api.limits import SMALL_BODY_BYTES, Cap
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentRemovalAccepted,
-    DocumentsAccepted, DocumentStatus, DocumentView, JobError, error_responses,
+    DocumentsAccepted, DocumentStatus, DocumentView, JobError, error_responses, starting,
 )
 from api.validators import COLLECTION_PATTERN, CursorDep, display_name, validate_collection
 from models.ingest import (
@@ -160,6 +160,7 @@ async def upload_documents(
     if quota is not None:
         await _refuse_documents_over_quota(client, caller.tenant, list(documents), quota, timeout)
     job_id = ingest_job_id(caller.tenant, collection, list(documents))
+    starting(request, job_id)
     duplicate = await _already_done_or_running(client, job_id, caller.tenant, list(documents), timeout)
     if not duplicate:
         await client.start_workflow(
@@ -331,6 +332,7 @@ async def _start_removal(request: Request, client: Client, caller: Caller, setti
                        f"({job_views.job_status(desc)}): cancel it (POST /v1/jobs/{ingestion}/cancel), discard it "
                        "if it waits for an operator, or wait for it to end", job_id=ingestion)
     job_id = removal_workflow_id(caller.tenant, document_id)
+    starting(request, job_id)
     try:
         await client.start_workflow(
             RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=caller.tenant, document_id=document_id,

@@ -16,7 +16,7 @@ from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, key_digest, request_digest, start_once
 from api.schemas import (
-    INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses,
+    INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses, starting,
 )
 from api.validators import JOB_ID, validate_collection
 from models.evaluation import EvaluationInput, EvaluationOutput
@@ -57,6 +57,7 @@ async def create_evaluation(request: Request, client: ClientDep, caller: CallerD
     # A keyed job is named by its key alone: the key sent again for another collection is another request.
     name = f"k{key_digest(idempotency_key)}" if idempotency_key is not None else f"{collection}-{uuid.uuid4().hex[:12]}"
     job_id = workflow_id(caller.tenant, f"evaluation-{name}")
+    starting(request, job_id)
     duplicate = await start_once(
         client, EvaluationWorkflow.run, EvaluationInput(tenant=caller.tenant, collection=collection, questions_ref=ref,
                                                         questions=len(questions), k=k, answers=answers),
