@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 from urllib.parse import quote
@@ -41,6 +41,7 @@ PROGRESS_QUERY_TIMEOUT = timedelta(seconds=2)
 SESSION_WATCH = timedelta(seconds=10)
 
 Ack = TypeVar("Ack", bound=BaseModel)
+T = TypeVar("T")
 
 
 class RecentlyAccepted:
@@ -153,6 +154,21 @@ async def list_page(client: Client, cursors: CursorSigner, query: str, limit: in
         raise
     token = pages.next_page_token
     return _latest_runs(pages.current_page or []), cursors.encode(query, token) if token else None
+
+
+# Reads a listing makes per job (a result, a failure, a query a worker answers), at most this many at once:
+# a session of 1,000 turns must not send Temporal and the workers 1,000 requests in the same instant.
+READS_AT_ONCE = 16
+
+
+async def gather_reads(reads: Iterable[Awaitable[T]]) -> list[T]:
+    """`asyncio.gather` of per-job reads, READS_AT_ONCE at a time, results in order."""
+    at_once = asyncio.Semaphore(READS_AT_ONCE)
+
+    async def read(one: Awaitable[T]) -> T:
+        async with at_once:
+            return await one
+    return list(await asyncio.gather(*(read(r) for r in reads)))
 
 
 async def list_jobs(client: Client, query: str, limit: int, rpc_timeout: timedelta) -> list[WorkflowExecution]:

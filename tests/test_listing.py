@@ -103,3 +103,32 @@ async def test_a_forged_cursor_is_refused_at_once_and_never_reaches_temporal(sta
         r = await stack.http.get(path, params={**params, "limit": 1, "cursor": _forged(query)})
         assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_cursor"), r.text
     assert asked == []
+
+
+async def test_a_sessions_turns_are_read_a_few_at_a_time_and_shown_in_order(stack, monkeypatch):
+    """GET /v1/chats/{id} reads each turn (its result, or a worker's answer): a long session must not send
+    Temporal one request per turn in the same instant."""
+    from api.routes import chats
+
+    session = f"reads-{uuid.uuid4().hex[:6]}"
+    jobs = [(await stack.chat(f"Question {n}?", session_id=session, collection=f"empty-{session}"))["job_id"]
+            for n in range(5)]
+    for job_id in jobs:
+        assert (await stack.wait_done(job_id))["status"] == "completed"
+    monkeypatch.setattr(job_views, "READS_AT_ONCE", 2)
+    in_flight, peak = 0, 0
+    read_turn = chats._turn_view
+
+    async def counted(*args):  # noqa: ANN002, ANN202
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await read_turn(*args)
+        finally:
+            in_flight -= 1
+    monkeypatch.setattr(chats, "_turn_view", counted)
+    r = await stack.http.get(f"/v1/chats/{session}")
+    assert r.status_code == 200, r.text
+    assert [(t["turn"], t["job_id"]) for t in r.json()["turns"]] == list(enumerate(jobs, start=1))
+    assert peak == 2

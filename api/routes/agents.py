@@ -117,7 +117,7 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
         # A held answer is for reviewers' eyes: a member sees that it waits, not what it says.
         return item if caller.is_reviewer else item.model_copy(update=item.as_a_member_sees())
 
-    reviews = [i for i in await asyncio.gather(*(item(e) for e in executions)) if i]
+    reviews = [i for i in await job_views.gather_reads(item(e) for e in executions) if i]
     return ReviewList(reviews=reviews, unreadable=sorted(unreadable))
 
 

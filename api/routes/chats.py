@@ -7,7 +7,6 @@ whose history keeps the turns in the order they were accepted.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -112,7 +111,7 @@ async def get_chat(session_id: SESSION_ID, client: ClientDep, caller: CallerDep,
         raise ApiError(404, "session_not_found", f"no chat session {session_id!r}")
     query = job_views.list_query(caller.tenant, kind="chat", extra={sa.SESSION.name: session_id})
     executions = await job_views.list_jobs(client, query, 1000, timeout)
-    turns = await asyncio.gather(*(_turn_view(client, e, timeout) for e in executions))
+    turns = await job_views.gather_reads(_turn_view(client, e, timeout) for e in executions)
     return SessionView(session_id=session_id, turns=sorted(turns, key=lambda t: (t.turn or 0, t.created_at)))
 
 

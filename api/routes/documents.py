@@ -227,7 +227,7 @@ async def _documents_of_waiting_uploads(client: Client, tenant: str, timeout: ti
     """The documents named by the tenant's running uploads (their memo): those whose ingestion has not
     started yet are held too."""
     running = job_views.list_query(tenant, kind="ingest") + " AND ExecutionStatus = 'Running'"
-    memos = await asyncio.gather(*(e.memo() for e in await job_views.list_jobs(client, running, 1000, timeout)))
+    memos = await job_views.gather_reads(e.memo() for e in await job_views.list_jobs(client, running, 1000, timeout))
     return {d for memo in memos for d in memo.get(DOCUMENTS_MEMO, [])}
 
 
@@ -379,7 +379,7 @@ async def list_documents(client: ClientDep, cursors: CursorsDep, caller: CallerD
                 view.status = "removing"  # listed until its removal has deleted its job
     # Why a document failed, or waits for an operator (dead-lettered), without opening its job.
     stuck = [(view, e) for view, e in zip(views, executions) if view.status in ("failed", "dead_lettered")]
-    reasons = await asyncio.gather(*(_reason(client, view, e, timeout) for view, e in stuck))
+    reasons = await job_views.gather_reads(_reason(client, view, e, timeout) for view, e in stuck)
     for (view, _), reason in zip(stuck, reasons):
         view.error = reason.message if reason else None
     return DocumentList(documents=views, next_cursor=next_cursor)
