@@ -81,7 +81,8 @@ class IngestActivities:
                 "page": c["page"], "chunk": c["i"], "text": c["text"]})
             for c, v in zip(chunks, vectors)
         ]
-        return IndexOutput(points=self.index.upsert(req.tenant, req.collection, points), attempt=_attempt())
+        return IndexOutput(points=self.index.upsert(req.tenant, req.collection, points,
+                                                    max_documents=req.max_documents), attempt=_attempt())
 
     @activity.defn
     @translate_errors

@@ -119,9 +119,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(WorkflowUpdateRPCTimeoutOrCancelledError)
     async def _update_timeout(_: Request, exc: WorkflowUpdateRPCTimeoutOrCancelledError) -> JSONResponse:
         return JSONResponse(_body(
-            "temporal_unavailable",
-            "the workflow service did not confirm the request in time (Temporal down or no worker); send it "
-            "again, with the same Idempotency-Key to be sure it runs once"), status_code=503)
+            "temporal_timeout",
+            "the workflow service did not confirm the request in time (Temporal slow, or no worker); send it "
+            "again, with the same Idempotency-Key to be sure it runs once"), status_code=504)
 
     @app.exception_handler(RPCError)
     async def _rpc(request: Request, exc: RPCError) -> JSONResponse:
@@ -134,16 +134,15 @@ def install(app: FastAPI) -> None:
 
 
 def _timed_out(request: Request, exc: RPCError) -> dict:
-    """Temporal had the request but did not answer in time: a read can simply be sent again, but what it
-    was to record may have been recorded all the same. "Not reachable, nothing recorded" (503) would have
-    the caller send it again and, without an Idempotency-Key, run the work twice."""
-    if request.method in ("GET", "HEAD") or getattr(request.state, "only_reads", False):
+    """Temporal had the request but did not answer in time. A read (or a signal: a cancel, a decision, which
+    Ragline takes once) can simply be sent again, but a job's start may have been recorded all the same:
+    "not reachable, nothing recorded" (503) would have the caller send it again and, without an
+    Idempotency-Key, run the work twice."""
+    job = getattr(request.state, "starting", None)
+    if job is None or getattr(request.state, "only_reads", False):
         return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time; try again shortly",
                      reason=str(exc))
-    job = getattr(request.state, "starting", None) or {}
-    if not job:
-        return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time: the request may "
-                     "have taken effect all the same; look at the job before sending it again", reason=str(exc))
     return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time: the request may "
-                 f"have been recorded all the same; look at {job['status_url']} before sending it again (404: it "
-                 "was not). Sent again with the same Idempotency-Key, it is recorded once", reason=str(exc), **job)
+                 f"have been recorded all the same; look at {job['status_url']} before sending it again (if it "
+                 "still answers 404 some seconds later, it was not). Sent again with the same Idempotency-Key, it "
+                 "is recorded once", reason=str(exc), **job)

@@ -28,6 +28,8 @@ class DocumentInput(BaseModel):
     metrics_collection_label: bool = False
     # The tenant's page ceiling (RAGLINE_MAX_PAGES unless its keys-file entry says less).
     max_pages: int | None = None
+    # The documents the tenant may hold ([tenants.<name>] max_documents, else RAGLINE_TENANT_MAX_DOCUMENTS).
+    max_documents: int | None = None
 
 
 CANCELLED = "cancelled"  # a document outcome's error when its job was cancelled (not its input's fault)
@@ -143,6 +145,7 @@ class IndexInput(BaseModel):
     vectors_ref: str
     start: int
     end: int
+    max_documents: int | None = None  # DocumentInput's: a new document past it is refused
 
 
 class IndexOutput(StepResult):

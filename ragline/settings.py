@@ -212,8 +212,8 @@ class Settings(BaseSettings):
     # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued
     # (workflows/slot.py). `[tenants.<name>] max_running_jobs` in the keys file overrides it.
     tenant_max_running_jobs: int = Field(8, ge=1)
-    # Documents one tenant may hold at once (indexed, or on their way to it), over all its collections: an
-    # upload past it is refused (403 document_quota_exceeded). Unset: no cap. `[tenants.<name>] max_documents`
+    # Documents one tenant may hold at once in the vector store, over all its collections: a new document
+    # past it fails with the reason (ragline/vectorstore.py). Unset: no cap. `[tenants.<name>] max_documents`
     # in the keys file overrides it.
     tenant_max_documents: int | None = Field(None, ge=1)
     # Where the API appends its audit entries (ragline/audit.py), one JSON object per line: a file, or

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from qdrant_client import QdrantClient, models
 
 from ragline import lexical
-from ragline.errors import StoreUnavailableError
+from ragline.errors import InputError, StoreUnavailableError
 from ragline.settings import Settings
 
 _POINT_NAMESPACE = uuid.UUID("5b0f8a52-58f4-4e0e-9a0a-6d2a4c1f7e11")
@@ -37,8 +37,11 @@ def point_id(document_id: str, chunk_index: int) -> str:
     return str(uuid.uuid5(_POINT_NAMESPACE, f"{document_id}:{chunk_index}"))
 
 
+COLLECTION_PREFIX = "ragline_"
+
+
 def qdrant_collection(collection: str) -> str:
-    return f"ragline_{collection}"
+    return f"{COLLECTION_PREFIX}{collection}"
 
 
 DENSE = "dense"
@@ -93,6 +96,10 @@ class VectorIndex:
         self._layouts: dict[str, bool] = {}
         self._shared: dict[tuple[str, str], bool] = {}  # (collection, tenant): another tenant has passages there
         self._pending: dict[tuple[str, str], bool] = {}  # (collection, tenant): some of its chunks are pending
+        # A tenant's quota check and the write it allows are one step per process (on a server too). The
+        # documents it let in that have no first chunk yet (a later batch came first) still count.
+        self._quota_lock = threading.Lock()
+        self._admitted: dict[str, set[tuple[str, str]]] = {}  # tenant -> {(qdrant collection, document id)}
 
     def _ensure_collection(self, collection: str) -> str:
         name = qdrant_collection(collection)
@@ -156,10 +163,56 @@ class VectorIndex:
         return models.PointStruct(id=point_id(p.document_id, p.chunk_index), payload=payload, vector={
             DENSE: p.vector, LEXICAL: models.SparseVector(indices=ids, values=values)})
 
-    def upsert(self, tenant: str, collection: str, points: list[ChunkPoint]) -> int:
+    def upsert(self, tenant: str, collection: str, points: list[ChunkPoint], *,
+               max_documents: int | None = None) -> int:
         """Writes chunks pending: no search finds them before `publish` (so no cached answer is stale). A
         chunk already published stays found: the same document indexed again (the same bytes, once its
-        ingestion job has passed the retention) is not hidden while it is."""
+        ingestion job has passed the retention) is not hidden while it is. With `max_documents`, the first
+        chunks of a document the tenant does not hold yet are refused (InputError) once it holds that many."""
+        if max_documents is None or not points:
+            return self._upsert(tenant, collection, points)
+        with self._quota_lock:
+            self._admit(tenant, collection, points[0].document_id, max_documents)
+            return self._upsert(tenant, collection, points)
+
+    def _admit(self, tenant: str, collection: str, document_id: str, max_documents: int) -> None:
+        with self._lock:
+            name = self._ensure_collection(collection)
+            if self._holds(name, tenant, document_id):
+                return
+            held = self.documents_held(tenant)
+            if held >= max_documents:
+                raise InputError(f"over the tenant's document quota: it holds {held} documents (max_documents = "
+                                 f"{max_documents}); remove some (DELETE /v1/documents/{{document_id}}) or ask an "
+                                 "operator for a higher max_documents, then upload this file again")
+            self._admitted.setdefault(tenant, set()).add((name, document_id))
+
+    def _holds(self, name: str, tenant: str, document_id: str) -> bool:
+        mine = models.Filter(must=[_tenant(tenant), _document(document_id)])
+        return self.client.count(name, count_filter=mine, exact=True).count > 0
+
+    def documents_held(self, tenant: str) -> int:
+        """The tenant's documents over all its collections (indexed, or on their way: pending chunks)."""
+        with self._lock:
+            first_chunks = models.Filter(must=[_tenant(tenant), models.FieldCondition(
+                key="chunk", match=models.MatchValue(value=0))])
+            held: set[tuple[str, str]] = set()
+            for c in self.client.get_collections().collections:
+                if c.name.startswith(COLLECTION_PREFIX) and c.name != META_COLLECTION:
+                    offset = None
+                    while True:
+                        batch, offset = self.client.scroll(c.name, scroll_filter=first_chunks, limit=1000,
+                                                           offset=offset, with_payload=["document_id"])
+                        held |= {(c.name, (p.payload or {}).get("document_id")) for p in batch}
+                        if offset is None:
+                            break
+            # Let in here with its first chunk not written yet: counted while any chunk of it is there.
+            admitted = self._admitted.setdefault(tenant, set())
+            admitted -= held
+            admitted -= {(name, doc) for name, doc in admitted if not self._holds(name, tenant, doc)}
+            return len(held) + len(admitted)
+
+    def _upsert(self, tenant: str, collection: str, points: list[ChunkPoint]) -> int:
         with self._lock:
             name = self._ensure_collection(collection)
             ids = [point_id(p.document_id, p.chunk_index) for p in points]
@@ -319,6 +372,10 @@ class VectorIndex:
     def close(self) -> None:
         with self._lock:
             self.client.close()
+
+
+def _document(document_id: str) -> models.FieldCondition:
+    return models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))
 
 
 def _tenant(tenant: str) -> models.FieldCondition:

@@ -519,6 +519,48 @@ async def test_a_tenant_upload_limit_from_the_keys_file(stack):
     assert (await stack.wait_done(body["job_id"]))["status"] == "completed"
 
 
+async def test_a_tenant_holds_at_most_its_max_documents_in_the_vector_store(stack):
+    """`max_documents = 2`: of three documents uploaded together, one fails with the reason and leaves
+    nothing to find; the same bytes sent again are not refused; another collection counts too; once a
+    document is removed, the refused one fits."""
+    tenant = f"quota-{uuid.uuid4().hex[:8]}"
+    path = stack.settings.effective_api_keys_file
+    key = api_keys.create(path, tenant, "reviewer", f"{tenant}-reviewer")
+    with path.open("a") as f:
+        f.write(f"\n[tenants.{tenant}]\nmax_documents = 2\n")
+    texts = {name: f"The {name.removesuffix('.txt')} lighthouse keeper lights the lamp at dusk.".encode()
+             for name in ("north.txt", "south.txt", "west.txt")}
+
+    async def upload(http: httpx.AsyncClient, collection: str, *names: str) -> dict:
+        r = await http.post("/v1/documents", data={"collection": collection},
+                            files=[("files", (name, texts.get(name, f"The {name} buoy.".encode()))) for name in names])
+        assert r.status_code == 202, r.text  # accepted: the quota is the store's, checked by the worker
+        return await _wait(http, r.json()["job_id"])
+
+    async with _client(stack, key) as http:
+        job = await upload(http, "quota-a", *texts)
+        assert job["status"] == "completed", job
+        outcomes = {d["filename"]: d for d in job["result"]["documents"]}
+        refused = [name for name, d in outcomes.items() if d["status"] == "failed"]
+        assert len(refused) == 1 and job["result"]["indexed"] == 2, outcomes
+        [name] = refused
+        assert "over the tenant's document quota: it holds 2 documents (max_documents = 2)" in \
+            outcomes[name]["error"], outcomes[name]
+        r = await http.post("/v1/search", json={"query": texts[name].decode(), "collection": "quota-a", "top_k": 5})
+        assert name not in {h["filename"] for h in r.json()["hits"]}, r.text
+        kept = next(n for n in texts if n != name)
+        again = await upload(http, "quota-a", kept)  # held already: its job, or indexed again, never refused
+        assert again["status"] == "completed", again
+        elsewhere = await upload(http, "quota-b", "east.txt")
+        assert elsewhere["status"] == "failed" and "max_documents = 2" in elsewhere["error"]["message"], elsewhere
+        # Removed, a document no longer counts, and the refused one fits.
+        r = await http.delete(f"/v1/documents/{outcomes[kept]['document_id']}")
+        assert r.status_code == 202, r.text
+        assert (await _wait(http, r.json()["job_id"]))["status"] == "completed"
+        retried = await upload(http, "quota-a", name)
+        assert retried["status"] == "completed", retried
+
+
 async def test_a_tenants_upload_limit_bounds_the_body_before_it_is_read(stack):
     """A tenant limited to 1 MB a file may send at most 50 files of 1 MB (and the form around them): a
     longer body is refused from its Content-Length, not read and spooled up to the deployment's limit

@@ -123,7 +123,7 @@ class IngestDocumentWorkflow(JobWorkflow):
                     indexed = await self.call(IngestActivities.index_chunks, IndexInput(
                         tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection,
                         filename=doc.filename, chunks_ref=chunked.chunks_ref, vectors_ref=embedded.vectors_ref,
-                        start=start, end=end), step=INDEX, **index_options)
+                        start=start, end=end, max_documents=doc.max_documents), step=INDEX, **index_options)
                     advance(INDEX, indexed.attempt)
                 except Exception:
                     halted = settle  # set before the gate lets the next batch in

@@ -61,7 +61,6 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
         session_id = keyed_session_id(idempotency_key) if idempotency_key is not None else uuid.uuid4().hex
     # Scoped per tenant: two tenants may use the same session id and the same Idempotency-Key.
     job_id = workflow_id(caller.tenant, turn_job_id(session_id, idempotency_key or uuid.uuid4().hex))
-    starting(request, job_id)
     digest = request_digest("chat", req.model_dump(exclude={"session_id"})) if idempotency_key is not None else None
     # A keyed request is recorded once: the same key sent again while the first is on its way waits here.
     async with accepted.claimed(job_id) if idempotency_key is not None else contextlib.nullcontext():
@@ -75,6 +74,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                              traceparent=tracing.current_traceparent(),
                              fallback=bool(settings.fallback_llm_base_url), request=digest,
                              accepted_at=datetime.now(timezone.utc), fairness_weight=caller.fairness_weight)
+            starting(request, job_id)
             await client.start_workflow(
                 ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
                 id=session_workflow_id(caller.tenant, session_id),

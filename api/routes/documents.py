@@ -45,8 +45,6 @@ router = APIRouter(prefix="/v1/documents", tags=["documents"])
 MAX_FILES_PER_REQUEST = 50
 DOCUMENT_ID_PATTERN = r"^[0-9a-f]{32}$"
 SNIFF_BYTES = 4096
-DOCUMENTS_MEMO = "documents"
-QUOTA_QUERY_IDS = 100  # document ids per visibility query of the quota check
 
 
 def document_id(tenant: str, collection: str, sha256: str) -> str:
@@ -120,8 +118,7 @@ async def _store_upload(upload: UploadFile, name: str, kind: str, blobs: BlobSto
 
 @router.post("", status_code=202, summary="Upload documents; answers at once with an ingestion job",
              response_description=ACCEPTED,
-             responses=error_responses({400: "empty_file", 403: "forbidden, document_quota_exceeded",
-                                        409: "document_being_removed, upload_still_running",
+             responses=error_responses({400: "empty_file", 409: "document_being_removed, upload_still_running",
                                         413: "too_many_files, file_too_large",
                                         415: "unsupported_file_type", 422: f"{INVALID_REQUEST}, invalid_collection",
                                         503: TEMPORAL_DOWN}))
@@ -154,21 +151,17 @@ async def upload_documents(
             tenant=caller.tenant, document_id=doc_id, collection=collection, filename=item["filename"],
             blob_ref=item["ref"], sha256=item["sha256"], size=item["size"], kind=item["kind"],
             password=password or None, max_pages=limits.max_pages,
+            max_documents=limits.max_documents or settings.tenant_max_documents,
             metrics_collection_label=settings.metrics_collection_label))
     await _refuse_documents_being_removed(client, caller.tenant, documents, timeout)
-    quota = limits.max_documents or settings.tenant_max_documents
-    if quota is not None:
-        await _refuse_documents_over_quota(client, caller.tenant, list(documents), quota, timeout)
     job_id = ingest_job_id(caller.tenant, collection, list(documents))
-    starting(request, job_id)
     duplicate = await _already_done_or_running(client, job_id, caller.tenant, list(documents), timeout)
     if not duplicate:
+        starting(request, job_id)
         await client.start_workflow(
             IngestWorkflow.run, IngestInput(tenant=caller.tenant, collection=collection,
                                             documents=list(documents.values())),
             id=job_id, task_queue=settings.task_queue, priority=caller.priority,
-            # Its documents, for the quota check of uploads sent before it has started their ingestions.
-            memo={DOCUMENTS_MEMO: list(documents)},
             # Same files again: a running job is reused; a finished one that failed may run again.
             id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
@@ -201,46 +194,6 @@ async def _refuse_documents_being_removed(client: Client, tenant: str, documents
             raise ApiError(409, "document_being_removed", f"{doc.filename}: the same document is being removed by "
                            f"job {removal}; upload it again once that job has ended", file=doc.filename,
                            job_id=removal)
-
-
-async def _refuse_documents_over_quota(client: Client, tenant: str, document_ids: list[str], quota: int,
-                                       timeout: timedelta) -> None:
-    """403 when the upload's new documents would take the tenant past `quota` documents held. Held: every
-    document with an ingestion running or completed (indexed, or being removed until its removal ends),
-    and every document of an upload accepted but not yet started (waiting for a running slot). Uploads
-    accepted at the same moment are checked against what each saw: together they may pass it once."""
-    waiting = await _documents_of_waiting_uploads(client, tenant, timeout)
-    held_query = job_views.list_query(tenant, kind="ingest_document") + \
-        " AND ExecutionStatus IN ('Running', 'Completed')"
-    count, among = await asyncio.gather(client.count_workflows(held_query, rpc_timeout=timeout),
-                                        _held_among(client, held_query, waiting | set(document_ids), timeout))
-    new = [d for d in dict.fromkeys(document_ids) if d not in among and d not in waiting]
-    holds = count.count + len(waiting - among)
-    if new and holds + len(new) > quota:
-        raise ApiError(403, "document_quota_exceeded",
-                       f"this tenant may hold {quota} documents and holds {holds} (indexed or on their way); "
-                       f"this upload adds {len(new)}. Remove some (DELETE /v1/documents/{{document_id}}) or ask "
-                       "an operator for a higher max_documents", quota=quota, held=holds, new=len(new))
-
-
-async def _documents_of_waiting_uploads(client: Client, tenant: str, timeout: timedelta) -> set[str]:
-    """The documents named by the tenant's running uploads (their memo): those whose ingestion has not
-    started yet are held too."""
-    running = job_views.list_query(tenant, kind="ingest") + " AND ExecutionStatus = 'Running'"
-    memos = await job_views.gather_reads(e.memo() for e in await job_views.list_jobs(client, running, 1000, timeout))
-    return {d for memo in memos for d in memo.get(DOCUMENTS_MEMO, [])}
-
-
-async def _held_among(client: Client, held_query: str, document_ids: set[str], timeout: timedelta) -> set[str]:
-    """Which of `document_ids` the tenant holds (ids are hex, validated: safe in a query)."""
-    ids = sorted(document_ids)
-    found: set[str] = set()
-    for start in range(0, len(ids), QUOTA_QUERY_IDS):
-        listed = ", ".join(f"'{d}'" for d in ids[start:start + QUOTA_QUERY_IDS])
-        query = f"{held_query} AND {sa.DOCUMENT_ID.name} IN ({listed})"
-        found |= {e.typed_search_attributes.get(sa.DOCUMENT_ID)
-                  for e in await job_views.list_jobs(client, query, QUOTA_QUERY_IDS * 2, timeout)}
-    return found
 
 
 async def _ingestion_of(client: Client, ingestion: str, tenant: str, timeout: timedelta):  # noqa: ANN202
