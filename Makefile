@@ -72,12 +72,13 @@ $(REDIS):
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
 
 # Two pytest processes (pytest-xdist), each with its own stacks: most of a test's time is spent waiting
-# on Temporal and on subprocesses, so on 2 cores the suite takes about two thirds as long. A process
-# that runs out of tests takes some of the other's (worksteal): the long kill tests do not end up last.
+# on Temporal and on subprocesses, so on 2 cores the suite takes about two thirds as long. A module's
+# tests stay in one process (loadscope), so a module's own servers (llama.cpp, a time-skipping Temporal)
+# start once, not once per process.
 TEST_WORKERS ?= 2
 
 test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS) $(REDIS)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope
 
 bench: install
 	$(BIN)/python -m bench
