@@ -573,7 +573,17 @@ async def send_update(client: Client, tenant: str, job_id: str, name: str, paylo
             raise ApiError(422, "invalid_review", message) from None
         raise ApiError(409, refused_code, message) from None
     except RPCError as exc:
-        if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):  # it ended in between
-            raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
-        raise
+        if exc.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
+            raise
+        if exc.status == RPCStatusCode.FAILED_PRECONDITION and await _still_running(client, job_id, rpc_timeout):
+            # Temporal takes no Update while the job's workflow task keeps failing (a worker's error).
+            raise ApiError(409, "job_stuck", f"job {job_id} takes no decision now: its workflow task keeps failing "
+                           "(see the worker log, or the job's page in the Temporal Web UI); an operator must fix "
+                           "that first", job_id=job_id, reason=exc.message) from None
+        raise ApiError(409, "job_closed", f"job {job_id} has already ended") from None
     return ack
+
+
+async def _still_running(client: Client, job_id: str, rpc_timeout: timedelta) -> bool:
+    desc = await describe_or_none(client, job_id, rpc_timeout)
+    return desc is not None and desc.status == WorkflowExecutionStatus.RUNNING

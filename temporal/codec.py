@@ -5,9 +5,12 @@ Every payload is encrypted with the *current* key; its id travels in the payload
 readable. Payload data is a 12-byte nonce followed by the ciphertext of the serialized original
 payload; the key id is bound as associated data.
 
-Decoding is strict: a payload that is not marked `binary/encrypted` is refused, so nothing written
-in plain text (by a misconfigured client, or by someone signalling a workflow by hand without the
-codec) is ever accepted as input.
+Decoding is strict: a payload that is not marked `binary/encrypted` is never read as what it says,
+so nothing written in plain text (by a misconfigured client, or by someone signalling a workflow by
+hand without the codec) is ever accepted as input. It is handed on marked `ragline/unencrypted`, an
+encoding no converter reads: the SDK drops a signal carrying it (and logs why), refuses an Update or a
+query, and the job goes on. Raising instead would fail the workflow task, again on every retry: one
+hand-typed signal would wedge the job for good.
 
 Never imported by workflow code (the sandbox refuses to import `cryptography`): the data converter
 (temporal/converter.py) and the API's codec endpoint use it.
@@ -38,6 +41,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 
 ENCODING = b"binary/encrypted"
+UNENCRYPTED = b"ragline/unencrypted"  # what a payload that came in plain is marked: nothing converts it
 KEY_ID = "encryption-key-id"
 NONCE_BYTES = 12
 
@@ -174,8 +178,9 @@ class EncryptionCodec(PayloadCodec):
         out = []
         for p in payloads:
             if p.metadata.get("encoding") != ENCODING:
-                raise CodecError("refusing a payload that is not encrypted (encoding "
-                                 f"{p.metadata.get('encoding', b'').decode(errors='replace')!r})")
+                out.append(Payload(metadata={"encoding": UNENCRYPTED,
+                                             "unencrypted-encoding": p.metadata.get("encoding", b"")}, data=p.data))
+                continue
             key_id = p.metadata.get(KEY_ID, b"").decode()
             cipher = self._ciphers.get(key_id)
             if cipher is None and self._file is not None and self._file.refresh():  # rotated since we read it

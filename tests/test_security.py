@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import subprocess
@@ -17,8 +18,10 @@ from google.protobuf import json_format
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 from temporalio.api.common.v1 import Payload
-from temporalio.client import WorkflowExecutionStatus as Status
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowExecutionStatus as Status
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
 
 from api.app import create_app
@@ -775,8 +778,11 @@ async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
         shown = await http.post("/codec/decode", json={"payloads": [payload]},
                                 headers={"X-API-Key": stack.keys["operator"]})
         assert shown.status_code == 200 and shown.json()["payloads"] == [payload]
-        with pytest.raises(codec_mod.CodecError, match="not encrypted"):
-            await stack.client.data_converter.payload_codec.decode([json_format.ParseDict(payload, Payload())])
+        codec = stack.client.data_converter.payload_codec
+        [refused] = await codec.decode([json_format.ParseDict(payload, Payload())])
+        assert refused.metadata["encoding"] == codec_mod.UNENCRYPTED  # no converter reads it
+        with pytest.raises(Exception, match="ragline/unencrypted"):
+            stack.client.data_converter.payload_converter.from_payloads([refused])
         # A member or no key gets nothing, and neither does a tenant's reviewer: the payload keys are the
         # deployment's, so the codec would show it every other tenant's prompts and answers.
         assert (await http.post(f"/codec/k/{stack.keys['member']}/decode", json={"payloads": [sealed]})).status_code == 403
@@ -792,6 +798,61 @@ async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
     # The key in the Web UI's codec path is a secret: the API's traces do not record it.
     assert not [s for s in spans.get_finished_spans()
                 if s.kind == SpanKind.SERVER and stack.keys["operator"] in str(dict(s.attributes or {}))]
+
+
+async def test_a_decision_sent_by_hand_without_the_codec_is_dropped_and_the_job_goes_on(stack):
+    """`temporal workflow signal` without the codec flags sends the decision in plain JSON: the job never
+    takes it, and neither wedges (its workflow task failing on every retry) nor answers decisions sent
+    the right way with a false `job_closed`."""
+    seed = await stack.upload(("buoys.txt", b"The red buoy marks the north channel of Vell harbour."),
+                              collection="plain-signal")
+    await stack.wait_job(seed["job_id"])
+    with stack.llm.scope() as llm:
+        r = await stack.http.post("/v1/chats", json={"message": f"Which channel does the red buoy mark? {llm.token}",
+                                                     "collection": "plain-signal", "require_review": True})
+        job_id = r.json()["job_id"]
+        await waiting_reviews(stack, job_id)
+    plain = await Client.connect(stack.client.service_client.config.target_host, namespace=stack.client.namespace)
+    handle = stack.client.get_workflow_handle(job_id)
+    await plain.get_workflow_handle(job_id).signal("review", {"decision": "reject", "reviewer": "mallory"})
+
+    async def handled() -> bool:  # a workflow task of the job has run since the signal came
+        events = [e.event_type for e in (await handle.fetch_history()).events]
+        signalled = events.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+        return EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED in events[signalled:] or \
+            EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED in events[signalled:]
+    await eventually(handled, what="the job's worker handling the plain signal")
+    events = [e.event_type for e in (await handle.fetch_history()).events]
+    assert EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED not in events
+    assert (await stack.http.get(f"/v1/jobs/{job_id}")).json()["status"] == "waiting_review"
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "editor"})
+    assert r.status_code < 300, r.text
+    job = await stack.wait_done(job_id)
+    assert job["status"] == "completed" and job["result"]["review"]["reviewer"] == "editor", job
+
+
+async def test_a_decision_to_a_job_whose_workflow_task_keeps_failing_says_so(stack):
+    """A signal encrypted with a key the workers lack fails the job's workflow task on every retry (an
+    operator's matter: the keys files differ). A decision sent then is refused as `job_stuck`, not with
+    a false `job_closed`."""
+    with stack.llm.scope() as llm:
+        r = await stack.http.post("/v1/chats", json={"message": f"Is the harbour open? {llm.token}",
+                                                     "collection": "stuck-review", "require_review": True})
+        job_id = r.json()["job_id"]
+        await waiting_reviews(stack, job_id)
+    foreign = codec_mod.EncryptionCodec(codec_mod.CodecKeys(current="k-foreign", keys={"k-foreign": bytes(32)}))
+    other = await Client.connect(stack.client.service_client.config.target_host, namespace=stack.client.namespace,
+                                 data_converter=dataclasses.replace(DataConverter.default, payload_codec=foreign))
+    handle = stack.client.get_workflow_handle(job_id)
+    await other.get_workflow_handle(job_id).signal("review", {"decision": "reject", "reviewer": "mallory"})
+    try:
+        async def refused_as_stuck() -> dict | None:
+            r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "ed"})
+            return r.json()["error"] if r.status_code == 409 and r.json()["error"]["code"] == "job_stuck" else None
+        error = await eventually(refused_as_stuck, what="the review refused as job_stuck")
+        assert "workflow task keeps failing" in error["message"] and error["job_id"] == job_id, error
+    finally:
+        await handle.terminate("test: stuck on a foreign key")
 
 
 async def test_a_job_encrypted_with_a_key_this_api_lacks_gets_a_clear_error(stack, tmp_path):

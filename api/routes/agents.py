@@ -130,7 +130,7 @@ async def _review_pending(execution) -> bool:  # noqa: ANN001 - a listed Workflo
 
 @router.post("/v1/jobs/{job_id}/review", summary="Approve, reject or revise what a job waits on",
              responses=error_responses({403: "forbidden", 404: "job_not_found",
-                                        409: "not_waiting_for_review, job_closed, job_not_started",
+                                        409: "not_waiting_for_review, job_closed, job_stuck, job_not_started",
                                         422: f"{INVALID_REQUEST}, invalid_review", 503: TEMPORAL_DOWN}))
 async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: CallerDep,
                      settings: SettingsDep, timeout: RpcTimeoutDep,

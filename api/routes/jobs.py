@@ -31,7 +31,7 @@ dead_letters = APIRouter(prefix="/v1/dead-letters", tags=["jobs"])
 BULK_RETRIES_AT_ONCE = 16  # Updates in flight to Temporal at once for one bulk retry
 
 OPERATOR_ERRORS = error_responses({403: "forbidden", 404: "job_not_found",
-                                   409: "not_dead_lettered, job_closed, job_not_started",
+                                   409: "not_dead_lettered, job_closed, job_stuck, job_not_started",
                                    422: INVALID_REQUEST, 503: TEMPORAL_DOWN})
 
 
