@@ -13,14 +13,16 @@ import json
 import re
 import unicodedata
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_QUESTIONS = 2000
 
 
 class GoldenQuestion(BaseModel):
+    # A misspelt field would otherwise read as a question the documents do not answer, and skew the report.
+    model_config = ConfigDict(extra="forbid")
     question: str = Field(min_length=1, max_length=8000)
-    expected_document: str | None = None
+    expected_document: str | None  # required: null for a question the documents do not answer
     expected_answer: str | None = None
 
     @field_validator("expected_document", "expected_answer")
@@ -41,8 +43,12 @@ def parse_jsonl(data: str) -> list[GoldenQuestion]:
             continue
         try:
             questions.append(GoldenQuestion.model_validate(json.loads(line)))
-        except (json.JSONDecodeError, ValidationError) as exc:
-            raise ValueError(f"line {n}: {str(exc).splitlines()[0]}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"line {n}: {exc}") from None
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"line {n}: {field + ': ' if field else ''}{first['msg']}") from None
         except RecursionError:
             raise ValueError(f"line {n}: nested too deeply") from None
     if not questions:

@@ -309,7 +309,10 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
     assert incident["rank"] == 1 and incident["top"][0] == "postmortem.txt" and incident["answer_correct"] is True
     assert outcomes["What is the capital of Australia?"]["supported"] is False
     assert (await trusted.other_http.get(f"/v1/evaluations/{r.json()['job_id']}")).status_code == 404
-    for body, says in [(b'{"expected_document": "x"}', "line 1"),
+    for body, says in [(b'{"expected_document": "x"}', "line 1: question: Field required"),
+                       (b'{"question": "q", "expected_doc": "x"}', "line 1: expected_document: Field required"),
+                       (b'{"question": "q", "expected_document": "x", "expected_answr": "y"}',
+                        "line 1: expected_answr: Extra inputs are not permitted"),
                        (b'{"question": "q", "expected_document": null}\n' + b"[" * 100_000, "line 2: nested too deeply")]:
         bad = await trusted.http.post("/v1/evaluations?collection=trust", content=body)
         assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_golden_set", bad.text
