@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
         except KeysFileError as exc:
             parser.error(str(exc))
+        print(f"key for tenant {args.tenant} ({args.role}) added to {path}; it is shown only now:", file=sys.stderr)
         print(key)
         return 0
     if not path.exists():  # the wrong folder, most likely: say which file was looked for

@@ -197,7 +197,7 @@ async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tm
     out = subprocess.run([_python(), "-m", "ragline.keys", "--file", str(path), "create", "--tenant", "initech",
                           "--role", "reviewer", "--name", "ops"], capture_output=True, text=True, check=True)
     key = out.stdout.strip()
-    assert key.startswith("rgl_")
+    assert key.startswith("rgl_") and f"added to {path}" in out.stderr, out.stderr  # which file: say so
     stored = path.read_text()
     assert key not in stored and api_keys.digest(key) in stored
     [entry] = api_keys.load(path).keys
