@@ -17,12 +17,14 @@ import pytest
 from google.protobuf import json_format
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
-from temporalio.api.common.v1 import Payload
+from temporalio.api.common.v1 import Payload, WorkflowExecution
 from temporalio.api.enums.v1 import EventType
+from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
 from temporalio.client import Client, WorkflowExecutionStatus as Status
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.converter import DataConverter
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import WorkflowEnvironment
 
 from api.app import create_app
 from api.auth import shown_address
@@ -37,7 +39,7 @@ from ragline.settings import Settings
 from temporal import codec as codec_mod
 from temporal import search_attributes as sa
 from temporal.client import connect
-from tests.conftest import serving_api
+from tests.conftest import SERVER_STARTUP, running_stack, serving_api
 from tests.helpers import delegate_until, eventually, raw_temporal_records, waiting_reviews
 from tests.pdfgen import pdf_bytes
 from worker import fallback_model
@@ -831,28 +833,35 @@ async def test_a_decision_sent_by_hand_without_the_codec_is_dropped_and_the_job_
     assert job["status"] == "completed" and job["result"]["review"]["reviewer"] == "editor", job
 
 
-async def test_a_decision_to_a_job_whose_workflow_task_keeps_failing_says_so(stack):
+async def test_a_decision_to_a_job_whose_workflow_task_keeps_failing_says_so(scripted_llm, tmp_path):
     """A signal encrypted with a key the workers lack fails the job's workflow task on every retry (an
     operator's matter: the keys files differ). A decision sent then is refused as `job_stuck`, not with
-    a false `job_closed`."""
-    with stack.llm.scope() as llm:
-        r = await stack.http.post("/v1/chats", json={"message": f"Is the harbour open? {llm.token}",
-                                                     "collection": "stuck-review", "require_review": True})
-        job_id = r.json()["job_id"]
-        await waiting_reviews(stack, job_id)
-    foreign = codec_mod.EncryptionCodec(codec_mod.CodecKeys(current="k-foreign", keys={"k-foreign": bytes(32)}))
-    other = await Client.connect(stack.client.service_client.config.target_host, namespace=stack.client.namespace,
-                                 data_converter=dataclasses.replace(DataConverter.default, payload_codec=foreign))
-    handle = stack.client.get_workflow_handle(job_id)
-    await other.get_workflow_handle(job_id).signal("review", {"decision": "reject", "reviewer": "mallory"})
+    a false `job_closed`. On a Temporal server of its own: a history no key reads stops every blob sweep of
+    its namespace, as it should, and the shared stack's sweeps are other tests' business."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(), search_attributes=list(sa.ALL),
+        dev_server_startup_timeout=SERVER_STARTUP)
+    address = env.client.service_client.config.target_host
     try:
-        async def refused_as_stuck() -> dict | None:
-            r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "ed"})
-            return r.json()["error"] if r.status_code == 409 and r.json()["error"]["code"] == "job_stuck" else None
-        error = await eventually(refused_as_stuck, what="the review refused as job_stuck")
-        assert "workflow task keeps failing" in error["message"] and error["job_id"] == job_id, error
+        async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-stuck") as stack:
+            with stack.llm.scope() as llm:
+                r = await stack.http.post("/v1/chats", json={"message": f"Is the harbour open? {llm.token}",
+                                                             "collection": "stuck-review", "require_review": True})
+                job_id = r.json()["job_id"]
+                await waiting_reviews(stack, job_id)
+            foreign = codec_mod.EncryptionCodec(codec_mod.CodecKeys(current="k-x", keys={"k-x": bytes(32)}))
+            other = await Client.connect(address, data_converter=dataclasses.replace(DataConverter.default,
+                                                                                     payload_codec=foreign))
+            await other.get_workflow_handle(job_id).signal("review", {"decision": "reject", "reviewer": "mallory"})
+
+            async def refused_as_stuck() -> dict | None:
+                r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "ed"})
+                return r.json()["error"] if r.status_code == 409 and r.json()["error"]["code"] == "job_stuck" else None
+            error = await eventually(refused_as_stuck, what="the review refused as job_stuck")
+            assert "workflow task keeps failing" in error["message"] and error["job_id"] == job_id, error
+            await stack.client.get_workflow_handle(job_id).terminate("test: stuck on a foreign key")
     finally:
-        await handle.terminate("test: stuck on a foreign key")
+        await env.shutdown()
 
 
 async def test_a_job_encrypted_with_a_key_this_api_lacks_gets_a_clear_error(stack, tmp_path):
@@ -880,6 +889,17 @@ async def test_a_job_encrypted_with_a_key_this_api_lacks_gets_a_clear_error(stac
             assert "payload_unreadable" in route["responses"]["default"]["description"]
     finally:
         await _end_jobs(stack.client, job_id)
+        # Its history no key of the stack reads would stop every later blob sweep of the namespace.
+        await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+            namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=job_id)))
+
+        async def gone() -> bool:
+            try:
+                await stack.client.get_workflow_handle(job_id).describe()
+            except RPCError as exc:
+                return exc.status == RPCStatusCode.NOT_FOUND
+            return False
+        await eventually(gone, what=f"{job_id} deleted")
 
 
 async def test_keys_rotate_and_old_payloads_stay_readable(tmp_path):
