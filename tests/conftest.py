@@ -152,16 +152,20 @@ class Stack:
     async def wait_job(self, job_id: str, timeout: float = 120,
                        until: tuple[str, ...] = ("completed", "failed", "cancelled", "dead_lettered",
                                                  "waiting_review")) -> dict:
-        """Poll the API until the job reaches one of `until` (by default: ended, or waiting for a person)."""
+        """Poll the API until the job reaches one of `until` (by default: ended, or waiting for a person).
+        A 503 or 504 (Temporal not reachable, or slow: "try again shortly") is polled through, as a client
+        does; until the deadline."""
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             r = await self.http.get(f"/v1/jobs/{job_id}")
-            assert r.status_code == 200, r.text
-            job = r.json()
-            if job["status"] in until:
-                return job
+            job = None
+            if r.status_code not in (503, 504):
+                assert r.status_code == 200, r.text
+                job = r.json()
+                if job["status"] in until:
+                    return job
             if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s: {job}")
+                raise AssertionError(f"job {job_id} still {job['status'] if job else r.text} after {timeout} s")
             await asyncio.sleep(0.2)
 
     async def wait_done(self, job_id: str, timeout: float = 120) -> dict:
