@@ -139,7 +139,7 @@ def _timed_out(request: Request, exc: RPCError) -> dict:
     "not reachable, nothing recorded" (503) would have the caller send it again and, without an
     Idempotency-Key, run the work twice."""
     job = getattr(request.state, "starting", None)
-    if job is None or getattr(request.state, "only_reads", False):
+    if job is None:  # nothing was being started (a read, a search, or a check before the start)
         return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time; try again shortly",
                      reason=str(exc))
     return _body("temporal_timeout", "the workflow service (Temporal) did not answer in time: the request may "

@@ -104,12 +104,6 @@ def starting(request: Request, job_id: str) -> None:
     request.state.starting = {"job_id": job_id, "status_url": status_url}
 
 
-def only_reads(request: Request) -> None:
-    """Marks a POST that records nothing lasting (a search): should Temporal not answer in time, it may
-    simply be sent again."""
-    request.state.only_reads = True
-
-
 _JOB_ID = "{job_id}"
 
 

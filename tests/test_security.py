@@ -806,9 +806,6 @@ async def test_a_decision_sent_by_hand_without_the_codec_is_dropped_and_the_job_
     """`temporal workflow signal` without the codec flags sends the decision in plain JSON: the job never
     takes it, and neither wedges (its workflow task failing on every retry) nor answers decisions sent
     the right way with a false `job_closed`."""
-    seed = await stack.upload(("buoys.txt", b"The red buoy marks the north channel of Vell harbour."),
-                              collection="plain-signal")
-    await stack.wait_job(seed["job_id"])
     with stack.llm.scope() as llm:
         r = await stack.http.post("/v1/chats", json={"message": f"Which channel does the red buoy mark? {llm.token}",
                                                      "collection": "plain-signal", "require_review": True})

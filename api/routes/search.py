@@ -7,7 +7,7 @@ import asyncio
 import uuid
 from datetime import timedelta
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 from temporalio.client import WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
@@ -16,7 +16,7 @@ from temporalio.exceptions import ActivityError
 from api.auth import CallerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
-from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, error_responses, only_reads
+from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, error_responses
 from api.validators import validate_collection
 from models.ingest import SearchInput, SearchOutput
 from models.inputs import NOT_BLANK, STRICT_INPUT, Int
@@ -39,10 +39,9 @@ class SearchRequest(BaseModel):
 @router.post("/search", summary="Semantic search over a collection",
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection",
                                         503: f"{TEMPORAL_DOWN}, worker_unavailable, search_failed"}))
-async def search(req: SearchRequest, request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep,
+async def search(req: SearchRequest, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                  timeout: RpcTimeoutDep) -> SearchOutput:
     validate_collection(req.collection)
-    only_reads(request)
     seconds = settings.search_timeout
     try:
         return await asyncio.wait_for(client.execute_workflow(
