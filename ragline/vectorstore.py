@@ -234,7 +234,7 @@ class VectorIndex:
         with self._lock:
             name = self._ensure_collection(collection)
             mine = [_tenant(tenant),
-                    models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))]
+                    _document(document_id)]
             try:
                 self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
                     must=[*mine, models.FieldCondition(key="chunk", range=models.Range(gte=chunks))])))
@@ -283,7 +283,7 @@ class VectorIndex:
             name = self._ensure_collection(collection)
             self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
                 must=[_tenant(tenant),
-                      models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)),
+                      _document(document_id),
                       models.FieldCondition(key="chunk", range=models.Range(gte=keep_chunks))],
                 must_not=later)))
             self._pending.pop((name, tenant), None)
@@ -295,7 +295,7 @@ class VectorIndex:
             name = self._ensure_collection(collection)
             self.client.delete(name, wait=True, points_selector=models.FilterSelector(filter=models.Filter(
                 must=[_tenant(tenant), _PENDING,
-                      models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id))])))
+                      _document(document_id)])))
             self._pending.pop((name, tenant), None)
 
     def count(self, tenant: str, collection: str, document_id: str | None = None, *, searchable: bool = False) -> int:
@@ -306,7 +306,7 @@ class VectorIndex:
                 return 0
             must = [_tenant(tenant)]
             if document_id:
-                must.append(models.FieldCondition(key="document_id", match=models.MatchValue(value=document_id)))
+                must.append(_document(document_id))
             found = models.Filter(must=must, must_not=[_PENDING] if searchable else None)
             return self.client.count(name, count_filter=found, exact=True).count
 
