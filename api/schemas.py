@@ -363,4 +363,5 @@ class EvaluationView(BaseModel):
 
 class EvaluationList(BaseModel):
     evaluations: list[EvaluationView]
-    query: str
+    next_cursor: str | None = Field(description=NEXT_CURSOR.replace("jobs", "evaluations"))
+    query: str = Field(description="The Temporal visibility query that listed them")

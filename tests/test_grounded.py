@@ -297,6 +297,18 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
         return mine[0] if mine and mine[0]["status"] == "completed" and mine[0]["report"] else None
 
     report = (await eventually(listed, what="the evaluation listed as completed, with its report"))["report"]
+    # The listing pages through with a cursor, as every listing does: each evaluation once.
+    second = await trusted.http.post("/v1/evaluations?collection=trust", content=golden.splitlines()[-1].encode())
+    assert second.status_code == 202, second.text
+    paged, cursor = [], None
+    while True:
+        page = await trusted.http.get("/v1/evaluations", params={"collection": "trust", "limit": 1,
+                                                                  **({"cursor": cursor} if cursor else {})})
+        assert page.status_code == 200 and len(page.json()["evaluations"]) <= 1, page.text
+        paged += [e["job_id"] for e in page.json()["evaluations"]]
+        if (cursor := page.json()["next_cursor"]) is None:
+            break
+    assert {r.json()["job_id"], second.json()["job_id"]} <= set(paged) and len(paged) == len(set(paged)), paged
     assert report["questions"] == 4 and report["in_corpus"] == 3 and report["out_of_corpus"] == 1
     assert report["recall_at_k"] == 1.0 and report["mrr"] == 1.0 and report["honest_refusals"] == 1.0
     # The scripted model always cites passage [1]; answers are scored only where an expected answer is given.

@@ -10,7 +10,10 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.jobs import JobActivities
 from models.ingest import AwaitDocumentInput, ForgetDocumentInput, RemoveDocumentInput, removal_workflow_id
@@ -196,6 +199,46 @@ async def test_while_a_removal_runs_the_document_is_listed_so_its_bytes_wait_and
     assert (await asyncio.wait_for(asked, 30)).status == "indexed"  # nothing was removed
     again = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
     assert again["duplicate"] is True
+
+
+async def test_a_second_delete_while_the_removal_runs_answers_with_that_removal(stack):
+    """Past its last step but one a removal has taken the ingestion job out of Temporal, so the document is
+    known only by the removal running: a DELETE sent then, naming another collection, joins that removal
+    and answers with the collection and name it removes, not the ones the request made up."""
+    collection = f"removal-{uuid.uuid4().hex[:8]}"
+    data = TEAPOT + uuid.uuid4().hex.encode()
+    body = await stack.upload(("teapot.txt", data), collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    doc_id = body["documents"][0]["document_id"]
+    ingestion = stack.client.get_workflow_handle(stack.workflow_id(f"doc-{doc_id}"))
+    run = await ingestion.describe()
+    held = await stack.client.start_workflow(
+        RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=stack.tenant, document_id=doc_id, collection=collection,
+                                                        filename="teapot.txt", run_id=run.run_id,
+                                                        run_started_at=run.start_time),
+        id=removal_workflow_id(stack.tenant, doc_id), task_queue=f"nobody-{uuid.uuid4().hex[:6]}",
+        search_attributes=TypedSearchAttributes([
+            SearchAttributePair(sa.JOB_KIND, "remove_document"), SearchAttributePair(sa.JOB_STATUS, "queued"),
+            SearchAttributePair(sa.COLLECTION, collection), SearchAttributePair(sa.FILENAME, "teapot.txt"),
+            SearchAttributePair(sa.DOCUMENT_ID, doc_id), SearchAttributePair(sa.TENANT, stack.tenant)]))
+    try:
+        # As the removal's forget step does; the server deletes in the background.
+        await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+            namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=ingestion.id)))
+
+        async def forgotten() -> bool:
+            try:
+                await ingestion.describe()
+            except RPCError as exc:
+                return exc.status == RPCStatusCode.NOT_FOUND
+            return False
+        await eventually(forgotten, what="the ingestion job deleted")
+        r = await stack.http.delete(f"/v1/documents/{doc_id}", params={"collection": "somewhere-else"})
+        assert r.status_code == 202, r.text
+        assert (r.json()["job_id"], r.json()["duplicate"]) == (held.id, True), r.text
+        assert (r.json()["collection"], r.json()["filename"]) == (collection, "teapot.txt"), r.text
+    finally:
+        await held.terminate(reason="test: the removal never ran")
 
 
 async def test_an_upload_that_reaches_the_document_after_its_removal_was_confirmed_keeps_its_chunks(stack):

@@ -307,7 +307,11 @@ async def _start_removal(request: Request, client: Client, caller: Caller, setti
         duplicate = False
         observability.job_accepted("remove_document")
     except WorkflowAlreadyStartedError:
-        duplicate = True  # a removal of it runs: that job answers
+        duplicate = True  # a removal of it runs: that job answers, with the collection and name it was given
+        running = await job_views.describe_or_none(client, job_id, timeout)
+        if running is not None:
+            attrs = running.typed_search_attributes
+            collection, filename = attrs.get(sa.COLLECTION) or collection, attrs.get(sa.FILENAME) or filename
     return DocumentRemovalAccepted.for_job(request, job_id, duplicate=duplicate, document_id=document_id,
                                            filename=filename, collection=collection)
 

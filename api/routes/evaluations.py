@@ -7,18 +7,19 @@ import uuid
 import structlog
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from temporalio.client import WorkflowExecution
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError, RPCStatusCode
 
 from api import job_views, observability
 from api.auth import CallerDep
-from api.deps import BlobsDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import BlobsDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, key_digest, request_digest, start_once
 from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses, starting,
 )
-from api.validators import JOB_ID, validate_collection
+from api.validators import JOB_ID, CursorDep, validate_collection
 from models.evaluation import EvaluationInput, EvaluationOutput
 from models.jobs import COLLECTION_PATTERN
 from models.tenancy import scoped, workflow_id
@@ -76,23 +77,25 @@ async def create_evaluation(request: Request, client: ClientDep, caller: CallerD
 
 
 @router.get("", summary="Evaluation reports, newest first (from Temporal visibility)",
-            responses=error_responses({422: "invalid_collection", 503: TEMPORAL_DOWN}))
-async def list_evaluations(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep,
+            responses=error_responses({422: "invalid_collection, invalid_cursor", 503: TEMPORAL_DOWN}))
+async def list_evaluations(client: ClientDep, cursors: CursorsDep, caller: CallerDep, timeout: RpcTimeoutDep,
                            collection: str | None = Query(None, pattern=COLLECTION_PATTERN),
-                           limit: int = Query(20, ge=1, le=200)) -> EvaluationList:
+                           limit: int = Query(20, ge=1, le=200), cursor: CursorDep = None) -> EvaluationList:
     extra = {sa.COLLECTION.name: validate_collection(collection)} if collection else None
     query = job_views.list_query(caller.tenant, kind="evaluation", extra=extra)
-    views = []
-    for execution in await job_views.list_jobs(client, query, limit, timeout):
+    executions, next_cursor = await job_views.list_page(client, cursors, query, limit, cursor, timeout)
+
+    async def view(execution: WorkflowExecution) -> EvaluationView:
         job = job_views.summary(execution)
         report = None
         if job.status == "completed":
             handle = client.get_workflow_handle_for(EvaluationWorkflow.run, execution.id, run_id=execution.run_id)
             out: EvaluationOutput = await handle.result(rpc_timeout=timeout)
             report = out.report
-        views.append(EvaluationView(job_id=job.job_id, collection=job.collection, status=job.status,
-                                    created_at=job.created_at, updated_at=job.updated_at, report=report))
-    return EvaluationList(evaluations=views, query=query)
+        return EvaluationView(job_id=job.job_id, collection=job.collection, status=job.status,
+                              created_at=job.created_at, updated_at=job.updated_at, report=report)
+    views = await job_views.gather_reads(view(e) for e in executions)
+    return EvaluationList(evaluations=views, next_cursor=next_cursor, query=query)
 
 
 @router.get("/{job_id}", summary="One evaluation, with every golden question's outcome once it completed",
