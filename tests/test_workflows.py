@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ from models.chat import (
 from models.jobs import OperatorRequest, StepResult, StepState
 from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
-    AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
+    CANCELLED, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
     ExtractInput, ExtractOutput, ForgetDocumentInput, ForgetDocumentOutput, IndexInput, IndexOutput, IngestInput,
     IngestResult, NewerRun, PruneInput, PruneOutput, RemovalConfirmed, RemoveDocumentInput, RemoveInput, SearchInput,
     SearchOutput, document_workflow_id, removal_workflow_id,
@@ -97,6 +97,8 @@ class Fakes:
     ended: set[str] = field(default_factory=set)  # jobs ended_jobs reports as no longer running
     sweeps_fail: int = 0  # how many ended_jobs calls fail (a server too busy to answer)
     removed_documents: set[str] = field(default_factory=set)  # document jobs await_document finds removed
+    awaited: Callable[[AwaitDocumentInput], Awaitable[DocumentOutcome]] | None = None  # await_document's answer
+    publish_seconds: float = 0  # how long prune_stale_chunks (the publish) takes
     newer_run: NewerRun = field(default_factory=NewerRun)  # what await_newer_run finds
     calls: list[Call] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
@@ -160,6 +162,7 @@ class Fakes:
     @activity.defn(name="prune_stale_chunks")
     async def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
         call = self._start("prune_stale_chunks", req)
+        await asyncio.sleep(self.publish_seconds)
         self._end(call)
         return PruneOutput(points=req.keep_chunks, attempt=call.attempt)
 
@@ -177,6 +180,8 @@ class Fakes:
     @activity.defn(name="await_document")
     async def await_document(self, req: AwaitDocumentInput) -> DocumentOutcome:
         self._end(self._start("await_document", req))
+        if self.awaited is not None:
+            return await self.awaited(req)
         if req.workflow_id in self.removed_documents:
             return DocumentOutcome(document_id=req.workflow_id.rsplit("doc-", 1)[-1], status="removed",
                                    job_id=req.workflow_id)
@@ -509,6 +514,40 @@ async def test_an_upload_that_finds_its_document_removed_since_ingests_it_anew(e
     [asked] = fakes.named("await_document")
     assert asked.arg.removal_id == removal_workflow_id(doc.tenant, doc.document_id)
     assert len(fakes.named("extract_text")) == 2  # the document's job ran again
+
+
+async def test_an_upload_runs_the_document_itself_when_the_run_of_another_upload_it_waited_for_was_cancelled(env):
+    """Upload A started the document's job (held here on a queue nobody polls); upload B, with the same file,
+    waits for that run, and a person cancels A's: B runs the document itself instead of failing its copy."""
+    doc = document("report.pdf", "shared")
+    child_id = document_workflow_id(doc.tenant, doc.document_id)
+    held = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, id=child_id,
+                                           task_queue=f"nobody-{uuid.uuid4().hex[:6]}")
+
+    async def cancelled_by_its_owner(req: AwaitDocumentInput) -> DocumentOutcome:
+        await held.terminate(reason="test: upload A cancelled")
+        return DocumentOutcome.failed_from(req.workflow_id, CANCELLED)
+    fakes = Fakes(awaited=cancelled_by_its_owner)
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(IngestWorkflow.run, IngestInput(collection="shared", documents=[doc]),
+                                                   id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    assert [(o.status, o.job_id) for o in result.documents] == [("indexed", child_id)]
+    assert len(fakes.named("await_document")) == 1 and len(fakes.named("extract_text")) == 1
+
+
+async def test_a_cancel_during_the_publish_comes_too_late_and_the_document_is_indexed(env):
+    """The publish makes every chunk of the document found at once: a cancel that arrives while it runs
+    lets it end, and the job completes with the document indexed (not cancelled with its chunks found)."""
+    fakes = Fakes(publish_seconds=1.5)
+    doc = document("a.txt", "late-cancel")
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
+                                                 id=document_workflow_id(doc.tenant, doc.document_id))
+        await eventually(lambda: _asyncify(fakes.named("prune_stale_chunks")), timeout=20, what="the publish")
+        await handle.cancel()
+        outcome = await handle.result()
+    assert outcome.status == "indexed" and outcome.chunks == 5
+    assert not fakes.named("remove_document_chunks"), fakes.calls
 
 
 async def test_a_failed_document_removes_its_chunks_after_the_batches_in_flight_have_ended(env):

@@ -48,6 +48,14 @@ REMOVED_PATCH = "upload-after-removal-ingests-anew"
 # The documents list shows a document's pages once they are extracted, not only once it is indexed
 # (a document parked for an operator showed none). Earlier histories set them at the end only.
 PAGES_PATCH = "document-pages-shown-after-extraction"
+# A cancel that reaches the document during its last step (the publish, the commit of its chunks) waits
+# for that step: published, the document is indexed and the job completes. Before, the undo ran beside the
+# publish, found nothing pending and the job ended cancelled with every chunk of it found by searches.
+PUBLISH_SETTLES_PATCH = "document-publish-settles-before-a-cancel"
+# An upload that waited for the document's run another upload started, and saw it fail or be cancelled,
+# runs the document once itself (with its own password and limits). Before, it took that outcome as its
+# own: a person cancelling upload A failed upload B's copy of the file.
+OWN_RUN_PATCH = "upload-runs-a-document-another-upload-failed"
 
 
 @workflow.defn
@@ -70,8 +78,11 @@ class IngestDocumentWorkflow(JobWorkflow):
             document_id=doc.document_id, pages_ref=extracted.pages_ref))
         try:
             await self._embed_and_index(doc, chunked)
+            publish_options = {"cancellation_type": ActivityCancellationType.WAIT_CANCELLATION_COMPLETED} \
+                if workflow.patched(PUBLISH_SETTLES_PATCH) else {}
             await self.step(IngestActivities.prune_stale_chunks, PruneInput(
-                tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks))
+                tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks),
+                **publish_options)
         except (Exception, asyncio.CancelledError):
             # Batches indexed before the failure would be found once published: they go. Chunks an earlier
             # run published (the same bytes, indexed longer ago than the retention) stay found.
@@ -187,8 +198,10 @@ class IngestWorkflow(JobWorkflow):
             self.steps.fail(step, outcome.error or "failed")
         return outcome
 
-    async def _document_run(self, doc: DocumentInput, step: str, reuse: WorkflowIDReusePolicy) -> DocumentOutcome:
-        """The document's outcome: its own job, started here, or the one another upload started."""
+    async def _document_run(self, doc: DocumentInput, step: str, reuse: WorkflowIDReusePolicy, *,
+                            again: bool = True) -> DocumentOutcome:
+        """The document's outcome: its own job, started here, or the one another upload started (when that one
+        failed or was cancelled, and `again`: a run started here after all)."""
         child_id = document_workflow_id(doc.tenant, doc.document_id)
         try:
             async with self.waits.child(child_id, step):  # parked for an operator, it lends this job's slot
@@ -210,6 +223,10 @@ class IngestWorkflow(JobWorkflow):
             outcome = await self.call(JobActivities.await_document,
                                       AwaitDocumentInput(workflow_id=child_id, removal_id=removal), step=step)
             outcome.filename = outcome.filename or doc.filename
+            if outcome.status == "failed" and again and workflow.patched(OWN_RUN_PATCH):
+                # Another upload's run: its cancel, its password, its operator's discard are not this upload's.
+                return await self._document_run(doc, step, WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+                                                again=False)
             return outcome
         except ChildWorkflowError as exc:
             reason = CANCELLED if is_cancelled_exception(exc) else failure_reason(exc)

@@ -165,18 +165,18 @@ class JobWorkflow:
 
     async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None,
                    on_exhausted: Callable[[], Awaitable[Any]] | None = None,
-                   resume: Callable[[Any, ActivityError], Any] | None = None) -> Any:
+                   resume: Callable[[Any, ActivityError], Any] | None = None, **options: Any) -> Any:
         """One activity as one step of the DAG: started, retried by its policy, parked when its retries
         are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
         retryable error run that instead (a fallback), which parks in turn if it fails. The events an
         activity that publishes into the job's stream left unsent (`StreamedStepResult`, the answer's
         last deltas) are published before the step shows as completed. With `resume`, an operator's retry
         runs the activity with what it makes of the argument and the failure that parked it (the progress
-        it carried)."""
+        it carried). `options` as `call` takes them."""
         name = name or policies.activity_name(activity)
         self.steps.start(name)
         try:
-            result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted, resume=resume)
+            result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted, resume=resume, **options)
         except _FellBack as fell_back:
             return fell_back.result
         if isinstance(result, StreamedStepResult):
