@@ -63,6 +63,14 @@ class Grant(BaseModel):
         self.seconds += other.seconds
 
 
+class CancelledChildSpend(BaseModel):
+    """What a sub-agent a person cancelled spent, and what reviewers granted below it: told to its parent
+    (signal), since a cancelled workflow's end carries no details as a failure's does."""
+    job_id: str
+    spent: Spend
+    granted: Grant
+
+
 class AgentResult(BaseModel):
     answer: str
     status: Literal["finished", "stopped"]

@@ -27,7 +27,7 @@ from temporalio.worker import Worker
 
 import worker
 from models.agent import AgentInput, AgentResult, PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, \
-    ToolCall
+    ToolCall, agent_workflow_id
 from models.blobs import SweepInput, SweepReport
 from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline.evaluation import EvaluationReport
@@ -1008,6 +1008,42 @@ async def test_a_sub_agent_that_fails_still_counts_what_it_spent(env):
     child_plans = [p for p in fakes.named("agent_plan") if p.arg.depth == 1]
     assert len(child_plans) == 3  # two that planned a search, the one that failed
     # The root's two plans and the child's two paid ones (the failed call returned no usage).
+    assert (result.llm_calls, result.tokens) == (2 + 2, 10 + 30 + 2 * 2000)
+
+
+async def test_a_sub_agent_a_person_cancels_still_counts_what_it_spent(env):
+    """The child plans a search (2,000 tokens), then a delegation past the tree's depth, and waits for a
+    reviewer; a person cancels it there. Its two model calls are the tree's, as a failed child's are."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth == 1:
+            if not req.observations:
+                return PlanOutput(calls=[ToolCall(name="search_documents", arguments={"query": "ships"})],
+                                  prompt_tokens=1990, completion_tokens=10)
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships by hand"})],
+                              prompt_tokens=1990, completion_tokens=10)
+        if not req.observations:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})],
+                              prompt_tokens=5, completion_tokens=5)
+        return finish("the north was not counted", tokens=30)
+
+    fakes = Fakes(plan=plan)
+    root_id = f"agent-{uuid.uuid4().hex[:8]}"
+    async with fake_worker(env, fakes) as queue:
+        root = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=1),
+                                               id=root_id, task_queue=queue)
+        child = env.client.get_workflow_handle(agent_workflow_id(root_id, 1))
+
+        async def waits_for_a_reviewer() -> bool:
+            try:
+                return (await child.query(AgentWorkflow.progress)).status == "waiting_review"
+            except RPCError:
+                return False  # not started yet
+        await eventually(waits_for_a_reviewer, timeout=20, what="the sub-agent waiting at the depth guard")
+        await child.cancel()
+        result = await root.result()
+    [node] = result.tree.children
+    assert node.status == "cancelled"
+    assert len([p for p in fakes.named("agent_plan") if p.arg.depth == 1]) == 2
     assert (result.llm_calls, result.tokens) == (2 + 2, 10 + 30 + 2 * 2000)
 
 

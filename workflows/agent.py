@@ -25,8 +25,8 @@ from temporalio.exceptions import ChildWorkflowError, is_cancelled_exception
 with workflow.unsafe.imports_passed_through():
     from activities.agent import AgentActivities
     from models.agent import (
-        TOOL_DELEGATE, TOOL_FINISH, TOOL_SEARCH, AgentInput, AgentNode, AgentResult, Budget, Grant,
-        PlanCorrection, PlanInput, SearchDocumentsInput, Spend, agent_workflow_id,
+        TOOL_DELEGATE, TOOL_FINISH, TOOL_SEARCH, AgentInput, AgentNode, AgentResult, Budget, CancelledChildSpend,
+        Grant, PlanCorrection, PlanInput, SearchDocumentsInput, Spend, agent_workflow_id,
     )
     from models.review import ReviewDecision, ReviewRecord
     from temporal import search_attributes as sa
@@ -64,6 +64,11 @@ CANCELLED_CHILD_PATCH = "agent-cancelled-child-not-delegated-again"
 # A sub-goal a sub-agent of this agent already answered is not delegated again (the model is told so): a
 # small model proposed the same one round after round, each a sub-agent of its own, until the budget ran out.
 DELEGATED_ONCE_PATCH = "agent-sub-goal-delegated-once"
+# A sub-agent a person cancels tells its parent what it spent (signal `cancelled_child_spend`), and the parent
+# counts it against the tree's budget. Earlier parents counted nothing: the tree went past its budget with
+# no review asked. (A sub-agent terminated, or past its run timeout, still cannot tell.)
+CANCELLED_CHILD_SPEND_PATCH = "agent-counts-cancelled-child-spend"
+CANCELLED_CHILD_SPEND_SIGNAL = "cancelled_child_spend"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -117,6 +122,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self._cancelled_goals: list[str] = []
         self._started: dict[str, workflow.ChildWorkflowHandle] = {}  # sub-agents started, by job id
         self._searches_in_turn: dict[int, int] = {}
+        self._cancelled_spend: dict[str, CancelledChildSpend] = {}  # told by sub-agents a person cancelled
 
     @workflow.run
     async def run(self, inp: AgentInput) -> AgentResult:
@@ -135,8 +141,23 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         """Finish with what it has (a reviewer rejected something elsewhere in its tree; or a person asks)."""
         self._stop_asked = True
 
+    @workflow.signal(name=CANCELLED_CHILD_SPEND_SIGNAL)
+    def cancelled_child_spend(self, told: CancelledChildSpend) -> None:
+        self._cancelled_spend[told.job_id] = told
+
     def failure_details(self) -> dict[str, Any]:
         return {SPENT_DETAIL: self.spent.model_dump(), GRANTED_DETAIL: self._granted().model_dump()}
+
+    async def _cancelled(self) -> None:
+        parent = workflow.info().parent
+        if parent is not None and workflow.patched(CANCELLED_CHILD_SPEND_PATCH):
+            told = CancelledChildSpend(job_id=workflow.info().workflow_id, spent=self.spent, granted=self._granted())
+            try:  # awaited: the parent has the signal before it learns that this sub-agent was cancelled
+                await workflow.get_external_workflow_handle(parent.workflow_id).signal(
+                    CANCELLED_CHILD_SPEND_SIGNAL, told)
+            except Exception as exc:  # noqa: BLE001 - the parent has ended: nobody to tell
+                workflow.logger.info("could not tell the parent agent %s what it spent: %s", parent.workflow_id, exc)
+        await super()._cancelled()
 
     def _granted(self) -> Grant:
         moved = (self.deadline - self._first_deadline).total_seconds()
@@ -325,6 +346,10 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 self.spent.add(spent_before_failing(exc))
             self._take_on(granted_before_failing(exc), deadline_given)
             if is_cancelled_exception(exc):
+                told = self._cancelled_spend.get(child_id)
+                if told is not None and workflow.patched(CANCELLED_CHILD_SPEND_PATCH):
+                    self.spent.add(told.spent)
+                    self._take_on(told.granted, deadline_given)
                 node.status, node.answer = "cancelled", "cancelled by a person"
                 self.steps.cancel(step)
                 if workflow.patched(CANCELLED_CHILD_PATCH):
