@@ -12,7 +12,9 @@ import openai
 
 from ragline.errors import ProviderRejectedError, TransientError
 
-_REJECTED_STATUSES = {400, 401, 403, 404, 422}
+# The same request would be refused again: 413 (the prompt is larger than the provider takes) included.
+# Everything else (429, 5xx, and 402, a spent balance an operator can top up) is retried, then parked.
+_REJECTED_STATUSES = {400, 401, 403, 404, 413, 422}
 
 
 def _retry_after(exc: openai.APIStatusError) -> float | None:

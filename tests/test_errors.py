@@ -58,3 +58,19 @@ async def test_a_retry_after_that_is_no_finite_number_is_ignored():
     assert (await _failure("1e400", timedelta(minutes=1))).next_retry_delay is None
     huge = await _failure("1e20", timedelta(minutes=1))  # finite, far too large for a timedelta
     assert huge.next_retry_delay == timedelta(minutes=1)
+
+
+@activity.defn
+@translate_errors
+async def answered_with(status: int) -> None:
+    with translate_provider_errors("generate"):
+        request = httpx.Request("POST", "http://model/v1/chat/completions")
+        raise openai.APIStatusError("no", response=httpx.Response(status, request=request), body=None)
+
+
+@pytest.mark.parametrize(("status", "retried"), [(413, False), (400, False), (402, True), (503, True)])
+async def test_a_request_the_provider_would_refuse_again_is_not_retried(status: int, retried: bool):
+    with pytest.raises(ApplicationError) as caught:
+        await ActivityEnvironment().run(answered_with, status)
+    assert caught.value.non_retryable is not retried, caught.value
+    assert f"provider answered {status}" in caught.value.message
