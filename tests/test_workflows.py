@@ -341,15 +341,17 @@ async def env(tmp_path_factory):
 
 
 @asynccontextmanager
-async def fake_worker(env: WorkflowEnvironment, fakes: Fakes):
-    """The real workflows and the fakes on a fresh task queue and its -cpu, -llm and -vector queues, as
-    the worker runs them, under the test policy file loaded for the fakes' names."""
-    queue = f"wf-{uuid.uuid4().hex[:8]}"
+async def fake_worker(env: WorkflowEnvironment, fakes: Fakes, queue: str | None = None, *, sticky: bool = True):
+    """The real workflows and the fakes on a fresh task queue (or `queue`, to stand for a worker that comes
+    back) and its -cpu, -llm and -vector queues, as the worker runs them, under the test policy file loaded
+    for the fakes' names. `sticky=False`: no workflow is cached, so no task waits for this worker once it
+    has gone (the test server never hands a sticky task on to another worker)."""
+    queue = queue or f"wf-{uuid.uuid4().hex[:8]}"
     activities = fakes.all()
     policies.load(FAST_POLICIES, [policies.activity_name(a) for a in activities])
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(Worker(env.client, task_queue=queue, workflows=worker.WORKFLOWS,
-                                               activities=activities))
+                                               activities=activities, **({} if sticky else {"max_cached_workflows": 0})))
         for kind in ("cpu", "llm", "vector"):
             await stack.enter_async_context(Worker(env.client, task_queue=queues.queue_name(queue, kind),
                                                    activities=activities))
@@ -1045,6 +1047,35 @@ async def test_a_sub_agent_a_person_cancels_still_counts_what_it_spent(env):
     assert node.status == "cancelled"
     assert len([p for p in fakes.named("agent_plan") if p.arg.depth == 1]) == 2
     assert (result.llm_calls, result.tokens) == (2 + 2, 10 + 30 + 2 * 2000)
+
+
+async def test_a_decision_that_comes_with_the_reviews_timeout_stands(env):
+    """No worker runs while the review's timeout passes and a reviewer approves: both reach the agent in one
+    workflow task. The approval it was sent stands; the timeout's rejection does not replace it."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if not req.observations and req.depth == 0:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})],
+                              prompt_tokens=5, completion_tokens=5)
+        return finish("counted")
+
+    fakes = Fakes(plan=plan)
+    async with fake_worker(env, fakes, sticky=False) as queue:
+        agent = await env.client.start_workflow(
+            AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=0, review_timeout_seconds=2),
+            id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+
+        async def waits_for_a_reviewer() -> bool:
+            return (await agent.query(AgentWorkflow.progress)).status == "waiting_review"
+        await eventually(waits_for_a_reviewer, timeout=20, what="the agent waiting at the depth guard")
+
+    async def timed_out() -> bool:  # the review's timer fires with no worker to see it
+        return any([e.event_type == EventType.EVENT_TYPE_TIMER_FIRED async for e in agent.fetch_history_events()])
+    await eventually(timed_out, timeout=20, what="the review's timer fired")
+    await agent.signal("review", {"decision": "approve", "reviewer": "ana", "extra_depth": 1})
+    async with fake_worker(env, fakes, queue):
+        result = await agent.result()
+    [decision] = result.decisions
+    assert (decision.decision, decision.reviewer) == ("approve", "ana"), decision
 
 
 @workflow.defn(sandboxed=False)
