@@ -26,7 +26,10 @@ from ragline import answer_cache, lexical, prompts, relevance, tracing
 from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
-from ragline.llm import ChatModel, StreamedCompletion, estimate_tokens
+from ragline.errors import InputError
+from ragline.llm import (
+    ChatModel, StreamedCompletion, estimate_tokens, prompt_budget, too_long_a_question,
+)
 from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex
 from temporal.errors import translate_errors
@@ -45,12 +48,26 @@ _SENTENCE = re.compile(r"[^.!?。！？\n]+[.!?。！？]?")
 QUOTE_CHARS = 300
 # An uncited answer is attributed to the passages sharing at least this share of its content words.
 SUPPORT_THRESHOLD = 0.35
-# Room kept in the model's context for the prompt's own text, history and question.
-PROMPT_OVERHEAD_TOKENS = 600
+# Room kept in the answer's prompt for the recent turns when deciding whether the passages fit beside the
+# question (history beyond what is left when the prompt is built is dropped, oldest first).
+HISTORY_ROOM_TOKENS = 400
 DELTA_FLUSH = timedelta(milliseconds=150)
 # A reply of citation markers only is quoted in its warning up to this length.
 NO_ANSWER_SHOWN_CHARS = 40
 REPETITION_WARNING = "the model repeated itself: its answer was cut where the repetition began"
+
+
+def recent_turns(history: list, room: int) -> list[str]:  # noqa: ANN001 - HistoryItem
+    """The most recent turns, as the prompt shows them, that fit in `room` tokens together: a conversation
+    in Chinese (a token a character) overflowed a 4,096-token context with four long turns."""
+    kept: list[str] = []
+    for turn in reversed(history):
+        shown = f"Q: {turn.question}\nA: {turn.answer}"
+        room -= estimate_tokens(shown) + 1
+        if room < 0:
+            break
+        kept.append(shown)
+    return kept[::-1]
 
 
 class ChatActivities:
@@ -69,6 +86,8 @@ class ChatActivities:
     def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
         """Retrieval, the relevance gate and the answer cache in one step: the answer waits for nothing else."""
         attempt = activity.info().attempt
+        if (too_long := too_long_a_question(req.question, self.settings)) is not None:
+            raise InputError(too_long)  # refused by the API since; a turn accepted before, or by other settings
         key = None
         # No cache (RAGLINE_ANSWER_CACHE_SIZE=0): no key either, so the turn runs no cache_answer step.
         if req.use_cache and self.cache.size > 0:
@@ -93,11 +112,11 @@ class ChatActivities:
             refusal = prompts.not_covered_answer(req.question) if hits else prompts.no_context_answer(req.question)
             return RetrieveOutput(context_ref=self.blobs.put_json([]), passages=0, citations=[], supported=False,
                                   refusal=refusal, cache_key=key, attempt=attempt)
-        budget = self.settings.llm_context_tokens - self.settings.llm_max_tokens - PROMPT_OVERHEAD_TOKENS
+        prompt = estimate_tokens(" ".join(h.text for h in hits)) + estimate_tokens(req.question) + HISTORY_ROOM_TOKENS
         return RetrieveOutput(
             context_ref=self.blobs.put_json([h.model_dump() for h in hits]), passages=len(hits),
             citations=[citation(h) for h in hits], cache_key=key,
-            fits=estimate_tokens(" ".join(h.text for h in hits)) <= budget, attempt=attempt)
+            fits=prompt <= prompt_budget(self.settings), attempt=attempt)
 
     @activity.defn
     @translate_errors
@@ -120,8 +139,6 @@ class ChatActivities:
         """The same answer from the lighter fallback model (RAGLINE_FALLBACK_LLM_*), after generate_answer
         exhausted its retries on a retryable error."""
         if self.fallback is None:
-            from ragline.errors import InputError
-
             raise InputError("no fallback model is configured (RAGLINE_FALLBACK_LLM_BASE_URL)")
         return await self._generate(req, self.fallback)
 
@@ -131,10 +148,11 @@ class ChatActivities:
         if not passages:
             return GenerateOutput(answer=prompts.no_context_answer(req.question), cited=[], model="none",
                                   attempt=attempt)
-        history = "\n".join(f"Q: {h.question}\nA: {h.answer}" for h in req.history) or "(none)"
         context = prompts.format_passages(passages)
         if req.summary:  # the passages did not fit the context: answer from their summary, still citable
             context = f"SUMMARY OF THE PASSAGES: {req.summary}\n\n{prompts.format_passage_heads(passages)}"
+        room = prompt_budget(self.settings) - estimate_tokens(context) - estimate_tokens(req.question)
+        history = "\n".join(recent_turns(req.history, room)) or "(none)"
         messages = prompts.messages("answer", passages=context, history=history, question=req.question)
         result = StreamedCompletion(model=model.model)
         async with heartbeating(), AnswerDeltas(attempt, send=req.stream) as deltas:

@@ -174,6 +174,33 @@ def estimate_tokens(text: str) -> int:
     return cjk + (len(text) - cjk + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
+# The answer prompt's own text (ragline/prompts.toml: about 120 tokens), with room to spare.
+PROMPT_TEXT_TOKENS = 200
+
+
+def prompt_budget(settings: Settings) -> int:
+    """Tokens an answer's prompt may fill besides its own text: what the model's context holds
+    (RAGLINE_LLM_CONTEXT_TOKENS) once the answer (RAGLINE_LLM_MAX_TOKENS) has its room."""
+    return max(0, settings.llm_context_tokens - settings.llm_max_tokens - PROMPT_TEXT_TOKENS)
+
+
+def question_budget(settings: Settings) -> int:
+    """The most a question may take: half the prompt's budget, so that the passages (or their summary) have
+    the other half. A longer one could never be answered: the model would refuse every attempt."""
+    return prompt_budget(settings) // 2
+
+
+def too_long_a_question(question: str, settings: Settings) -> str | None:
+    """Why `question` is longer than the model's context can answer, or None."""
+    tokens, most = estimate_tokens(question), question_budget(settings)
+    if tokens <= most:
+        return None
+    return (f"the question is about {tokens} tokens, and the model's context (RAGLINE_LLM_CONTEXT_TOKENS = "
+            f"{settings.llm_context_tokens}, of which RAGLINE_LLM_MAX_TOKENS = {settings.llm_max_tokens} for the "
+            f"answer) leaves {most} for a question: shorten it (a CJK character counts as a token, other text "
+            "about 4 characters)")
+
+
 class LoopGuard:
     """Watches a streamed reply for a loop, on its last LOOP_WINDOW characters, every LOOP_CHECK_EVERY."""
 

@@ -200,3 +200,43 @@ async def test_a_looping_answer_is_stopped_cut_and_flagged(stack, timeouts_doc):
     assert completed["answer"] == result["answer"]
     # The cut reply sent no usage: its tokens are estimated, not counted as none.
     assert result["usage"]["prompt_tokens"] > 0 and result["usage"]["completion_tokens"] > 0
+
+
+# -- what fits in the model's context --------------------------------------------------------------
+
+def test_a_question_longer_than_the_context_can_answer_is_refused_before_any_model_call():
+    """7,980 Chinese characters passed the API's 8,000-character limit, and every attempt of the answer
+    overflowed llama.cpp's 4,096-token context until the turn parked and held its session."""
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.chat import ChatActivities
+    from models.chat import RetrieveInput
+    from ragline.llm import question_budget, too_long_a_question
+    from ragline.settings import Settings
+
+    settings = Settings(llm_context_tokens=4096, llm_max_tokens=512)
+    assert too_long_a_question("一线城市每晚住宿标准是多少？" * 100, settings) is None  # 1,400 tokens
+    reason = too_long_a_question("一线城市每晚住宿标准是多少？" * 570, settings)
+    assert reason is not None and f"leaves {question_budget(settings)} for a question" in reason
+    assert too_long_a_question("What is the limit? " * 300, settings) is None  # 5,700 characters, ~1,425 tokens
+    # A turn accepted before the API refused such questions (or by an API with other settings) fails at its
+    # first step, not retried, with the reason.
+    activities = ChatActivities(settings, None, None, None, None)  # nothing of them is reached
+    with pytest.raises(ApplicationError) as failure:
+        ActivityEnvironment().run(activities.retrieve_context, RetrieveInput(
+            question="一线城市每晚住宿标准是多少？" * 570, collection="zh", top_k=5))
+    assert failure.value.non_retryable and failure.value.type == "InputError"
+    assert "shorten it" in failure.value.message
+
+
+def test_the_answer_is_given_the_most_recent_turns_that_fit():
+    from activities.chat import recent_turns
+    from models.chat import HistoryItem
+
+    long_zh = [HistoryItem(question=f"第{i}个问题" + "很" * 590, answer="答" * 600) for i in range(4)]
+    kept = recent_turns(long_zh, room=2500)  # each turn about 1,200 tokens
+    assert [k.split("\n")[0][:6] for k in kept] == ["Q: 第2个", "Q: 第3个"]
+    short = [HistoryItem(question="Who counts the herds?", answer="The shepherd [1].")] * 4
+    assert len(recent_turns(short, room=2500)) == 4
+    assert recent_turns(long_zh, room=100) == []

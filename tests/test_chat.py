@@ -548,6 +548,11 @@ async def test_unknown_session_and_bad_requests(stack):
         assert r.status_code == 422 and r.json()["error"]["problems"][0]["field"] in body, (path, r.text)
     r = await stack.http.post("/v1/chats", json={"message": "hi", "session_id": "../x"})
     assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_session_id")
+    # Within 8,000 characters, but more tokens than the model's context could ever answer.
+    r = await stack.http.post("/v1/chats", json={"message": "一线城市每晚住宿标准是多少？" * 570})
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["field"]) == \
+        (422, "message_too_long", "message"), r.text
+    assert "RAGLINE_LLM_CONTEXT_TOKENS" in r.json()["error"]["message"]
     assert (await stack.http.post("/v1/chats", json={"message": "hi", "collection": "a b"})).status_code == 422
     # A body that is not JSON in UTF-8, or JSON cut off: 422 saying so, like every other bad body.
     for body, says in ((b'{"message": "caf\xe9"}', "could not be read"), (b'{"message": "hi', "not valid JSON")):

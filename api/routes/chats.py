@@ -33,6 +33,7 @@ from models.chat import (
 from models.inputs import NOT_BLANK
 from models.tenancy import workflow_id
 from ragline import tracing
+from ragline.llm import too_long_a_question
 from temporal import search_attributes as sa
 from workflows.chat import ChatSessionWorkflow
 
@@ -49,12 +50,14 @@ class ChatRequest(ChatQuestion):
 @router.post("", status_code=202, summary="Ask a question in a session; answers at once with a job",
              response_description=ACCEPTED,
              responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_session_id, "
-                                             "idempotency_key_reused",
+                                             "message_too_long, idempotency_key_reused",
                                         503: TEMPORAL_DOWN}))
 async def post_chat(req: ChatRequest, request: Request, client: ClientDep, caller: CallerDep,
                     settings: SettingsDep, timeout: RpcTimeoutDep, accepted: AcceptedDep,
                     idempotency_key: IdempotencyKeyDep = None) -> ChatAccepted:
     validate_collection(req.collection)
+    if (too_long := too_long_a_question(req.message, settings)) is not None:
+        raise ApiError(422, "message_too_long", too_long, field="message")
     if req.session_id is not None:
         session_id = validate_session_id(req.session_id)
     else:  # a new session; a keyed request names it by its key, so that resending it starts no other
