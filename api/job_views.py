@@ -460,9 +460,12 @@ async def _steps(client: Client, progress: JobProgress | None, desc) -> list[Ste
     steps = [s.model_copy() for s in progress.steps] if progress else []
     # Live retry information comes from the server's view of activities still pending.
     by_name = {s.name: s for s in steps}
-    for pending in desc.raw_description.pending_activities:
+    # A job that ended (cancelled during an activity's retry backoff, say) may still list the activity as
+    # pending: its step is what the job's own log says (cancelled), not "running" for ever.
+    live = desc.status == WorkflowExecutionStatus.RUNNING
+    for pending in desc.raw_description.pending_activities if live else ():
         step = by_name.get(pending.activity_type.name)
-        if step is None:
+        if step is None or step.status in _STEP_ENDED:
             continue
         step.attempts = max(step.attempts, pending.attempt)
         if pending.HasField("last_failure") and (message := await failure_message(client, pending.last_failure)):
@@ -477,6 +480,7 @@ async def _steps(client: Client, progress: JobProgress | None, desc) -> list[Ste
     return steps
 
 
+_STEP_ENDED = ("completed", "failed", "cancelled", "skipped")
 _ENDED_FROM_OUTSIDE = {WorkflowExecutionStatus.TERMINATED: "terminated",
                        WorkflowExecutionStatus.TIMED_OUT: "timed out"}
 

@@ -159,3 +159,31 @@ async def test_cancelling_an_agent_cancels_its_sub_agent_waiting_for_review(stac
         return not [item for item in reviews if item["job_id"].startswith(job_id)]
     await eventually(none_listed, what="no review of the cancelled tree listed")
 
+
+
+async def test_a_step_retrying_when_its_job_was_cancelled_shows_cancelled_not_running():
+    """Cancelled while `extract_entities` waited for its second attempt (the first timed out): Temporal may
+    still list the activity as pending with its last failure, and the step showed `running` for ever."""
+    from types import SimpleNamespace
+
+    from temporalio.api.common.v1 import ActivityType
+    from temporalio.api.failure.v1 import Failure
+    from temporalio.api.workflow.v1 import PendingActivityInfo
+    from temporalio.api.workflowservice.v1 import DescribeWorkflowExecutionResponse
+
+    from api.job_views import _steps
+    from models.jobs import JobProgress, StepState
+
+    pending = PendingActivityInfo(activity_type=ActivityType(name="extract_entities"), attempt=2,
+                                  last_failure=Failure(message="activity StartToClose timeout"))
+    raw = DescribeWorkflowExecutionResponse(pending_activities=[pending])
+    progress = JobProgress(job_id="j", kind="chat", status="cancelled", steps=[
+        StepState(name="generate_answer", status="completed", attempts=1),
+        StepState(name="extract_entities", status="cancelled", attempts=1)])
+    ended = SimpleNamespace(status=WorkflowExecutionStatus.CANCELED, raw_description=raw)
+    cancelled = await _steps(None, progress, ended)
+    assert {s.name: s.status for s in cancelled} == {"generate_answer": "completed", "extract_entities": "cancelled"}
+    # While the job runs, the same pending activity is the step's live retry: running, with why it failed.
+    progress.steps[1].status = "running"
+    live = await _steps(None, progress, SimpleNamespace(status=WorkflowExecutionStatus.RUNNING, raw_description=raw))
+    assert (live[1].status, live[1].attempts, live[1].error) == ("running", 2, "activity StartToClose timeout")

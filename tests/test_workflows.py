@@ -341,7 +341,8 @@ async def env(tmp_path_factory):
 
 
 @asynccontextmanager
-async def fake_worker(env: WorkflowEnvironment, fakes: Fakes, queue: str | None = None, *, sticky: bool = True):
+async def fake_worker(env: WorkflowEnvironment, fakes: Fakes, queue: str | None = None, *,
+                      sticky: bool = True):
     """The real workflows and the fakes on a fresh task queue (or `queue`, to stand for a worker that comes
     back) and its -cpu, -llm and -vector queues, as the worker runs them, under the test policy file loaded
     for the fakes' names. `sticky=False`: no workflow is cached, so no task waits for this worker once it
@@ -350,8 +351,9 @@ async def fake_worker(env: WorkflowEnvironment, fakes: Fakes, queue: str | None 
     activities = fakes.all()
     policies.load(FAST_POLICIES, [policies.activity_name(a) for a in activities])
     async with AsyncExitStack() as stack:
+        cache = {} if sticky else {"max_cached_workflows": 0}
         await stack.enter_async_context(Worker(env.client, task_queue=queue, workflows=worker.WORKFLOWS,
-                                               activities=activities, **({} if sticky else {"max_cached_workflows": 0})))
+                                               activities=activities, **cache))
         for kind in ("cpu", "llm", "vector"):
             await stack.enter_async_context(Worker(env.client, task_queue=queues.queue_name(queue, kind),
                                                    activities=activities))
@@ -531,8 +533,9 @@ async def test_an_upload_runs_the_document_itself_when_the_run_of_another_upload
         return DocumentOutcome.failed_from(req.workflow_id, CANCELLED)
     fakes = Fakes(awaited=cancelled_by_its_owner)
     async with fake_worker(env, fakes) as queue:
-        result = await env.client.execute_workflow(IngestWorkflow.run, IngestInput(collection="shared", documents=[doc]),
-                                                   id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+        upload = IngestInput(collection="shared", documents=[doc])
+        result = await env.client.execute_workflow(IngestWorkflow.run, upload, id=f"ingest-{uuid.uuid4().hex[:8]}",
+                                                   task_queue=queue)
     assert [(o.status, o.job_id) for o in result.documents] == [("indexed", child_id)]
     assert len(fakes.named("await_document")) == 1 and len(fakes.named("extract_text")) == 1
 
