@@ -292,15 +292,20 @@ class AnswerDeltas:
 
 
 def distinct(citations: list[Citation]) -> list[Citation]:
-    """One citation per quoted sentence of a document's page: adjacent chunks overlap (RAGLINE_CHUNK_OVERLAP),
-    and an answer citing both showed the same sentence twice. (A header repeated on other pages stays.)"""
-    seen: set[tuple[str, int, str]] = set()
-    kept = []
+    """One citation per quoted sentence of adjacent chunks of a document: they overlap (RAGLINE_CHUNK_OVERLAP),
+    and an answer citing both showed the same sentence twice, with two pages when the overlap crossed a page
+    break (each chunk carries the page it begins on). A header repeated on pages further apart stays."""
+    kept: list[Citation] = []
     for c in citations:
-        if not c.quote or (c.document_id, c.page, c.quote) not in seen:
-            seen.add((c.document_id, c.page, c.quote))
+        if not c.quote or not any(k.document_id == c.document_id and k.quote == c.quote and
+                                  abs(_chunk_index(k) - _chunk_index(c)) <= 1 for k in kept):
             kept.append(c)
     return kept
+
+
+def _chunk_index(c: Citation) -> int:
+    index = c.chunk_id.rsplit(":", 1)[-1]
+    return int(index) if index.isdigit() else -2  # not a chunk id of ours: adjacent to nothing
 
 
 def citation(hit: SearchHit, quote: str = "") -> Citation:

@@ -338,6 +338,13 @@ def test_an_answer_citing_two_overlapping_chunks_shows_their_shared_sentence_onc
             SearchHit(text=f"Elsewhere: {shared}", document_id="d2", filename="b.txt", page=1, chunk=0, score=0.7)]
     kept = distinct([citation(h, quote_for(answer, h.text)) for h in hits])
     assert [(c.document_id, c.chunk_id) for c in kept] == [("d1", "d1:0"), ("d2", "d2:0")]
+    # The overlap of chunks 15 and 16 crossed a page break: they begin on pages 5 and 6, one sentence still.
+    star = "I do not often go star-gazing, but last night I sat and watched."
+    across = [SearchHit(text=f"{star} Page six.", document_id="v", filename="v.pdf", page=6, chunk=16, score=0.9),
+              SearchHit(text=f"Page five. {star}", document_id="v", filename="v.pdf", page=5, chunk=15, score=0.8),
+              SearchHit(text=f"Much later. {star}", document_id="v", filename="v.pdf", page=9, chunk=30, score=0.7)]
+    kept = distinct([citation(h, quote_for(star, h.text)) for h in across])
+    assert [c.chunk_id for c in kept] == ["v:16", "v:30"]
 
 
 # -- ragline.embeddings.InferenceTurns ---------------------------------------------------------------
