@@ -174,6 +174,10 @@ async def test_one_request_resumes_every_parked_job_of_a_collection_after_an_out
 
         body = {"collection": collection, "operator": "ana", "reason": "provider back"}
         assert (await stack.member_http.post("/v1/dead-letters/retry", json=body)).status_code == 403
+        # Every field has a default, so no body at all means every parked job of the tenant (another tenant's
+        # here, with none of these two among them).
+        r = await stack.other_http.post("/v1/dead-letters/retry")
+        assert r.status_code == 200 and not parked & {j["job_id"] for j in r.json()["retried"]}, r.text
         r = await stack.http.post("/v1/dead-letters/retry", json={**body, "limit": 1})
         assert r.status_code == 200, r.text
         first = r.json()

@@ -118,8 +118,9 @@ class DeadLetterRetryResult(BaseModel):
 @dead_letters.post("/retry", summary="Resume every dead-lettered job (of a kind, of a collection) at its failed "
                                      "step, after an outage (reviewer key)",
                    responses=error_responses({403: "forbidden", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
-async def retry_dead_letters(req: DeadLetterRetry, client: ClientDep, caller: ReviewerDep, settings: SettingsDep,
-                             timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None) -> DeadLetterRetryResult:
+async def retry_dead_letters(client: ClientDep, caller: ReviewerDep, settings: SettingsDep, timeout: RpcTimeoutDep,
+                             idempotency_key: IdempotencyKeyDep = None,
+                             req: DeadLetterRetry = Body(default_factory=DeadLetterRetry)) -> DeadLetterRetryResult:
     """Each job is retried as by `POST /v1/jobs/{job_id}/retry`, and audited on its own. With an
     Idempotency-Key, a job the request already retried is not retried again when it is sent again."""
     extra = {sa.COLLECTION.name: req.collection} if req.collection else None
