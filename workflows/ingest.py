@@ -191,7 +191,7 @@ class IngestWorkflow(JobWorkflow):
             if outcome.status == "removed":
                 outcome = DocumentOutcome.failed_from(child_id, "removed again while this upload ran", doc.filename)
         if outcome.status == "indexed":
-            self.steps.complete(step, detail=f"{outcome.chunks} chunks from {outcome.pages} pages")
+            self.steps.complete(step, detail=f"{_count(outcome.chunks, 'chunk')} from {_count(outcome.pages, 'page')}")
         elif outcome.error == CANCELLED:
             self.steps.cancel(step)
         else:
@@ -244,3 +244,7 @@ def _step_names(documents: list[DocumentInput]) -> list[str]:
         n = seen[doc.filename]
         names.append(f"document:{doc.filename}" + (f" ({n})" if n > 1 else ""))
     return names
+
+
+def _count(n: int | None, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
