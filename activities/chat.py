@@ -28,7 +28,7 @@ from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
 from ragline.errors import InputError
 from ragline.llm import (
-    ChatModel, StreamedCompletion, estimate_tokens, prompt_budget, too_long_a_question,
+    ChatModel, StreamedCompletion, estimate_tokens, json_array_format, prompt_budget, too_long_a_question,
 )
 from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex
@@ -38,6 +38,11 @@ from models.jobs import EVENTS_TOPIC
 log = structlog.get_logger("ragline.chat")
 
 ENTITY_TYPES = {"PERSON", "ORG", "PLACE", "DATE", "PRODUCT", "OTHER"}
+MAX_ENTITIES = 10
+ENTITIES_FORMAT = json_array_format({
+    "type": "object", "required": ["text", "type"], "additionalProperties": False,
+    "properties": {"text": {"type": "string", "minLength": 1, "maxLength": 100},
+                   "type": {"enum": sorted(ENTITY_TYPES)}}}, max_items=MAX_ENTITIES)
 _CITATION = re.compile(r"\[(\d{1,2})\]")
 _CITATION_MARK = re.compile(r"\[\d*\]?")  # a citation mark, or one cut off ("[1")
 _NOT_WORDS = re.compile(r"[\W_]+")
@@ -196,14 +201,16 @@ class ChatActivities:
             return EntitiesOutput(entities=[], attempt=activity.info().attempt)
         messages = prompts.messages("extract_entities", passages=prompts.format_passages(passages),
                                     question=req.question)
+        # A server that takes JSON schemas (llama.cpp: RAGLINE_LLM_TOOL_CALLS=schema) holds the reply to the array.
+        held = {"response_format": ENTITIES_FORMAT} if self.model.constrained_tool_calls else {}
         async with heartbeating():
-            reply = await self.model.complete(messages, step="extract_entities")
+            reply = await self.model.complete(messages, step="extract_entities", **held)
             usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
             entities = parse_entities(reply.text)
             if entities is None:  # one corrective re-ask, then give up gracefully
                 messages += [{"role": "assistant", "content": reply.text},
                              {"role": "user", "content": prompts.text("extract_entities", "repair")}]
-                reply = await self.model.complete(messages, step="extract_entities")
+                reply = await self.model.complete(messages, step="extract_entities", **held)
                 usage = usage + Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
                 entities = parse_entities(reply.text)
         warnings = []
@@ -341,7 +348,7 @@ def parse_entities(text: str) -> list[Entity] | None:
             if key not in seen:
                 seen.add(key)
                 entities.append(Entity(text=item["text"].strip(), type=kind if kind in ENTITY_TYPES else "OTHER"))
-    return entities[:10]
+    return entities[:MAX_ENTITIES]
 
 
 def _first_list(text: str) -> list | None:

@@ -85,6 +85,13 @@ def tool_call_format(tools: list[dict]) -> dict:
         for t in tools]}}
 
 
+def json_array_format(item: dict, *, max_items: int) -> dict:
+    """llama.cpp's `response_format` for a reply that is a JSON array of `item`s, at most `max_items`: the
+    small local model asked for entities wrote prose, "[1]" or minutes of broken JSON; held to the grammar,
+    its reply is the array and nothing else."""
+    return {"type": "json_object", "schema": {"type": "array", "items": item, "maxItems": max_items}}
+
+
 @dataclass
 class ToolPlan:
     text: str
@@ -269,25 +276,27 @@ class ChatModel:
                                    completion_tokens=usage.completion_tokens, error_type=error_type)
 
     async def complete(self, messages: list[dict], *, step: str, temperature: float = 0.0,
-                       max_tokens: int | None = None) -> Completion:
+                       max_tokens: int | None = None, response_format: dict | None = None) -> Completion:
         """The whole reply. From a local model, read as a stream: a step stopped meanwhile (its job cancelled,
         a sibling failed) closes the connection, and llama.cpp's server stops generating; asked for in one
         piece, it generated to the end for nobody, holding the next calls behind it (minutes on a busy CPU)."""
         if not self.whole_replies_streamed:
             return await self._complete_in_one_piece(messages, step=step, temperature=temperature,
-                                                     max_tokens=max_tokens)
+                                                     max_tokens=max_tokens, response_format=response_format)
         result = StreamedCompletion(model=self.model)
-        async for _ in self.stream(messages, result, step=step, temperature=temperature, max_tokens=max_tokens):
+        async for _ in self.stream(messages, result, step=step, temperature=temperature, max_tokens=max_tokens,
+                                   response_format=response_format):
             pass
         return Completion(text=result.text, model=result.model, prompt_tokens=result.prompt_tokens,
                           completion_tokens=result.completion_tokens, repetition_cut=result.repetition_cut)
 
     async def _complete_in_one_piece(self, messages: list[dict], *, step: str, temperature: float,
-                                     max_tokens: int | None) -> Completion:
+                                     max_tokens: int | None, response_format: dict | None) -> Completion:
+        held_to = {"response_format": response_format} if response_format else {}
         with self._observed(step) as observed, translate_provider_errors(step):
             response = await self._client.chat.completions.create(
                 model=self.model, messages=self._mask(messages), temperature=temperature,
-                max_tokens=max_tokens or self.max_tokens, extra_headers=observed.headers)
+                max_tokens=max_tokens or self.max_tokens, extra_headers=observed.headers, **held_to)
             observed.take(response.usage)
         if not response.choices:
             raise TransientError(f"{step}: the model returned no choices")
@@ -320,7 +329,8 @@ class ChatModel:
                         completion_tokens=usage.completion_tokens if usage else 0)
 
     async def stream(self, messages: list[dict], result: StreamedCompletion, *, step: str,
-                     temperature: float = 0.0, max_tokens: int | None = None) -> AsyncIterator[str]:
+                     temperature: float = 0.0, max_tokens: int | None = None,
+                     response_format: dict | None = None) -> AsyncIterator[str]:
         """Yields pieces of the reply as they arrive; totals land in `result`. A reply that falls into a
         loop (`cut_repetition`) is not read further: its stream is closed, so the model stops generating,
         and `result` keeps the text up to the loop's first occurrence, with `repetition_cut` set."""
@@ -331,7 +341,7 @@ class ChatModel:
             response = await self._client.chat.completions.create(
                 model=self.model, messages=self._mask(messages), temperature=temperature,
                 max_tokens=max_tokens or self.max_tokens, stream=True, stream_options={"include_usage": True},
-                extra_headers=observed.headers)
+                extra_headers=observed.headers, **({"response_format": response_format} if response_format else {}))
             async with response:  # closed however the reading ends (a loop, a cancelled job): the model stops
                 async for chunk in response:
                     if chunk.model:
