@@ -45,6 +45,7 @@ ENTITIES_FORMAT = json_array_format({
                    "type": {"enum": sorted(ENTITY_TYPES)}}}, max_items=MAX_ENTITIES)
 _CITATION = re.compile(r"\[(\d{1,2})\]")
 _CITATION_MARK = re.compile(r"\[\d*\]?")  # a citation mark, or one cut off ("[1")
+_PASSAGE_HEAD = re.compile(r"\([^()]*, page \d+\)")  # "(zh.md, page 1)", as the prompt heads each passage
 _NOT_WORDS = re.compile(r"[\W_]+")
 # Content words: numbers, runs of 4+ letters outside CJK, and every overlapping pair of CJK
 # characters (Chinese has no spaces, so bigrams stand in for words).
@@ -168,7 +169,7 @@ class ChatActivities:
         warnings = [REPETITION_WARNING] if result.repetition_cut else []
         usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
         answer = result.text.strip()
-        if (no_answer := no_answer_warning(answer)) is not None:
+        if (no_answer := no_answer_warning(answer, req.question)) is not None:
             log.warning("the model's answer has no words of its own", reply=answer[:200])
             return GenerateOutput(answer=prompts.no_answer(req.question), cited=[], grounded=False, answered=False,
                                   model=result.model, usage=usage, warnings=[*warnings, no_answer],
@@ -402,14 +403,17 @@ def marked_passages(answer: str, count: int) -> list[int]:
     return sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= count})
 
 
-def no_answer_warning(reply: str) -> str | None:
-    """The warning for a reply with no words of its own ("", "[1] [2]", "[1"), which is no answer: it
-    says what the model gave instead, since "unverified" would suggest there was an answer to check.
-    None for a reply with words."""
-    if _NOT_WORDS.sub("", _CITATION_MARK.sub("", reply)):
+def no_answer_warning(reply: str, question: str = "") -> str | None:
+    """The warning for a reply with no words of its own ("", "[1] [2]", "[1"), or with the question's words
+    only ("[1] (zh.md, page 1) 那由谁审批？" for "那由谁审批？"), which is no answer: it says what the model gave
+    instead, since "unverified" would suggest there was an answer to check. None for a reply with words."""
+    shown = reply if len(reply) <= NO_ANSWER_SHOWN_CHARS else reply[:NO_ANSWER_SHOWN_CHARS] + "…"
+    words = _NOT_WORDS.sub("", _PASSAGE_HEAD.sub("", _CITATION_MARK.sub("", reply))).casefold()
+    if words:
+        if words == _NOT_WORDS.sub("", question).casefold():
+            return prompts.text("no_answer", "echo_warning").format(reply=shown)
         return None
     if _CITATION_MARK.search(reply):
-        shown = reply if len(reply) <= NO_ANSWER_SHOWN_CHARS else reply[:NO_ANSWER_SHOWN_CHARS] + "…"
         return prompts.text("no_answer", "markers_warning").format(reply=shown)
     return prompts.text("no_answer", "no_words_warning")
 

@@ -178,6 +178,18 @@ def test_a_long_run_of_markers_is_quoted_shortened():
 @pytest.mark.parametrize("reply", ["45", "An expired TLS certificate [1].", "斑马[1]", "[1] 45"])
 def test_a_reply_with_words_of_its_own_is_an_answer(reply):
     assert no_answer_warning(reply) is None
+    assert no_answer_warning(reply, "What expired?") is None
+
+
+@pytest.mark.parametrize("reply, question", [
+    ("[1] (zh.md, page 1) 那由谁审批？", "那由谁审批？"),  # the 0.5B model, on a follow-up (the walkthrough)
+    ("What expired? [1]", "What expired?"),
+    ("what EXPIRED", "What expired?"),
+])
+def test_a_reply_that_only_repeats_the_question_is_no_answer(reply, question):
+    warning = no_answer_warning(reply, question)
+    assert warning is not None and "repeated the question" in warning and "no answer" in warning
+    assert no_answer_warning(reply + " The certificate did [2].", question) is None  # it went on to answer
 
 
 # -- activities.chat.estimate_tokens -------------------------------------------------------------------
