@@ -10,7 +10,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.chat import cited_passages
 from activities.heartbeats import heartbeating
-from activities.search import find_passages
+from activities.search import find_passages, no_documents_warnings
 from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline import evaluation, prompts, relevance
 from ragline.blobstore import BlobStore
@@ -66,9 +66,21 @@ class EvaluationActivities:
             raise ApplicationError(str(exc), {"checkpoints": checkpoints}, type=type(exc).__name__) from exc
         outcomes += unsaved
         report = evaluation.summarise(req.collection, req.k, threshold, outcomes)
+        report.warnings = await asyncio.to_thread(self._warnings, req, questions)
         ref = await asyncio.to_thread(self.blobs.put, report.model_dump_json().encode("utf-8"))
         return EvaluationOutput(report=report.model_copy(update={"outcomes": []}), report_ref=ref,
                                 attempt=activity.info().attempt)
+
+    def _warnings(self, req: EvaluationInput, questions: list[evaluation.GoldenQuestion]) -> list[str]:
+        if warnings := no_documents_warnings(self.index, req.tenant, req.collection, []):
+            return warnings
+        expected = sorted({q.expected_document for q in questions if q.expected_document})
+        missing = [name for name in expected if not self.index.has_document(req.tenant, req.collection, name)]
+        if not missing:
+            return []
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        return [f"expected_document names no document of collection {req.collection} (its id, or its file name "
+                f"as uploaded): {shown}; their questions count as misses"]
 
     async def _outcome(self, req: EvaluationInput, q: evaluation.GoldenQuestion, threshold: float, *,
                        progress: dict) -> evaluation.QuestionOutcome:

@@ -102,6 +102,9 @@ class EvaluationReport(BaseModel):
     answer_accuracy: float | None = None
     citation_correctness: float | None = None
     threshold: float
+    # What makes the numbers mean less than they seem: a collection without the tenant's documents, an
+    # expected document it does not hold (a misspelt name scores as a miss, not as an error).
+    warnings: list[str] = []
     outcomes: list[QuestionOutcome] = []
 
 

@@ -310,6 +310,16 @@ class VectorIndex:
             found = models.Filter(must=must, must_not=[_PENDING] if searchable else None)
             return self.client.count(name, count_filter=found, exact=True).count
 
+    def has_document(self, tenant: str, collection: str, name: str) -> bool:
+        """Whether the tenant has a searchable document in the collection with this id or file name."""
+        with self._lock:
+            found = qdrant_collection(collection)
+            if not self.client.collection_exists(found):
+                return False
+            named = models.Filter(must=[_tenant(tenant)], must_not=[_PENDING], should=[
+                _document(name), models.FieldCondition(key="filename", match=models.MatchValue(value=name))])
+            return self.client.count(found, count_filter=named, exact=True).count > 0
+
     def search(self, tenant: str, collection: str, vector: list[float], top_k: int,
                text: str | None = None) -> list[Hit]:
         """The tenant's top_k passages for a query: hybrid (dense per language group + BM25, fused by

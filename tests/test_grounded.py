@@ -309,6 +309,16 @@ async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collect
         if (cursor := page.json()["next_cursor"]) is None:
             break
     assert {r.json()["job_id"], second.json()["job_id"]} <= set(paged) and len(paged) == len(set(paged)), paged
+    assert report["warnings"] == []
+    # A misspelt expected document, or a collection without the tenant's documents, is told, not only scored.
+    typo = await trusted.http.post("/v1/evaluations?collection=trust", content=b'{"question": "What was the root '
+                                   b'cause of incident 4711?", "expected_document": "postmortem-typo.txt"}')
+    empty = await trusted.http.post("/v1/evaluations?collection=nothing-here", content=golden.splitlines()[0].encode())
+    typo_job, empty_job = [await trusted.wait_job(x.json()["job_id"]) for x in (typo, empty)]
+    [warning] = typo_job["result"]["report"]["warnings"]
+    assert "postmortem-typo.txt" in warning and "trust" in warning, warning
+    [warning] = empty_job["result"]["report"]["warnings"]
+    assert "nothing-here" in warning, warning
     assert report["questions"] == 4 and report["in_corpus"] == 3 and report["out_of_corpus"] == 1
     assert report["recall_at_k"] == 1.0 and report["mrr"] == 1.0 and report["honest_refusals"] == 1.0
     # The scripted model always cites passage [1]; answers are scored only where an expected answer is given.
