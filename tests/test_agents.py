@@ -96,7 +96,7 @@ async def test_reject_finishes_with_a_partial_answer(stack):
         r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
                                   json={"decision": "approve", "reviewer": "ana", "requested_at": earlier})
         assert (r.status_code, r.json()["error"]["code"]) == (409, "not_waiting_for_review"), r.text
-        assert "no longer waiting" in r.json()["error"]["message"]
+        assert "is not the review this job waits on" in r.json()["error"]["message"]
         r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
                                   json={"decision": "reject", "reviewer": "ana", "comment": "deep enough",
                                         "requested_at": review["requested_at"]})

@@ -119,8 +119,9 @@ class Reviews:
                                    f"{self.decision.reviewer})", type="NotWaitingForReview")
         if decision.requested_at is not None and decision.requested_at != self.pending.requested_at:
             raise ApplicationError(
-                f"the review requested at {decision.requested_at.isoformat()} is no longer waiting; this job now "
-                f"waits on the one requested at {self.pending.requested_at.isoformat()}", type="NotWaitingForReview")
+                f"requested_at {decision.requested_at.isoformat()} is not the review this job waits on (requested "
+                f"at {self.pending.requested_at.isoformat()}): that one was decided or withdrawn, or never was",
+                type="NotWaitingForReview")
         if decision.extra_depth < 0 or any(v < 0 for v in decision.extra_budget.values()):
             raise ApplicationError("extensions cannot be negative", type="InvalidReview")
         unknown = set(decision.extra_budget) - BUDGET_KEYS
