@@ -158,6 +158,21 @@ async def test_a_document_older_than_the_retention_is_removed_from_the_collectio
     assert doc_id not in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
 
 
+async def _held_removal(stack, doc_id: str, collection: str):  # noqa: ANN001, ANN202
+    """A removal of the document (teapot.txt) that no worker takes: on a queue nobody polls, it runs as long as
+    the test wants."""
+    run = await stack.client.get_workflow_handle(stack.workflow_id(f"doc-{doc_id}")).describe()
+    return await stack.client.start_workflow(
+        RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=stack.tenant, document_id=doc_id, collection=collection,
+                                                        filename="teapot.txt", run_id=run.run_id,
+                                                        run_started_at=run.start_time),
+        id=removal_workflow_id(stack.tenant, doc_id), task_queue=f"nobody-{uuid.uuid4().hex[:6]}",
+        search_attributes=TypedSearchAttributes([
+            SearchAttributePair(sa.JOB_KIND, "remove_document"), SearchAttributePair(sa.JOB_STATUS, "queued"),
+            SearchAttributePair(sa.COLLECTION, collection), SearchAttributePair(sa.FILENAME, "teapot.txt"),
+            SearchAttributePair(sa.DOCUMENT_ID, doc_id), SearchAttributePair(sa.TENANT, stack.tenant)]))
+
+
 async def test_while_a_removal_runs_the_document_is_listed_so_its_bytes_wait_and_so_does_an_upload_reaching_it(stack):
     """A removal that no worker takes (held on a queue nobody polls, so it runs as long as the test wants):
     the document is listed as `removing`, an upload of its bytes is refused, and an upload that reaches it
@@ -167,16 +182,7 @@ async def test_while_a_removal_runs_the_document_is_listed_so_its_bytes_wait_and
     assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
     doc_id = body["documents"][0]["document_id"]
     doc_job = stack.workflow_id(f"doc-{doc_id}")
-    run = await stack.client.get_workflow_handle(doc_job).describe()
-    held = await stack.client.start_workflow(
-        RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=stack.tenant, document_id=doc_id, collection=collection,
-                                                        filename="teapot.txt", run_id=run.run_id,
-                                                        run_started_at=run.start_time),
-        id=removal_workflow_id(stack.tenant, doc_id), task_queue=f"nobody-{uuid.uuid4().hex[:6]}",
-        search_attributes=TypedSearchAttributes([
-            SearchAttributePair(sa.JOB_KIND, "remove_document"), SearchAttributePair(sa.JOB_STATUS, "queued"),
-            SearchAttributePair(sa.COLLECTION, collection), SearchAttributePair(sa.DOCUMENT_ID, doc_id),
-            SearchAttributePair(sa.TENANT, stack.tenant)]))
+    held = await _held_removal(stack, doc_id, collection)
     try:
         async def listed_as_removing() -> bool:
             documents = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
@@ -211,16 +217,7 @@ async def test_a_second_delete_while_the_removal_runs_answers_with_that_removal(
     assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
     doc_id = body["documents"][0]["document_id"]
     ingestion = stack.client.get_workflow_handle(stack.workflow_id(f"doc-{doc_id}"))
-    run = await ingestion.describe()
-    held = await stack.client.start_workflow(
-        RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=stack.tenant, document_id=doc_id, collection=collection,
-                                                        filename="teapot.txt", run_id=run.run_id,
-                                                        run_started_at=run.start_time),
-        id=removal_workflow_id(stack.tenant, doc_id), task_queue=f"nobody-{uuid.uuid4().hex[:6]}",
-        search_attributes=TypedSearchAttributes([
-            SearchAttributePair(sa.JOB_KIND, "remove_document"), SearchAttributePair(sa.JOB_STATUS, "queued"),
-            SearchAttributePair(sa.COLLECTION, collection), SearchAttributePair(sa.FILENAME, "teapot.txt"),
-            SearchAttributePair(sa.DOCUMENT_ID, doc_id), SearchAttributePair(sa.TENANT, stack.tenant)]))
+    held = await _held_removal(stack, doc_id, collection)
     try:
         # As the removal's forget step does; the server deletes in the background.
         await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
