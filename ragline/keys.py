@@ -166,24 +166,35 @@ def matching(path: Path, name: str | None = None, *, key_id: str | None = None) 
 
 
 def remove(path: Path, name: str | None = None, *, key_id: str | None = None) -> int:
-    """Drop the keys `matching` (the file is rewritten without comments, if any matched). Returns how many."""
-    data = load(path)
+    """Drop the keys `matching`: their `[[keys]]` tables go from the file, and everything else (tenants'
+    limits, comments, how numbers are written) stays as it was. Returns how many."""
     gone = {k.sha256 for k in matching(path, name, key_id=key_id)}
     if not gone:
         return 0
-    kept = [k for k in data.keys if k.sha256 not in gone]
-    out: list[str] = []
-    for k in kept:
-        out += ["[[keys]]"] + [f"{f} = {json.dumps(v)}" for f, v in k.model_dump(exclude_none=True).items()] + [""]
-    for tenant, limits in data.tenants.items():
-        out += [f"[tenants.{tenant}]"] + [f"{f} = {json.dumps(v)}" for f, v in
-                                          limits.model_dump(exclude_none=True).items()] + [""]
+    tables = _tables(path.read_text(encoding="utf-8"))
+    kept = [t for t in tables if (tomllib.loads(t).get("keys") or [{}])[0].get("sha256") not in gone]
+    text = "".join(kept)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(out))
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    load(tmp)  # still a valid keys file
     os.replace(tmp, path)
-    return len(data.keys) - len(kept)
+    return len(tables) - len(kept)
+
+
+def _tables(text: str) -> list[str]:
+    """The file's text cut into its tables, each from the comment lines right above its header to the next
+    table's (whatever comes before the first table is a piece of its own): joined, the text as it was."""
+    lines = text.splitlines(keepends=True)
+    starts = []
+    for i, line in enumerate(lines):
+        if line.startswith("["):
+            while i > 0 and lines[i - 1].lstrip().startswith("#"):
+                i -= 1
+            starts.append(i)
+    bounds = [0, *starts, len(lines)]
+    return ["".join(lines[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def main(argv: list[str] | None = None) -> int:

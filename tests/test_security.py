@@ -216,8 +216,13 @@ async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tm
     # Listed with its id, revoked by it: the API refuses it as soon as it re-reads the file.
     listed = keys("list")
     assert str(path) in listed.stderr and f"initech\treviewer\tops\t{entry.sha256[:12]}…" in listed.stdout
+    # What a person wrote in the file stays: comments, another key, a tenant's limits as written.
+    path.write_text(path.read_text() + "# the CI's key\n[[keys]]\ntenant = \"initech\"\nsha256 = \"" + "a" * 64 +
+                    "\"\nname = \"ci\"\n\n[tenants.initech]\nmax_upload_mb = 1   # keep PDFs short\n")
     assert keys("revoke", "--id", entry.sha256[:12] + "…").returncode == 0
-    assert api_keys.load(path).keys == [] and keys("revoke", "--name", "ops").returncode == 1
+    assert [k.name for k in api_keys.load(path).keys] == ["ci"] and keys("revoke", "--name", "ops").returncode == 1
+    assert "# the CI's key" in path.read_text() and "max_upload_mb = 1   # keep PDFs short" in path.read_text()
+    assert api_keys.digest(key) not in path.read_text()
     # The wrong folder: it says which file it looked for, rather than list nothing.
     elsewhere = subprocess.run([_python(), "-m", "ragline.keys", "--file", str(tmp_path / "none.toml"), "list"],
                                capture_output=True, text=True)
