@@ -65,15 +65,27 @@ REPETITION_WARNING = "the model repeated itself: its answer was cut where the re
 
 def recent_turns(history: list, room: int) -> list[str]:  # noqa: ANN001 - HistoryItem
     """The most recent turns, as the prompt shows them, that fit in `room` tokens together: a conversation
-    in Chinese (a token a character) overflowed a 4,096-token context with four long turns."""
+    in Chinese (a token a character) overflowed a 4,096-token context with four long turns. The latest turn is
+    always there, its end cut if it alone is too long: a follow-up ("and who approves it?") needs it."""
     kept: list[str] = []
     for turn in reversed(history):
         shown = f"Q: {turn.question}\nA: {turn.answer}"
-        room -= estimate_tokens(shown) + 1
-        if room < 0:
+        tokens = estimate_tokens(shown) + 1
+        if tokens > room:
+            if not kept and room > 0:
+                kept.append(_cut_to(shown, room))
             break
+        room -= tokens
         kept.append(shown)
     return kept[::-1]
+
+
+def _cut_to(text: str, tokens: int) -> str:
+    """`text`'s beginning, at most `tokens` tokens of it (by estimate_tokens), ending in "…"."""
+    keep = len(text) * tokens // max(1, estimate_tokens(text))
+    while keep > 0 and estimate_tokens(text[:keep]) + 1 > tokens:
+        keep -= max(1, keep // 20)
+    return text[:max(0, keep)].rstrip() + "…"
 
 
 class ChatActivities:
@@ -300,20 +312,21 @@ class AnswerDeltas:
 
 
 def distinct(citations: list[Citation]) -> list[Citation]:
-    """One citation per quoted sentence of adjacent chunks of a document: they overlap (RAGLINE_CHUNK_OVERLAP),
-    and an answer citing both showed the same sentence twice, with two pages when the overlap crossed a page
-    break (each chunk carries the page it begins on). A header repeated on pages further apart stays."""
+    """One citation per quoted sentence of a document's page, or of adjacent chunks: chunks overlap
+    (RAGLINE_CHUNK_OVERLAP), and an answer citing both showed the same sentence twice, with two pages when the
+    overlap crossed a page break (a chunk carries the page it begins on). A header repeated on pages further
+    apart stays."""
     kept: list[Citation] = []
     for c in citations:
         if not c.quote or not any(k.document_id == c.document_id and k.quote == c.quote and
-                                  abs(_chunk_index(k) - _chunk_index(c)) <= 1 for k in kept):
+                                  (k.page == c.page or _adjacent(k, c)) for k in kept):
             kept.append(c)
     return kept
 
 
-def _chunk_index(c: Citation) -> int:
-    index = c.chunk_id.rsplit(":", 1)[-1]
-    return int(index) if index.isdigit() else -2  # not a chunk id of ours: adjacent to nothing
+def _adjacent(a: Citation, b: Citation) -> bool:
+    ends = [c.chunk_id.rsplit(":", 1)[-1] for c in (a, b)]
+    return all(e.isdigit() for e in ends) and abs(int(ends[0]) - int(ends[1])) <= 1
 
 
 def citation(hit: SearchHit, quote: str = "") -> Citation:

@@ -8,7 +8,7 @@ import time
 from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -16,8 +16,8 @@ from activities.heartbeats import heartbeating
 
 from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
 from models.ingest import (
-    CANCELLED, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput, ForgetDocumentOutput, NewerRun,
-    RemovalConfirmed,
+    CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput,
+    ForgetDocumentOutput, NewerRun, RemovalConfirmed,
 )
 from models.jobs import StepResult
 from ragline.errors import InputError
@@ -38,8 +38,10 @@ class JobActivities:
                 outcome = await handle.result()
         except WorkflowFailureError as exc:
             cause = exc.cause
-            if isinstance(cause, CancelledError):  # a person cancelled that document's job
-                return DocumentOutcome.failed_from(req.workflow_id, CANCELLED)
+            if isinstance(cause, CancelledError):  # a person cancelled that document's job, or its upload
+                by_its_upload = await self._cancelled_by_parent(handle)
+                return DocumentOutcome.failed_from(req.workflow_id, CANCELLED_WITH_ITS_UPLOAD if by_its_upload
+                                                   else CANCELLED)
             return DocumentOutcome.failed_from(req.workflow_id, getattr(cause, "message", None) or str(cause))
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
@@ -48,6 +50,16 @@ class JobActivities:
         if req.removal_id and outcome.status == "indexed" and await self._removed_since(req):
             return self._removed(req)
         return outcome
+
+    @staticmethod
+    async def _cancelled_by_parent(handle: WorkflowHandle) -> bool:
+        """Whether the run's cancel came from its parent (the upload that started it was cancelled), not from
+        a person cancelling the document's own job (API, CLI, Web UI)."""
+        async for event in handle.fetch_history_events():
+            if event.HasField("workflow_execution_cancel_requested_event_attributes"):
+                asked = event.workflow_execution_cancel_requested_event_attributes
+                return bool(asked.external_workflow_execution.workflow_id)
+        return False
 
     async def _removed_since(self, req: AwaitDocumentInput) -> bool:
         """A removal asked for after the indexed run ended took it out (the run stays known until the

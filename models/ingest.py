@@ -33,6 +33,9 @@ class DocumentInput(BaseModel):
 
 
 CANCELLED = "cancelled"  # a document outcome's error when its job was cancelled (not its input's fault)
+# ... as another upload that waited for it sees it when the upload that started it was cancelled (not the
+# document's own job): that upload runs the document itself.
+CANCELLED_WITH_ITS_UPLOAD = "cancelled with the upload that started it"
 
 
 class DocumentOutcome(BaseModel):

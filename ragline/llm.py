@@ -191,10 +191,15 @@ def prompt_budget(settings: Settings) -> int:
     return max(0, settings.llm_context_tokens - settings.llm_max_tokens - PROMPT_TEXT_TOKENS)
 
 
+# A question of this many tokens is never refused, whatever the settings: a small context configured by
+# mistake shows in the model's errors, not as every chat message refused.
+MIN_QUESTION_TOKENS = 64
+
+
 def question_budget(settings: Settings) -> int:
     """The most a question may take: half the prompt's budget, so that the passages (or their summary) have
     the other half. A longer one could never be answered: the model would refuse every attempt."""
-    return prompt_budget(settings) // 2
+    return max(MIN_QUESTION_TOKENS, prompt_budget(settings) // 2)
 
 
 def too_long_a_question(question: str, settings: Settings) -> str | None:

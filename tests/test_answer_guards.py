@@ -220,6 +220,8 @@ def test_a_question_longer_than_the_context_can_answer_is_refused_before_any_mod
     reason = too_long_a_question("一线城市每晚住宿标准是多少？" * 570, settings)
     assert reason is not None and f"leaves {question_budget(settings)} for a question" in reason
     assert too_long_a_question("What is the limit? " * 300, settings) is None  # 5,700 characters, ~1,425 tokens
+    # A context configured smaller than the answer's tokens still takes a short question.
+    assert too_long_a_question("hi, what is the limit?", Settings(llm_context_tokens=712, llm_max_tokens=512)) is None
     # A turn accepted before the API refused such questions (or by an API with other settings) fails at its
     # first step, not retried, with the reason.
     activities = ChatActivities(settings, None, None, None, None)  # nothing of them is reached
@@ -233,10 +235,14 @@ def test_a_question_longer_than_the_context_can_answer_is_refused_before_any_mod
 def test_the_answer_is_given_the_most_recent_turns_that_fit():
     from activities.chat import recent_turns
     from models.chat import HistoryItem
+    from ragline.llm import estimate_tokens
 
     long_zh = [HistoryItem(question=f"第{i}个问题" + "很" * 590, answer="答" * 600) for i in range(4)]
     kept = recent_turns(long_zh, room=2500)  # each turn about 1,200 tokens
     assert [k.split("\n")[0][:6] for k in kept] == ["Q: 第2个", "Q: 第3个"]
     short = [HistoryItem(question="Who counts the herds?", answer="The shepherd [1].")] * 4
     assert len(recent_turns(short, room=2500)) == 4
-    assert recent_turns(long_zh, room=100) == []
+    # The latest turn alone too long for what is left: it is there all the same, its end cut.
+    [latest] = recent_turns(long_zh, room=370)
+    assert latest.startswith("Q: 第3个问题") and latest.endswith("…") and estimate_tokens(latest) <= 370
+    assert recent_turns(long_zh, room=0) == []

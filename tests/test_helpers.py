@@ -357,6 +357,9 @@ def test_an_answer_citing_two_overlapping_chunks_shows_their_shared_sentence_onc
               SearchHit(text=f"Much later. {star}", document_id="v", filename="v.pdf", page=9, chunk=30, score=0.7)]
     kept = distinct([citation(h, quote_for(star, h.text)) for h in across])
     assert [c.chunk_id for c in kept] == ["v:16", "v:30"]
+    # A text file is one page: the same sentence in chunks far apart on it is still one citation.
+    one_page = [h.model_copy(update={"page": 1}) for h in across]
+    assert [c.chunk_id for c in distinct([citation(h, quote_for(star, h.text)) for h in one_page])] == ["v:16"]
 
 
 # -- ragline.embeddings.InferenceTurns ---------------------------------------------------------------

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,9 +19,9 @@ import pytest_asyncio
 from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -39,7 +40,7 @@ from models.chat import (
 from models.jobs import OperatorRequest, StepResult, StepState
 from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
-    CANCELLED, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
+    CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
     ExtractInput, ExtractOutput, ForgetDocumentInput, ForgetDocumentOutput, IndexInput, IndexOutput, IngestInput,
     IngestResult, NewerRun, PruneInput, PruneOutput, RemovalConfirmed, RemoveDocumentInput, RemoveInput, SearchInput,
     SearchOutput, document_workflow_id, removal_workflow_id,
@@ -99,6 +100,7 @@ class Fakes:
     removed_documents: set[str] = field(default_factory=set)  # document jobs await_document finds removed
     awaited: Callable[[AwaitDocumentInput], Awaitable[DocumentOutcome]] | None = None  # await_document's answer
     publish_seconds: float = 0  # how long prune_stale_chunks (the publish) takes
+    publish_fails: bool = False  # ... and then it fails, retryably
     newer_run: NewerRun = field(default_factory=NewerRun)  # what await_newer_run finds
     calls: list[Call] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
@@ -164,6 +166,8 @@ class Fakes:
         call = self._start("prune_stale_chunks", req)
         await asyncio.sleep(self.publish_seconds)
         self._end(call)
+        if self.publish_fails:
+            raise ApplicationError("qdrant busy", type="TransientError")
         return PruneOutput(points=req.keep_chunks, attempt=call.attempt)
 
     @activity.defn(name="remove_document_chunks")
@@ -338,6 +342,12 @@ async def env(tmp_path_factory):
         namespace=env.client.namespace, search_attributes={k.name: k.indexed_value_type for k in sa.ALL}))
     yield env
     await env.shutdown()
+
+
+async def _on_the_dev_server(temporal_env: WorkflowEnvironment, tmp_path: Path) -> SimpleNamespace:
+    """The session's real dev server as `fake_worker` takes an environment, with Ragline's data converter."""
+    return SimpleNamespace(client=await Client.connect(temporal_env.client.service_client.config.target_host,
+                                                       data_converter=build_data_converter(Settings(data_dir=tmp_path))))
 
 
 @asynccontextmanager
@@ -520,24 +530,60 @@ async def test_an_upload_that_finds_its_document_removed_since_ingests_it_anew(e
     assert len(fakes.named("extract_text")) == 2  # the document's job ran again
 
 
-async def test_an_upload_runs_the_document_itself_when_the_run_of_another_upload_it_waited_for_was_cancelled(env):
+@pytest.mark.parametrize("cancelled, runs_it", [(CANCELLED_WITH_ITS_UPLOAD, True), (CANCELLED, False)])
+async def test_an_upload_runs_the_document_itself_when_the_upload_whose_run_it_waited_for_was_cancelled(
+        env, cancelled, runs_it):
     """Upload A started the document's job (held here on a queue nobody polls); upload B, with the same file,
-    waits for that run, and a person cancels A's: B runs the document itself instead of failing its copy."""
+    waits for that run. A person cancels upload A: B runs the document itself instead of failing its copy. A
+    person who cancelled the document's own job meant the document: B's copy shows cancelled."""
     doc = document("report.pdf", "shared")
     child_id = document_workflow_id(doc.tenant, doc.document_id)
     held = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, id=child_id,
                                            task_queue=f"nobody-{uuid.uuid4().hex[:6]}")
 
-    async def cancelled_by_its_owner(req: AwaitDocumentInput) -> DocumentOutcome:
-        await held.terminate(reason="test: upload A cancelled")
-        return DocumentOutcome.failed_from(req.workflow_id, CANCELLED)
-    fakes = Fakes(awaited=cancelled_by_its_owner)
+    async def cancelled_meanwhile(req: AwaitDocumentInput) -> DocumentOutcome:
+        await held.terminate(reason="test: cancelled")
+        return DocumentOutcome.failed_from(req.workflow_id, cancelled)
+    fakes = Fakes(awaited=cancelled_meanwhile)
     async with fake_worker(env, fakes) as queue:
-        upload = IngestInput(collection="shared", documents=[doc])
-        result = await env.client.execute_workflow(IngestWorkflow.run, upload, id=f"ingest-{uuid.uuid4().hex[:8]}",
-                                                   task_queue=queue)
-    assert [(o.status, o.job_id) for o in result.documents] == [("indexed", child_id)]
-    assert len(fakes.named("await_document")) == 1 and len(fakes.named("extract_text")) == 1
+        upload = IngestInput(collection="shared", documents=[doc, document("notes.txt", "shared")])
+        handle = await env.client.start_workflow(IngestWorkflow.run, upload, id=f"ingest-{uuid.uuid4().hex[:8]}",
+                                                 task_queue=queue)
+        result = await handle.result()
+        steps = {s.name: s.status for s in (await handle.query(IngestWorkflow.progress)).steps}
+    outcome = result.documents[0]
+    assert (outcome.status, outcome.job_id) == (("indexed", child_id) if runs_it else ("failed", child_id))
+    assert steps["document:report.pdf"] == ("completed" if runs_it else "cancelled"), steps
+    assert len(fakes.named("extract_text")) == (2 if runs_it else 1)  # report.pdf (when run), notes.txt
+
+
+async def test_an_upload_waiting_for_a_document_tells_a_cancel_of_its_upload_from_one_of_the_document(
+        temporal_env, tmp_path):
+    """The real `await_document`: a document run cancelled because the upload that started it was cancelled
+    (its parent asked) is told from one a person cancelled directly. (On the real dev server: the time-skipping
+    one does not say who asked for a cancel.)"""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.jobs import JobActivities
+
+    env = await _on_the_dev_server(temporal_env, tmp_path)
+
+    for by_its_upload in (True, False):
+        fakes = Fakes(embed_held=asyncio.Event())
+        doc = document("a.txt", "which-cancel")
+        child_id = document_workflow_id(doc.tenant, doc.document_id)
+        async with fake_worker(env, fakes) as queue:
+            upload = await env.client.start_workflow(IngestWorkflow.run, IngestInput(collection="c", documents=[doc]),
+                                                     id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+            await eventually(lambda: _asyncify(fakes.named("embed_chunks")), timeout=20, what="the document running")
+            waiting = asyncio.create_task(ActivityEnvironment().run(
+                JobActivities(env.client).await_document, AwaitDocumentInput(workflow_id=child_id)))
+            await (upload if by_its_upload else env.client.get_workflow_handle(child_id)).cancel()
+            outcome = await asyncio.wait_for(waiting, 30)
+            fakes.embed_held.set()
+            with pytest.raises(WorkflowFailureError):
+                await upload.result()
+        assert outcome.error == (CANCELLED_WITH_ITS_UPLOAD if by_its_upload else CANCELLED), (by_its_upload, outcome)
 
 
 async def test_a_cancel_during_the_publish_comes_too_late_and_the_document_is_indexed(env):
@@ -553,6 +599,26 @@ async def test_a_cancel_during_the_publish_comes_too_late_and_the_document_is_in
         outcome = await handle.result()
     assert outcome.status == "indexed" and outcome.chunks == 5
     assert not fakes.named("remove_document_chunks"), fakes.calls
+
+
+async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(temporal_env, tmp_path):
+    """Asked to cancel, the server does not retry the publish that then fails: that is the job's cancel (it
+    ended failed, "qdrant busy", with nothing retried), and the document's pending chunks go. (On the real
+    dev server: the time-skipping one retries the failed attempt all the same.)"""
+    fakes = Fakes(publish_seconds=1.5, publish_fails=True)
+    doc = document("a.txt", "late-cancel-fails")
+    env = await _on_the_dev_server(temporal_env, tmp_path)
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
+                                                 id=document_workflow_id(doc.tenant, doc.document_id))
+        await eventually(lambda: _asyncify(fakes.named("prune_stale_chunks")), timeout=20, what="the publish")
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError) as ended:
+            await handle.result()
+        steps = {s.name: s.status for s in (await handle.query(IngestDocumentWorkflow.progress)).steps}
+    assert isinstance(ended.value.cause, CancelledError), ended.value.cause
+    assert steps["prune_stale_chunks"] == "cancelled" and len(fakes.named("prune_stale_chunks")) == 1
+    assert fakes.one("remove_document_chunks").arg.pending_only
 
 
 async def test_a_failed_document_removes_its_chunks_after_the_batches_in_flight_have_ended(env):

@@ -27,8 +27,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.ingest import IngestActivities
     from activities.jobs import JobActivities
     from models.ingest import (
-        CANCELLED, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, ExtractInput,
-        IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput, document_workflow_id, removal_workflow_id,
+        CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput,
+        DocumentOutcome, EmbedInput, ExtractInput, IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput, document_workflow_id, removal_workflow_id,
     )
     from ragline import metrics
     from temporal import policies
@@ -52,9 +52,9 @@ PAGES_PATCH = "document-pages-shown-after-extraction"
 # for that step: published, the document is indexed and the job completes. Before, the undo ran beside the
 # publish, found nothing pending and the job ended cancelled with every chunk of it found by searches.
 PUBLISH_SETTLES_PATCH = "document-publish-settles-before-a-cancel"
-# An upload that waited for the document's run another upload started, and saw it fail or be cancelled,
-# runs the document once itself (with its own password and limits). Before, it took that outcome as its
-# own: a person cancelling upload A failed upload B's copy of the file.
+# An upload that waited for the document's run another upload started, and saw it cancelled with that
+# upload, runs the document once itself. Before, it took that outcome as its own: a person cancelling
+# upload A failed upload B's copy of the file.
 OWN_RUN_PATCH = "upload-runs-a-document-another-upload-failed"
 
 
@@ -175,7 +175,7 @@ class IngestWorkflow(JobWorkflow):
         if indexed == 0:
             reasons = "; ".join(f"{o.filename}: {o.error}" for o in outcomes)
             # A person cancelled them all: the upload's files were not at fault.
-            kind = "Cancelled" if all(o.error == CANCELLED for o in outcomes) else "InputError"
+            kind = "Cancelled" if all(o.error in _CANCELLED for o in outcomes) else "InputError"
             raise ApplicationError(f"no document could be ingested: {reasons}", result.model_dump(mode="json"),
                                    type=kind, non_retryable=True)
         return result
@@ -192,7 +192,7 @@ class IngestWorkflow(JobWorkflow):
                 outcome = DocumentOutcome.failed_from(child_id, "removed again while this upload ran", doc.filename)
         if outcome.status == "indexed":
             self.steps.complete(step, detail=f"{_count(outcome.chunks, 'chunk')} from {_count(outcome.pages, 'page')}")
-        elif outcome.error == CANCELLED:
+        elif outcome.error in _CANCELLED:
             self.steps.cancel(step)
         else:
             self.steps.fail(step, outcome.error or "failed")
@@ -223,14 +223,18 @@ class IngestWorkflow(JobWorkflow):
             outcome = await self.call(JobActivities.await_document,
                                       AwaitDocumentInput(workflow_id=child_id, removal_id=removal), step=step)
             outcome.filename = outcome.filename or doc.filename
-            if outcome.status == "failed" and again and workflow.patched(OWN_RUN_PATCH):
-                # Another upload's run: its cancel, its password, its operator's discard are not this upload's.
+            if outcome.error == CANCELLED_WITH_ITS_UPLOAD and again and workflow.patched(OWN_RUN_PATCH):
+                # That upload's cancel is not this one's. (A person who cancelled the document's own job, or an
+                # operator who discarded it, meant the document: that outcome stands.)
                 return await self._document_run(doc, step, WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
                                                 again=False)
             return outcome
         except ChildWorkflowError as exc:
             reason = CANCELLED if is_cancelled_exception(exc) else failure_reason(exc)
             return DocumentOutcome.failed_from(child_id, reason, doc.filename)
+
+
+_CANCELLED = (CANCELLED, CANCELLED_WITH_ITS_UPLOAD)
 
 
 def _step_names(documents: list[DocumentInput]) -> list[str]:

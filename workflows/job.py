@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 
 from temporalio import workflow
 from temporalio.exceptions import (
-    ActivityError, ApplicationError, ChildWorkflowError, FailureError, is_cancelled_exception,
+    ActivityError, ApplicationError, ChildWorkflowError, FailureError, RetryState, is_cancelled_exception,
 )
 
 with workflow.unsafe.imports_passed_through():
@@ -43,6 +43,10 @@ with workflow.unsafe.imports_passed_through():
     from workflows.waits import PersonWaits
 
 R = TypeVar("R")
+# A step that waits for its activity to take a cancel (WAIT_CANCELLATION_COMPLETED) and then sees it fail with a
+# retryable error is not retried by the server once the job's cancel was asked (retry state CANCEL_REQUESTED):
+# that is the job's cancel, and the job ends cancelled. Earlier histories replay ending failed.
+CANCEL_REQUESTED_IS_CANCEL_PATCH = "step-failed-after-cancel-request-is-cancelled"
 
 
 class _FellBack(Exception):
@@ -240,6 +244,10 @@ class JobWorkflow:
                 if is_cancelled_exception(exc):  # the job was cancelled: the step stopped, it did not fail
                     self.steps.cancel(step)
                     raise
+                cancel_asked = exc.retry_state == RetryState.CANCEL_REQUESTED
+                if cancel_asked and workflow.patched(CANCEL_REQUESTED_IS_CANCEL_PATCH):
+                    self.steps.cancel(step)
+                    raise asyncio.CancelledError(f"cancelled while {step} ended: {failure_reason(exc)}") from exc
                 reason = failure_reason(exc)
                 if not exhausted_retries(exc):
                     self.steps.fail(step, reason, attempts=failed_attempt(exc))
