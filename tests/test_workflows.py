@@ -40,10 +40,10 @@ from models.chat import (
 from models.jobs import OperatorRequest, StepResult, StepState
 from models.tenancy import GateState, JobIds, SlotGrant, SlotRequest
 from models.ingest import (
-    CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome, EmbedInput, EmbedOutput,
-    ExtractInput, ExtractOutput, ForgetDocumentInput, ForgetDocumentOutput, IndexInput, IndexOutput, IngestInput,
-    IngestResult, NewerRun, PruneInput, PruneOutput, RemovalConfirmed, RemoveDocumentInput, RemoveInput, SearchInput,
-    SearchOutput, document_workflow_id, removal_workflow_id,
+    CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput, DocumentOutcome,
+    EmbedInput, EmbedOutput, ExtractInput, ExtractOutput, ForgetDocumentInput, ForgetDocumentOutput, IndexInput,
+    IndexOutput, IngestInput, IngestResult, NewerRun, PruneInput, PruneOutput, RemovalConfirmed, RemoveDocumentInput,
+    RemoveInput, SearchInput, SearchOutput, document_workflow_id, removal_workflow_id,
 )
 from ragline.settings import Settings
 from temporal import policies, queues
@@ -346,8 +346,9 @@ async def env(tmp_path_factory):
 
 async def _on_the_dev_server(temporal_env: WorkflowEnvironment, tmp_path: Path) -> SimpleNamespace:
     """The session's real dev server as `fake_worker` takes an environment, with Ragline's data converter."""
+    converter = build_data_converter(Settings(data_dir=tmp_path))
     return SimpleNamespace(client=await Client.connect(temporal_env.client.service_client.config.target_host,
-                                                       data_converter=build_data_converter(Settings(data_dir=tmp_path))))
+                                                       data_converter=converter))
 
 
 @asynccontextmanager

@@ -28,7 +28,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.ingest import (
         CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput,
-        DocumentOutcome, EmbedInput, ExtractInput, IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput, document_workflow_id, removal_workflow_id,
+        DocumentOutcome, EmbedInput, ExtractInput, IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput,
+        document_workflow_id, removal_workflow_id,
     )
     from ragline import metrics
     from temporal import policies
