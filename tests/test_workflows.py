@@ -19,7 +19,7 @@ import pytest_asyncio
 from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
@@ -344,11 +344,11 @@ async def env(tmp_path_factory):
     await env.shutdown()
 
 
-async def _on_the_dev_server(temporal_env: WorkflowEnvironment, tmp_path: Path) -> SimpleNamespace:
-    """The session's real dev server as `fake_worker` takes an environment, with Ragline's data converter."""
-    converter = build_data_converter(Settings(data_dir=tmp_path))
-    return SimpleNamespace(client=await Client.connect(temporal_env.client.service_client.config.target_host,
-                                                       data_converter=converter))
+def _on_the_dev_server(stack) -> SimpleNamespace:  # noqa: ANN001
+    """The shared stack's real dev server as `fake_worker` takes an environment: through the stack's client,
+    so what these workflows leave in its history is encrypted with the stack's keys (a blob sweep of the
+    namespace stops at any payload it cannot read)."""
+    return SimpleNamespace(client=stack.client)
 
 
 @asynccontextmanager
@@ -559,7 +559,7 @@ async def test_an_upload_runs_the_document_itself_when_the_upload_whose_run_it_w
 
 
 async def test_an_upload_waiting_for_a_document_tells_a_cancel_of_its_upload_from_one_of_the_document(
-        temporal_env, tmp_path):
+        stack):
     """The real `await_document`: a document run cancelled because the upload that started it was cancelled
     (its parent asked) is told from one a person cancelled directly. (On the real dev server: the time-skipping
     one does not say who asked for a cancel.)"""
@@ -567,7 +567,7 @@ async def test_an_upload_waiting_for_a_document_tells_a_cancel_of_its_upload_fro
 
     from activities.jobs import JobActivities
 
-    env = await _on_the_dev_server(temporal_env, tmp_path)
+    env = _on_the_dev_server(stack)
 
     for by_its_upload in (True, False):
         fakes = Fakes(embed_held=asyncio.Event())
@@ -602,13 +602,13 @@ async def test_a_cancel_during_the_publish_comes_too_late_and_the_document_is_in
     assert not fakes.named("remove_document_chunks"), fakes.calls
 
 
-async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(temporal_env, tmp_path):
+async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(stack):
     """Asked to cancel, the server does not retry the publish that then fails: that is the job's cancel (it
     ended failed, "qdrant busy", with nothing retried), and the document's pending chunks go. (On the real
     dev server: the time-skipping one retries the failed attempt all the same.)"""
     fakes = Fakes(publish_seconds=1.5, publish_fails=True)
     doc = document("a.txt", "late-cancel-fails")
-    env = await _on_the_dev_server(temporal_env, tmp_path)
+    env = _on_the_dev_server(stack)
     async with fake_worker(env, fakes) as queue:
         handle = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
                                                  id=document_workflow_id(doc.tenant, doc.document_id))
