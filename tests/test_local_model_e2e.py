@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,11 +32,18 @@ def local_llm() -> str:
     stop()
 
 
-async def test_real_local_model_answers_from_an_ingested_document(temporal_env, scripted_llm, local_llm, tmp_path):
+SHIPPED_POLICIES = Path(__file__).resolve().parent.parent / "temporal" / "policies.toml"
+
+
+async def test_real_local_model_answers_from_an_ingested_document(temporal_env, scripted_llm, local_llm, tmp_path,
+                                                                  restore_policies):
+    """On the policies `make run` ships: the model serves one call at a time, so a side step may wait
+    behind the answer for longer than the test suite's 10 s timeouts on a busy host (it then timed out
+    on every attempt and the turn was dead-lettered)."""
     address = temporal_env.client.service_client.config.target_host
     async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-local-llm",
                              llm_base_url=local_llm, llm_model="local", llm_timeout=240,
-                             llm_max_tokens=96) as stack:
+                             llm_max_tokens=96, policies=SHIPPED_POLICIES) as stack:
         body = await stack.upload(("lighthouse.txt", DOCUMENT.encode()), collection="e2e")
         assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
         accepted = await stack.chat("Who is the keeper of Brightwater Lighthouse?", collection="e2e")
