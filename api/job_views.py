@@ -17,7 +17,7 @@ from typing import TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel
-from temporalio.api.enums.v1 import PendingWorkflowTaskState
+from temporalio.api.enums.v1 import PendingActivityState, PendingWorkflowTaskState
 from temporalio.api.failure.v1 import Failure
 from temporalio.client import (
     Client, WorkflowExecution, WorkflowExecutionDescription, WorkflowExecutionStatus, WorkflowFailureError,
@@ -463,14 +463,22 @@ async def _steps(client: Client, progress: JobProgress | None, desc) -> list[Ste
     # A job that ended (cancelled during an activity's retry backoff, say) may still list the activity as
     # pending: its step is what the job's own log says (cancelled), not "running" for ever.
     live = desc.status == WorkflowExecutionStatus.RUNNING
+    waiting, under_way = set(), set()
     for pending in desc.raw_description.pending_activities if live else ():
         step = by_name.get(pending.activity_type.name)
         if step is None or step.status in _STEP_ENDED:
             continue
-        step.attempts = max(step.attempts, pending.attempt)
+        # Scheduled, not started: no attempt of it runs now (it waits for a worker's slot, or its next attempt).
+        scheduled = pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED
+        (waiting if scheduled else under_way).add(step.name)
+        step.attempts = max(step.attempts, pending.attempt - 1 if scheduled else pending.attempt)
         if pending.HasField("last_failure") and (message := await failure_message(client, pending.last_failure)):
             step.error = message
             step.status = "running"
+    # A step of many calls (a document's batches) waits only while none of its calls runs.
+    for name in waiting - under_way:
+        if by_name[name].status == "running":
+            by_name[name].status = "waiting"
     # Ended from outside (`temporal workflow terminate`, a run timeout): the job's own bookkeeping never ran,
     # and its steps under way would show running for ever.
     if (ended := _ENDED_FROM_OUTSIDE.get(desc.status)) is not None:

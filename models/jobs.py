@@ -12,7 +12,7 @@ from models.review import ReviewRecord
 
 JobStatus = Literal["queued", "running", "waiting_review", "completed", "failed", "dead_lettered", "cancelled"]
 JobKind = Literal["ingest", "ingest_document", "remove_document", "chat", "agent", "evaluation"]
-StepStatus = Literal["pending", "running", "completed", "failed", "skipped", "dead_lettered", "cancelled"]
+StepStatus = Literal["pending", "waiting", "running", "completed", "failed", "skipped", "dead_lettered", "cancelled"]
 
 JOB_KINDS: tuple[str, ...] = get_args(JobKind)
 OPEN_STATUSES: tuple[str, ...] = ("queued", "running", "waiting_review", "dead_lettered")

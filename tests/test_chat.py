@@ -234,7 +234,8 @@ async def test_a_held_answer_is_reviewed_while_the_summary_and_entities_run(stac
         try:
             [review] = await waiting_reviews(stack, first, timeout=30)
             steps = {s["name"]: s["status"] for s in (await stack.http.get(f"/v1/jobs/{first}")).json()["steps"]}
-            assert steps["summarize_context"] == steps["extract_entities"] == "running"
+            # Under way: running, or waiting for the model's slot or a next attempt.
+            assert {steps["summarize_context"], steps["extract_entities"]} <= {"running", "waiting"}, steps
             second = await stack.chat(f"And from what? {llm.token}", session_id=session, collection="chat")
             r = await stack.http.post(f"/v1/jobs/{first}/review", json={
                 "decision": "revise", "reviewer": "editor", "answer": "The rangers count them from the air [1]."})

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 
 from ragline import audit
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.service import RPCError
 
 from api.job_views import failure_message
@@ -246,7 +247,8 @@ async def test_a_retrying_step_shows_what_failed_it(stack, dlq_docs):
             except RPCError:  # its session has not started the job yet
                 return None
             pending = [p for p in desc.raw_description.pending_activities
-                       if p.activity_type.name == "generate_answer" and p.attempt >= 2]
+                       if p.activity_type.name == "generate_answer" and p.attempt >= 2
+                       and p.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED]  # not in its backoff
             return pending[0].last_failure if pending and pending[0].HasField("last_failure") else None
 
         failure = await eventually(retrying, every=0.02, what="generate_answer's second attempt")

@@ -13,16 +13,18 @@ from pathlib import Path
 import httpx
 import pytest
 from temporalio import activity, workflow
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateStage
 from temporalio.contrib.workflow_streams import PollInput, PollResult
 from temporalio.worker import Worker
 
 import worker
+from api.job_views import _steps
 from api.routes.events import _progress_event
 from temporal import policies
 from tests.conftest import running_stack, shared_pdf
 from tests.helpers import eventually, read_events, waiting_reviews
+from models.jobs import JobProgress, StepState
 from workflows.events import JobEvents
 
 
@@ -224,6 +226,47 @@ async def test_the_progress_event_tells_a_step_that_runs_from_one_waiting_for_a_
     assert running["step"] == waiting["step"] == "held_step"
     assert running["running_for_s"] >= 0 and running["waiting_for_s"] is None
     assert waiting["waiting_for_s"] >= 0 and waiting["running_for_s"] is None
+
+
+@activity.defn(name="other_held_step")
+async def other_held_step() -> None:
+    await asyncio.Event().wait()
+
+
+SCHEDULED, STARTED = (PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED,
+                      PendingActivityState.PENDING_ACTIVITY_STATE_STARTED)
+
+
+@workflow.defn(name="OneStepWaitsOneRunsTwice", sandboxed=False)
+class OneStepWaitsOneRunsTwice:
+    @workflow.run
+    async def run(self, queue: str) -> None:
+        options = {"start_to_close_timeout": timedelta(minutes=5)}
+        nobody = f"{queue}-nobody-polls"
+        await asyncio.gather(workflow.execute_activity("held_step", task_queue=queue, **options),
+                             workflow.execute_activity("held_step", task_queue=nobody, **options),
+                             workflow.execute_activity("other_held_step", task_queue=nobody, **options))
+
+
+async def test_a_job_shows_a_step_no_worker_has_picked_up_as_waiting(temporal_env):
+    """`GET /v1/jobs/{id}`: a step whose activity waits for a worker's slot (a local model's one slot is
+    busy) shows `waiting` with no attempt made, not `running`; a step of many calls (a document's
+    batches) runs while any of its calls does."""
+    client, queue = temporal_env.client, f"steps-{uuid.uuid4().hex[:8]}"
+    shown = JobProgress(status="running", steps=[StepState(name="held_step", status="running"),
+                                                 StepState(name="other_held_step", status="running")])
+    async with Worker(client, task_queue=queue, workflows=[OneStepWaitsOneRunsTwice], activities=[held_step]):
+        handle = await client.start_workflow(OneStepWaitsOneRunsTwice.run, queue, id=queue, task_queue=queue)
+        try:
+            async def all_pending() -> list | None:
+                desc = await handle.describe()
+                states = sorted(p.state for p in desc.raw_description.pending_activities)
+                return await _steps(client, shown, desc) if states == [SCHEDULED, SCHEDULED, STARTED] else None
+            steps = await eventually(all_pending, what="two calls waiting, one running")
+        finally:
+            await handle.terminate("test over")
+    assert [(s.name, s.status, s.attempts) for s in steps] == [("held_step", "running", 1),
+                                                               ("other_held_step", "waiting", 0)]
 
 
 @workflow.defn(name="EndsWhileWatched", sandboxed=False)
