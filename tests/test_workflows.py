@@ -353,19 +353,22 @@ def _on_the_dev_server(stack) -> SimpleNamespace:  # noqa: ANN001
 
 @asynccontextmanager
 async def fake_worker(env: WorkflowEnvironment, fakes: Fakes, queue: str | None = None, *,
-                      sticky: bool = True):
+                      sticky: bool = True, runs: str = "both"):
     """The real workflows and the fakes on a fresh task queue (or `queue`, to stand for a worker that comes
     back) and its -cpu, -llm and -vector queues, as the worker runs them, under the test policy file loaded
     for the fakes' names. `sticky=False`: no workflow is cached, so no task waits for this worker once it
-    has gone (the test server never hands a sticky task on to another worker)."""
+    has gone (the test server never hands a sticky task on to another worker). `runs`: "workflows" or
+    "activities" for one part alone (the fakes go on while no workflow runs, say); one queue takes one of each."""
     queue = queue or f"wf-{uuid.uuid4().hex[:8]}"
     activities = fakes.all()
     policies.load(FAST_POLICIES, [policies.activity_name(a) for a in activities])
     async with AsyncExitStack() as stack:
         cache = {} if sticky else {"max_cached_workflows": 0}
-        await stack.enter_async_context(Worker(env.client, task_queue=queue, workflows=worker.WORKFLOWS,
-                                               activities=activities, **cache))
-        for kind in ("cpu", "llm", "vector"):
+        parts = {} if runs == "activities" else {"workflows": worker.WORKFLOWS, **cache}
+        if runs != "workflows":
+            parts["activities"] = activities
+        await stack.enter_async_context(Worker(env.client, task_queue=queue, **parts))
+        for kind in ("cpu", "llm", "vector") if runs != "workflows" else ():
             await stack.enter_async_context(Worker(env.client, task_queue=queues.queue_name(queue, kind),
                                                    activities=activities))
         yield queue
@@ -602,13 +605,38 @@ async def test_a_cancel_during_the_publish_comes_too_late_and_the_document_is_in
     assert not fakes.named("remove_document_chunks"), fakes.calls
 
 
-async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(stack):
-    """Asked to cancel, the server does not retry the publish that then fails: that is the job's cancel (it
-    ended failed, "qdrant busy", with nothing retried), and the document's pending chunks go. (On the real
-    dev server: the time-skipping one retries the failed attempt all the same.)"""
-    fakes = Fakes(publish_seconds=1.5, publish_fails=True)
+async def test_a_publish_that_ends_as_the_cancel_comes_stands(env):
+    """No workflow worker runs while the publish ends and a person cancels: both reach the job in one
+    workflow task. The publish's result stands and the document is indexed (the SDK raises a cancel in
+    place of a result it brings with it, if the job had asked the publish to stop: the job ended cancelled
+    with every chunk of its document found)."""
+    fakes = Fakes(publish_seconds=1.0)
+    doc = document("a.txt", "cancel-with-publish")
+    async with fake_worker(env, fakes, runs="activities") as queue:
+        async with fake_worker(env, fakes, queue, sticky=False, runs="workflows"):
+            handle = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
+                                                     id=document_workflow_id(doc.tenant, doc.document_id))
+            await eventually(lambda: _asyncify(fakes.named("prune_stale_chunks")), timeout=20, what="the publish")
+
+        async def published() -> bool:  # recorded, with no workflow worker to see it
+            return any([e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED and
+                        e.activity_task_completed_event_attributes.scheduled_event_id == scheduled
+                        async for e in handle.fetch_history_events()])
+        scheduled = max([e.event_id async for e in handle.fetch_history_events()
+                         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED])
+        await eventually(published, timeout=20, what="the publish's completion in the history")
+        await handle.cancel()
+        async with fake_worker(env, fakes, queue, runs="workflows"):
+            outcome = await handle.result()
+    assert outcome.status == "indexed" and outcome.chunks == 5
+    assert not fakes.named("remove_document_chunks"), fakes.calls
+
+
+async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(env):
+    """A cancel lets the publish run to its end: when it then fails for good, that is the job's cancel
+    (nothing is parked for an operator), and the document's pending chunks go."""
+    fakes = Fakes(publish_seconds=0.5, publish_fails=True)
     doc = document("a.txt", "late-cancel-fails")
-    env = _on_the_dev_server(stack)
     async with fake_worker(env, fakes) as queue:
         handle = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
                                                  id=document_workflow_id(doc.tenant, doc.document_id))
@@ -616,9 +644,12 @@ async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(
         await handle.cancel()
         with pytest.raises(WorkflowFailureError) as ended:
             await handle.result()
-        steps = {s.name: s.status for s in (await handle.query(IngestDocumentWorkflow.progress)).steps}
+        progress = await handle.query(IngestDocumentWorkflow.progress)
     assert isinstance(ended.value.cause, CancelledError), ended.value.cause
-    assert steps["prune_stale_chunks"] == "cancelled" and len(fakes.named("prune_stale_chunks")) == 1
+    steps = {s.name: s.status for s in progress.steps}
+    assert steps["prune_stale_chunks"] == "cancelled" and not progress.dead_letters
+    attempts = policies.policy("prune_stale_chunks").retry.maximum_attempts
+    assert len(fakes.named("prune_stale_chunks")) == attempts  # its retries ran: nothing asked it to stop
     assert fakes.one("remove_document_chunks").arg.pending_only
 
 

@@ -53,6 +53,9 @@ PAGES_PATCH = "document-pages-shown-after-extraction"
 # for that step: published, the document is indexed and the job completes. Before, the undo ran beside the
 # publish, found nothing pending and the job ended cancelled with every chunk of it found by searches.
 PUBLISH_SETTLES_PATCH = "document-publish-settles-before-a-cancel"
+# ... and the publish is not asked to stop at all: a cancel that reached the job in the workflow task bringing
+# the publish's result dropped that result (the job ended cancelled, its document found).
+PUBLISH_NOT_CUT_PATCH = "document-publish-not-cut-short-by-a-cancel"
 # An upload that waited for the document's run another upload started, and saw it cancelled with that
 # upload, runs the document once itself. Before, it took that outcome as its own: a person cancelling
 # upload A failed upload B's copy of the file.
@@ -81,9 +84,10 @@ class IngestDocumentWorkflow(JobWorkflow):
             await self._embed_and_index(doc, chunked)
             publish_options = {"cancellation_type": ActivityCancellationType.WAIT_CANCELLATION_COMPLETED} \
                 if workflow.patched(PUBLISH_SETTLES_PATCH) else {}
-            await self.step(IngestActivities.prune_stale_chunks, PruneInput(
+            publish = self.step(IngestActivities.prune_stale_chunks, PruneInput(
                 tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks),
                 **publish_options)
+            await (self.not_cut_short(publish) if workflow.patched(PUBLISH_NOT_CUT_PATCH) else publish)
         except (Exception, asyncio.CancelledError):
             # Batches indexed before the failure would be found once published: they go. Chunks an earlier
             # run published (the same bytes, indexed longer ago than the retention) stay found.
