@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI
 
 from api import errors, observability
 from api.auth import Guard, authenticate
-from api.cursors import CursorSigner
+from api.cursors import CursorSigner, PasswordTags
 from api.job_views import RecentlyAccepted
 from api.limits import BodyLimit
 from api.streams import JobStreams
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.codec = app.state.client.data_converter.payload_codec
         # Listing cursors are signed with a key derived from the payload keys every API process shares.
         app.state.cursors = CursorSigner.for_deployment(settings.effective_codec_keys_file)
+        app.state.password_tags = PasswordTags.for_deployment(settings.effective_codec_keys_file)
         # What was built at start lives as long as the process: keep it out of the collector's full
         # passes, which otherwise walk every imported module's objects during a burst of requests.
         gc.freeze()

@@ -32,8 +32,13 @@ LABEL = b"ragline/listing-cursor/v1"
 TAG_BYTES = 16
 
 
+def derived_key(payload_key: bytes, label: bytes) -> bytes:
+    """A key for one use (`label`) derived from a payload key, which itself never signs anything."""
+    return hmac.new(payload_key, label, hashlib.sha256).digest()
+
+
 def cursor_key(payload_key: bytes) -> bytes:
-    return hmac.new(payload_key, LABEL, hashlib.sha256).digest()
+    return derived_key(payload_key, LABEL)
 
 
 def invalid_cursor() -> ApiError:
@@ -94,3 +99,24 @@ def _tag(key: bytes, query: str, token: bytes) -> bytes:
     encoded = query.encode()
     message = len(encoded).to_bytes(4, "big") + encoded + token
     return hmac.new(key, message, hashlib.sha256).digest()[:TAG_BYTES]
+
+
+class PasswordTags:
+    """A tag of an upload's password for its job id: the same files re-sent with another password (the right
+    one, while the first upload still waits to run) are another upload, not a duplicate of the first. Keyed,
+    so the id that a tenant's members see tells nothing about the password."""
+
+    LABEL = b"ragline/upload-password/v1"
+
+    def __init__(self, payload_key: bytes) -> None:
+        self._key = derived_key(payload_key, self.LABEL)
+
+    @classmethod
+    def for_deployment(cls, codec_keys_file: Path) -> PasswordTags:
+        # The current key: after a rotation, a re-sent upload with a password is a new upload job (its
+        # documents are still run once: their jobs are named by their bytes).
+        keys = KeysFile(codec_keys_file).keys
+        return cls(keys.keys[keys.current])
+
+    def tag(self, password: str | None) -> str:
+        return hmac.new(self._key, password.encode(), hashlib.sha256).hexdigest()[:16] if password else ""

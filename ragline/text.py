@@ -57,6 +57,9 @@ _PDF_MAGIC_WINDOW = 1024  # readers accept the header anywhere in the first KiB
 _SNIFF_TEXT_BYTES = 8192
 _ALLOWED_CONTROLS = frozenset("\t\n\r\f\v")
 _MAX_CONTROL_RATIO = 0.01
+# Why an encrypted PDF was not read: another upload of it with a password of its own tries that one.
+WRONG_PASSWORD = "encrypted: wrong password"
+PASSWORD_REQUIRED = "encrypted: password required"
 
 
 def sniff_kind(head: bytes) -> Literal["pdf", "text"] | None:
@@ -155,9 +158,7 @@ def _open_pdf(data: bytes, password: str | None) -> PdfReader:
             raise
         except Exception as exc:
             raise _corrupt(exc) from None
-    if password:
-        raise InputError("encrypted: wrong password")
-    raise InputError("encrypted: password required")
+    raise InputError(WRONG_PASSWORD if password else PASSWORD_REQUIRED)
 
 
 def _count_pages(reader: PdfReader) -> int:

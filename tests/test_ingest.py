@@ -149,14 +149,18 @@ async def test_encrypted_pdf_needs_the_right_password(stack):
     assert no_pw["status"] == "failed"
     assert "encrypted: password required" in no_pw["error"]["message"]
 
-    wrong = await stack.wait_job((await stack.upload(("enc.pdf", data), collection="ingest-enc",
-                                                     password="nope"))["job_id"])
-    assert wrong["status"] == "failed" and "encrypted: wrong password" in wrong["error"]["message"]
-
+    # The right password sent at once after a wrong one: another upload, not a duplicate of the first
+    # (which may still wait to run), and the document is indexed with it.
+    wrong = await stack.upload(("enc.pdf", data), collection="ingest-enc", password="nope")
     right = await stack.upload(("enc.pdf", data), collection="ingest-enc", password="password")
+    assert right["job_id"] != wrong["job_id"] and not right["duplicate"]
+    wrong = await stack.wait_job(wrong["job_id"])
+    assert wrong["status"] == "failed" and "encrypted: wrong password" in wrong["error"]["message"]
     job = await stack.wait_job(right["job_id"])
     assert job["status"] == "completed", job
     assert _outcomes(job)["enc.pdf"]["chunks"] >= 1
+    again = await stack.upload(("enc.pdf", data), collection="ingest-enc", password="password")
+    assert (again["job_id"], again["duplicate"]) == (right["job_id"], True)
 
 
 async def test_unprocessable_documents_fail_with_a_reason_and_no_retries(stack):

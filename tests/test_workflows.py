@@ -46,6 +46,7 @@ from models.ingest import (
     RemoveInput, SearchInput, SearchOutput, document_workflow_id, removal_workflow_id,
 )
 from ragline.settings import Settings
+from ragline.text import PASSWORD_REQUIRED, WRONG_PASSWORD
 from temporal import policies, queues
 from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
@@ -559,6 +560,36 @@ async def test_an_upload_runs_the_document_itself_when_the_upload_whose_run_it_w
     assert (outcome.status, outcome.job_id) == (("indexed", child_id) if runs_it else ("failed", child_id))
     assert steps["document:report.pdf"] == ("completed" if runs_it else "cancelled"), steps
     assert len(fakes.named("extract_text")) == (2 if runs_it else 1)  # report.pdf (when run), notes.txt
+
+
+@pytest.mark.parametrize("password, refusal, runs_it", [
+    ("right", WRONG_PASSWORD, True), ("right", PASSWORD_REQUIRED, True),
+    (None, PASSWORD_REQUIRED, False), ("right", "corrupt PDF: bad xref", False)])
+async def test_an_upload_with_a_password_runs_a_document_that_failed_on_another_uploads(
+        env, password, refusal, runs_it):
+    """Upload A (a wrong password, or none) started the document's job; upload B, the same file with a
+    password of its own, waits for that run, which fails on A's password: B runs the document once with its
+    own instead of failing its copy. Any other failure of the document stands for B too."""
+    doc = document("report.pdf", "locked").model_copy(update={"password": password})
+    child_id = document_workflow_id(doc.tenant, doc.document_id)
+    held = await env.client.start_workflow(IngestDocumentWorkflow.run, doc, id=child_id,
+                                           task_queue=f"nobody-{uuid.uuid4().hex[:6]}")
+
+    async def failed_meanwhile(req: AwaitDocumentInput) -> DocumentOutcome:
+        await held.terminate(reason="test: failed")
+        return DocumentOutcome.failed_from(req.workflow_id, f"step extract_text failed: {refusal}")
+    fakes = Fakes(awaited=failed_meanwhile)
+    async with fake_worker(env, fakes) as queue:
+        upload = env.client.execute_workflow(IngestWorkflow.run, IngestInput(collection="locked", documents=[doc]),
+                                             id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+        if runs_it:
+            [outcome] = (await upload).documents
+            assert (outcome.status, outcome.job_id) == ("indexed", child_id)
+        else:
+            with pytest.raises(WorkflowFailureError) as failed:  # its only document failed
+                await upload
+            assert refusal in str(failed.value.cause)
+    assert [c.arg.password for c in fakes.named("extract_text")] == ([password] if runs_it else [])
 
 
 async def test_an_upload_waiting_for_a_document_tells_a_cancel_of_its_upload_from_one_of_the_document(

@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         document_workflow_id, removal_workflow_id,
     )
     from ragline import metrics
+    from ragline.text import PASSWORD_REQUIRED, WRONG_PASSWORD
     from temporal import policies
     from temporal import search_attributes as sa
     from workflows.failures import failure_reason
@@ -56,6 +57,9 @@ PUBLISH_SETTLES_PATCH = "document-publish-settles-before-a-cancel"
 # ... and the publish is not asked to stop at all: a cancel that reached the job in the workflow task bringing
 # the publish's result dropped that result (the job ended cancelled, its document found).
 PUBLISH_NOT_CUT_PATCH = "document-publish-not-cut-short-by-a-cancel"
+# An upload with a password that waited for the document's run another upload started, and saw it fail on
+# that upload's password (a wrong one, or none), runs the document once itself, with its own.
+OWN_PASSWORD_PATCH = "upload-tries-its-own-password"
 # An upload that waited for the document's run another upload started, and saw it cancelled with that
 # upload, runs the document once itself. Before, it took that outcome as its own: a person cancelling
 # upload A failed upload B's copy of the file.
@@ -233,6 +237,10 @@ class IngestWorkflow(JobWorkflow):
                 # operator who discarded it, meant the document: that outcome stands.)
                 return await self._document_run(doc, step, WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
                                                 again=False)
+            if again and doc.password and _refused_a_password(outcome.error) and workflow.patched(OWN_PASSWORD_PATCH):
+                # That run had its upload's password (or none); this upload brings its own.
+                return await self._document_run(doc, step, WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+                                                again=False)
             return outcome
         except ChildWorkflowError as exc:
             reason = CANCELLED if is_cancelled_exception(exc) else failure_reason(exc)
@@ -240,6 +248,10 @@ class IngestWorkflow(JobWorkflow):
 
 
 _CANCELLED = (CANCELLED, CANCELLED_WITH_ITS_UPLOAD)
+
+
+def _refused_a_password(error: str | None) -> bool:
+    return any(refusal in (error or "") for refusal in (WRONG_PASSWORD, PASSWORD_REQUIRED))
 
 
 def _step_names(documents: list[DocumentInput]) -> list[str]:

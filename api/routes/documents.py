@@ -52,8 +52,8 @@ def document_id(tenant: str, collection: str, sha256: str) -> str:
     return hashlib.sha256(f"{tenant}\n{collection}\n{sha256}".encode()).hexdigest()[:32]
 
 
-def ingest_job_id(tenant: str, collection: str, document_ids: list[str]) -> str:
-    key = collection + "\n" + "\n".join(sorted(document_ids))
+def ingest_job_id(tenant: str, collection: str, document_ids: list[str], password_tag: str = "") -> str:
+    key = collection + "\n" + "\n".join(sorted(document_ids)) + (f"\npassword {password_tag}" if password_tag else "")
     return workflow_id(tenant, "ingest-" + hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
@@ -154,7 +154,8 @@ async def upload_documents(
             max_documents=limits.max_documents or settings.tenant_max_documents,
             metrics_collection_label=settings.metrics_collection_label))
     await _refuse_documents_being_removed(client, caller.tenant, documents, timeout)
-    job_id = ingest_job_id(caller.tenant, collection, list(documents))
+    job_id = ingest_job_id(caller.tenant, collection, list(documents),
+                           request.app.state.password_tags.tag(password or None))
     duplicate = await _already_done_or_running(client, job_id, caller.tenant, list(documents), timeout)
     if not duplicate:
         starting(request, job_id)
