@@ -265,7 +265,7 @@ class Fakes:
         call = self._start("agent_plan", req)
         self._end(call)
         assert self.plan is not None, "this test did not say how the agent plans"
-        return self.plan(req)
+        return self.plan(req).model_copy(update={"attempt": call.attempt})
 
     @activity.defn(name="search_documents")
     async def search_documents(self, req: SearchDocumentsInput) -> SearchDocumentsOutput:
@@ -1068,6 +1068,22 @@ async def test_an_agent_that_only_repeats_its_search_stops_with_what_it_found(ba
                                                    id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
     assert result.status == "stopped" and len(fakes.named("search_documents")) == 1
     assert result.answer == "Stopped before finishing. What was found: found nothing about tides"
+
+
+async def test_a_plan_that_took_two_attempts_counts_two_model_calls(env):
+    """The budget counts what may have been paid for: a first attempt that timed out after the model had
+    written its reply cost a call too."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if activity.info().attempt == 1:
+            raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
+        return finish("counted", tokens=15)
+
+    fakes = Fakes(plan=plan)
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships"),
+                                                   id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    assert (result.status, result.llm_calls, result.tokens) == ("finished", 2, 15)
+    assert [p.attempt for p in fakes.named("agent_plan")] == [1, 2]
 
 
 async def test_agent_that_finishes_at_once(bare_env):

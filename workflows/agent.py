@@ -69,6 +69,9 @@ DELEGATED_ONCE_PATCH = "agent-sub-goal-delegated-once"
 # no review asked. (A sub-agent terminated, or past its run timeout, still cannot tell.)
 CANCELLED_CHILD_SPEND_PATCH = "agent-counts-cancelled-child-spend"
 CANCELLED_CHILD_SPEND_SIGNAL = "cancelled_child_spend"
+# A plan that succeeded on its n-th attempt counts n model calls: an attempt that timed out or lost its
+# worker may have had its reply written (and paid for). Earlier agents counted one call per plan.
+PLAN_ATTEMPTS_PATCH = "agent-counts-every-plan-attempt"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -202,7 +205,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             plan = await self.step(AgentActivities.agent_plan, PlanInput(
                 goal=inp.goal, instructions=instructions, observations=self.observations[-MAX_OBSERVATIONS:],
                 depth=inp.depth, max_depth=self.max_depth, correction=correction), name=f"plan {turn}")
-            self.spent.add(Spend(llm_calls=1, tokens=plan.prompt_tokens + plan.completion_tokens))
+            calls = max(1, plan.attempt) if workflow.patched(PLAN_ATTEMPTS_PATCH) else 1
+            self.spent.add(Spend(llm_calls=calls, tokens=plan.prompt_tokens + plan.completion_tokens))
             correction = None
             problems = ([f"malformed tool call: {plan.malformed}"] if plan.malformed else []) + [
                 f"tool error: {call.error}" for call in plan.calls if call.error]
