@@ -162,14 +162,27 @@ def llm_spec(settings: Settings) -> ProcessSpec:
 PROMETHEUS_DIR = PROJECT_ROOT / "deploy" / "prometheus"
 
 
+def worker_metrics_targets(settings: Settings) -> dict[str, str]:
+    """host:port of each worker process's metrics, by process name (RAGLINE_WORKERS: one port each, from
+    RAGLINE_WORKER_METRICS_PORT on); none when worker metrics are off."""
+    if not settings.worker_metrics_port:
+        return {}
+    host = _connect_host(settings.worker_metrics_host)
+    return {spec.name: f"{host}:{spec.env.get('RAGLINE_WORKER_METRICS_PORT', settings.worker_metrics_port)}"
+            for spec in worker_specs(settings)}
+
+
 def prometheus_config(settings: Settings) -> str:
-    """deploy/prometheus/prometheus.yml with its targets set to where this run's processes listen."""
+    """deploy/prometheus/prometheus.yml with its targets set to where this run's processes listen: every
+    worker process of RAGLINE_WORKERS among them (a scrape of the first alone left the model's errors, the
+    llm queue's slots and the other roles' steps out of every alert)."""
     text = (PROMETHEUS_DIR / "prometheus.yml").read_text()
     api = f"{_connect_host(settings.api_host)}:{settings.api_port}"
-    worker = f"{_connect_host(settings.worker_metrics_host)}:{settings.worker_metrics_port}"
+    workers = ", ".join(f'"{target}"' for target in worker_metrics_targets(settings).values())
     temporal = f"{_connect_host(settings.temporal_host)}:{settings.temporal_port + 11}"
-    for default, actual in (("127.0.0.1:8000", api), ("127.0.0.1:9464", worker), ("127.0.0.1:7244", temporal)):
-        text = text.replace(f'"{default}"', f'"{actual}"')
+    for default, actual in (('"127.0.0.1:8000"', f'"{api}"'), ('"127.0.0.1:9464"', workers),
+                            ('"127.0.0.1:7244"', f'"{temporal}"')):
+        text = text.replace(default, actual)
     return text
 
 
@@ -642,7 +655,7 @@ class Supervisor:
             *self._key_lines(),
             f"  Temporal Web UI: {ui}",
             f"  Metrics:         {api_base_url(s)}/metrics (API), "
-            + (f"http://{_connect_host(s.worker_metrics_host)}:{s.worker_metrics_port}/metrics (worker)"
+            + (", ".join(f"http://{target}/metrics ({name})" for name, target in worker_metrics_targets(s).items())
                if s.worker_metrics_port else "worker metrics off (RAGLINE_WORKER_METRICS_PORT=0)"),
             f"  Prometheus:      " + (f"http://127.0.0.1:{s.prometheus_port}/classic/alerts" if s.prometheus
                                       else "off (RAGLINE_PROMETHEUS=1 starts it on deploy/prometheus/)"),

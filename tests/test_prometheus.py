@@ -20,6 +20,8 @@ import httpx
 import pytest
 import yaml
 
+from devtools.supervisor import prometheus_config, worker_specs
+from ragline.settings import Settings
 from tests.conftest import TEMPORAL_METRICS_PORT, free_port, running_stack, worker_metrics_url
 from tests.helpers import eventually
 from tests.pdfgen import pdf_bytes
@@ -52,6 +54,22 @@ def test_promtool_accepts_the_rules_and_the_config_and_the_alerts_fire_on_their_
         assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS: 7 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
                                                       capture_output=True, text=True).stdout
+
+
+def test_make_runs_prometheus_scrapes_every_worker_process_of_a_scale_out(tmp_path):
+    """`RAGLINE_PROMETHEUS=1 make run` with RAGLINE_WORKERS: the config it writes passes promtool and scrapes
+    each worker process on the metrics port that process is given (the first alone was scraped: the model's
+    errors and the llm queue's slots, in the llm workers, were in no alert)."""
+    settings = Settings(workers="workflows:1,cpu:1,llm:2,vector:1", worker_metrics_port=45400)
+    written = tmp_path / "prometheus.yml"
+    written.write_text(prometheus_config(settings))
+    shutil.copy(RULES, tmp_path / "rules.yml")
+    done = subprocess.run([_require("promtool"), "check", "config", str(written)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    jobs = {j["job_name"]: j for j in yaml.safe_load(written.read_text())["scrape_configs"]}
+    scraped = [t for c in jobs["ragline-worker"]["static_configs"] for t in c["targets"]]
+    given = [f"127.0.0.1:{spec.env['RAGLINE_WORKER_METRICS_PORT']}" for spec in worker_specs(settings)]
+    assert sorted(scraped) == sorted(given) and len(set(given)) == 5, (scraped, given)
 
 
 def _metric_names(expr: str) -> set[str]:
