@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 import structlog
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from models.tenancy import TENANT_PATTERN
 
@@ -45,7 +45,12 @@ Role = Literal["member", "reviewer", "operator", "codec"]
 KEY_PREFIX = "rgl_"
 
 
+# Strict: a misspelt limit (`request_per_minute`) is refused with the line's name, not read as no limit at all.
+_STRICT = ConfigDict(extra="forbid")
+
+
 class KeyEntry(BaseModel):
+    model_config = _STRICT
     tenant: str = Field(pattern=TENANT_PATTERN)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     name: str | None = None
@@ -54,6 +59,7 @@ class KeyEntry(BaseModel):
 
 
 class TenantLimits(BaseModel):
+    model_config = _STRICT
     max_running_jobs: int | None = Field(None, ge=1)
     max_upload_mb: float | None = Field(None, gt=0)
     max_pages: int | None = Field(None, ge=1)
@@ -64,6 +70,7 @@ class TenantLimits(BaseModel):
 
 
 class KeysFile(BaseModel):
+    model_config = _STRICT
     keys: list[KeyEntry] = []
     tenants: dict[str, TenantLimits] = {}
 

@@ -246,6 +246,23 @@ def test_a_broken_edit_of_the_keys_file_keeps_the_keys_read_before(tmp_path):
         api_keys.KeyRing(broken).find(first)
 
 
+def test_a_misspelt_limit_in_the_keys_file_is_refused_with_its_name(tmp_path, caplog):
+    """`request_per_minute = 5` (for requests_per_minute) or `max_upload_MB`: read as no limit at all, the
+    operator's limit went unenforced without a word. Now the edit is refused with the line's name, and the
+    limits read before stay in force."""
+    path = tmp_path / "keys.toml"
+    key = api_keys.create(path, "acme", "member", "slow", requests_per_minute=5)
+    path.write_text(path.read_text() + "\n[tenants.acme]\nmax_upload_mb = 1\n")
+    ring = api_keys.KeyRing(path)
+    assert (ring.find(key).requests_per_minute, ring.limits("acme").max_upload_mb) == (5, 1)
+    for right, wrong in (("requests_per_minute", "request_per_minute"), ("max_upload_mb", "max_upload_MB")):
+        path.write_text(path.read_text().replace(right, wrong))
+        with pytest.raises(api_keys.KeysFileError, match=wrong):
+            api_keys.load(path)
+        assert (ring.find(key).requests_per_minute, ring.limits("acme").max_upload_mb) == (5, 1)
+        path.write_text(path.read_text().replace(wrong, right))
+
+
 async def test_a_key_over_its_rate_gets_429_with_retry_after(stack):
     key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "slow", requests_per_minute=3)
     async with _client(stack, key) as http:
