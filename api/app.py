@@ -33,6 +33,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         logs.configure(settings.log_level, settings.log_json, redact=settings.redact_pii)
         logging.getLogger("uvicorn.access").addFilter(HideCodecKey())
         app.state.settings = settings
+        # A keys file that does not read stops the API here, with the reason, rather than fail every request.
+        guard.keys.read()
         app.state.blobs = BlobStore(settings.blob_dir)
         # Lazy: the API starts (and /healthz says why) even while Temporal is still down.
         app.state.client = await connect(settings, lazy=True, identity="ragline-api")

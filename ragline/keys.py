@@ -132,6 +132,10 @@ class KeyRing:
             self._by_digest = {k.sha256: k for k in self._file.keys}
             self._stamp, self._loaded = stamp, True
 
+    def read(self) -> None:
+        """Read the file now (KeysFileError when it never read well): an API starts only on one that reads."""
+        self._refresh()
+
     def find(self, key: str) -> KeyEntry | None:
         self._refresh()
         wanted = digest(key)

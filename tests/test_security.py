@@ -263,6 +263,16 @@ def test_a_misspelt_limit_in_the_keys_file_is_refused_with_its_name(tmp_path, ca
         path.write_text(path.read_text().replace(wrong, right))
 
 
+async def test_an_api_on_a_keys_file_that_does_not_read_stops_at_start_with_the_reason(tmp_path):
+    """Not a 500 on every request: the API does not start, and says which line is wrong."""
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text('[tenants.acme]\nmax_upload_MB = 1\n')
+    app = create_app(Settings(data_dir=tmp_path, api_keys_file=keys_file, codec_keys_file=tmp_path / "codec.toml"))
+    with pytest.raises(api_keys.KeysFileError, match="max_upload_MB"):
+        async with app.router.lifespan_context(app):
+            pass
+
+
 async def test_a_key_over_its_rate_gets_429_with_retry_after(stack):
     key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "member", "slow", requests_per_minute=3)
     async with _client(stack, key) as http:
