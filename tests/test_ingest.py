@@ -203,6 +203,12 @@ async def test_bad_uploads_are_refused_up_front(stack):
     missing = await stack.http.post("/v1/documents", data={"collection": "x"})
     assert missing.status_code == 422 and "files" in missing.json()["error"]["message"]
 
+    # A misspelt field, or one sent twice, is refused: the files went to `default`, or to the last one named.
+    misspelt = await post([("files", ("a.txt", b"hello world"))], colection="reports")
+    assert misspelt.status_code == 422 and "colection" in misspelt.json()["error"]["message"], misspelt.text
+    twice = await post([("files", ("a.txt", b"hello world"))], collection=["alpha", "beta"])
+    assert twice.status_code == 422 and "collection given more than once" in twice.json()["error"]["message"]
+
     # A valid file next to a bad one: the whole request is refused, nothing starts, and nothing of it is
     # kept (refused requests would otherwise fill the disk every tenant shares).
     collection = f"mixed-{uuid.uuid4().hex[:8]}"

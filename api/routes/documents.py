@@ -45,6 +45,7 @@ router = APIRouter(prefix="/v1/documents", tags=["documents"])
 MAX_FILES_PER_REQUEST = 50
 DOCUMENT_ID_PATTERN = r"^[0-9a-f]{32}$"
 SNIFF_BYTES = 4096
+UPLOAD_FIELDS = {"files", "collection", "password"}
 
 
 def document_id(tenant: str, collection: str, sha256: str) -> str:
@@ -130,8 +131,17 @@ async def upload_documents(
     collection: Annotated[str, Form(pattern=COLLECTION_PATTERN)] = "default",
     password: Annotated[str | None, Form(description="Password of encrypted PDFs")] = None,
 ) -> DocumentsAccepted:
+    form = await request.form()
+    # Strict, as JSON bodies are: a misspelt `colection`, or `collection` sent twice, put the files in
+    # `default` (or in the last one named) without a word.
+    if unknown := sorted(set(form.keys()) - UPLOAD_FIELDS):
+        raise ApiError(422, "invalid_request", f"unknown form field(s): {', '.join(unknown)}; an upload takes "
+                       f"{', '.join(sorted(UPLOAD_FIELDS))}", fields=unknown)
+    if repeated := [name for name in ("collection", "password") if len(form.getlist(name)) > 1]:
+        raise ApiError(422, "invalid_request", f"{' and '.join(repeated)} given more than once: give each once",
+                       fields=repeated)
     # An empty form field reads as "not sent" (the default) to FastAPI: it is a bad name, not the default.
-    if (await request.form()).get("collection") == "":
+    if form.get("collection") == "":
         validate_collection("")
     validate_collection(collection)
     if len(files) > MAX_FILES_PER_REQUEST:
