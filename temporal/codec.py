@@ -40,8 +40,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
 
+from temporal.converter import UNENCRYPTED_ENCODING
+
 ENCODING = b"binary/encrypted"
-UNENCRYPTED = b"ragline/unencrypted"  # what a payload that came in plain is marked: nothing converts it
+UNENCRYPTED = UNENCRYPTED_ENCODING.encode()  # what a payload that came in plain is marked (temporal/converter.py)
 KEY_ID = "encryption-key-id"
 NONCE_BYTES = 12
 

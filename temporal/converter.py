@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from temporalio.api.common.v1 import Payload
 from temporalio.api.failure.v1 import Failure
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.contrib.pydantic import PydanticPayloadConverter, pydantic_data_converter
 from temporalio.converter import (
     DataConverter,
     DefaultFailureConverter,
+    EncodingPayloadConverter,
     ExternalStorage,
     PayloadConverter,
     StorageDriver,
@@ -38,24 +40,54 @@ from ragline.blobstore import BlobStore
 from ragline.settings import Settings
 
 LARGE_PAYLOAD_BYTES = 64 * 1024
+# What the codec marks a payload that came in plain (temporal/codec.py): no converter reads it as what it says.
+UNENCRYPTED_ENCODING = "ragline/unencrypted"
+NOT_ENCRYPTED = "NotEncrypted"
 
 # The failure types an Update validator refuses a decision with (workflows/review.py, dead_letters.py),
 # and only there. Temporal records no refused Update in a history, and the Web UI's Send an Update
 # dialog shows a refusal's message without decoding it: these stay plain, so a person who typed a wrong
 # decision there reads what is wrong rather than "Encoded failure".
 UPDATE_REFUSALS = frozenset({"InvalidReview", "NotWaitingForReview", "NotDeadLettered"})
+# ... and the refusal of an input that came unencrypted: its sender has no codec to read it with.
+PLAIN_FAILURES = UPDATE_REFUSALS | {NOT_ENCRYPTED}
+
+
+class _ArrivedUnencrypted(EncodingPayloadConverter):
+    """Refuses a payload that came in plain (a decision sent with the `temporal` CLI without its codec
+    flags) with what to do, where the SDK would fail on an unknown encoding ("KeyError")."""
+
+    encoding = UNENCRYPTED_ENCODING
+
+    def to_payload(self, value: Any) -> Payload | None:
+        return None  # never writes one
+
+    def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
+        raise ApplicationError(
+            "this input came unencrypted, and Ragline reads only payloads its codec encrypted: send it with the "
+            "codec flags (`--codec-endpoint http://<api>/codec --codec-auth 'Bearer <an operator key>'`)",
+            type=NOT_ENCRYPTED, non_retryable=True)
+
+
+class RaglinePayloadConverter(PydanticPayloadConverter):
+    """pydantic's JSON converters, and a clear refusal of a payload that came unencrypted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._set_converters(*self.converters.values(), _ArrivedUnencrypted())
 
 
 class EncodedFailureConverter(DefaultFailureConverter):
     """The SDK's failure converter with encoded attributes (a failure's message and stack trace move into
-    a payload the codec encrypts), but for an Update validator's refusal (`UPDATE_REFUSALS`)."""
+    a payload the codec encrypts), but for an Update validator's refusal and an input refused as unencrypted
+    (`PLAIN_FAILURES`)."""
 
     def __init__(self) -> None:
         super().__init__(encode_common_attributes=True)
         self._plain = DefaultFailureConverter()
 
     def to_failure(self, exception: BaseException, payload_converter: PayloadConverter, failure: Failure) -> None:
-        if isinstance(exception, ApplicationError) and exception.type in UPDATE_REFUSALS:
+        if isinstance(exception, ApplicationError) and exception.type in PLAIN_FAILURES:
             self._plain.to_failure(exception, payload_converter, failure)
         else:
             super().to_failure(exception, payload_converter, failure)
@@ -96,6 +128,7 @@ def build_data_converter(settings: Settings) -> DataConverter:
         failures = EncodedFailureConverter
     return dataclasses.replace(
         pydantic_data_converter,
+        payload_converter_class=RaglinePayloadConverter,
         payload_codec=codec,
         failure_converter_class=failures,
         external_storage=ExternalStorage(drivers=[BlobStoreDriver(BlobStore(settings.blob_dir))],

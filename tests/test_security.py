@@ -20,9 +20,10 @@ from prometheus_client import REGISTRY
 from temporalio.api.common.v1 import Payload, WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowExecutionStatus as Status
+from temporalio.client import Client, WorkflowExecutionStatus as Status, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.converter import DataConverter
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
@@ -815,8 +816,9 @@ async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
         codec = stack.client.data_converter.payload_codec
         [refused] = await codec.decode([json_format.ParseDict(payload, Payload())])
         assert refused.metadata["encoding"] == codec_mod.UNENCRYPTED  # no converter reads it
-        with pytest.raises(Exception, match="ragline/unencrypted"):
+        with pytest.raises(ApplicationError, match="came unencrypted") as unread:
             stack.client.data_converter.payload_converter.from_payloads([refused])
+        assert unread.value.type == "NotEncrypted"
         # A member or no key gets nothing, and neither does a tenant's reviewer: the payload keys are the
         # deployment's, so the codec would show it every other tenant's prompts and answers.
         assert (await http.post(f"/codec/k/{stack.keys['member']}/decode", json={"payloads": [sealed]})).status_code == 403
@@ -855,6 +857,17 @@ async def test_a_decision_sent_by_hand_without_the_codec_is_dropped_and_the_job_
     await eventually(handled, what="the job's worker handling the plain signal")
     events = [e.event_type for e in (await handle.fetch_history()).events]
     assert EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED not in events
+    # The same decision as an Update (`temporal workflow update execute` without the codec flags) is refused
+    # with what to do, readable without the codec (it read "Encoded failure (type: KeyError)").
+    with pytest.raises(WorkflowUpdateFailedError) as refused:
+        await plain.get_workflow_handle(job_id).execute_update("review", {"decision": "reject", "reviewer": "mallory"})
+    causes = []
+    cause = refused.value.cause
+    while cause is not None:
+        causes.append(cause)
+        cause = cause.__cause__
+    told = [c for c in causes if isinstance(c, ApplicationError) and c.type == "NotEncrypted"]
+    assert told and "--codec-endpoint" in told[0].message, [repr(c) for c in causes]
     assert (await stack.http.get(f"/v1/jobs/{job_id}")).json()["status"] == "waiting_review"
     r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "editor"})
     assert r.status_code < 300, r.text
