@@ -28,8 +28,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.ingest import (
         CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, ChunkInput, ChunkOutput, DocumentInput,
-        DocumentOutcome, EmbedInput, ExtractInput, IndexInput, IngestInput, IngestResult, PruneInput, RemoveInput,
-        document_workflow_id, removal_workflow_id,
+        DocumentOutcome, EmbedInput, ExtractInput, IndexInput, IngestInput, IngestResult, PruneInput, PruneOutput,
+        RemoveInput, document_workflow_id, removal_workflow_id,
     )
     from ragline import metrics
     from ragline.text import PASSWORD_REQUIRED, WRONG_PASSWORD
@@ -54,9 +54,10 @@ PAGES_PATCH = "document-pages-shown-after-extraction"
 # for that step: published, the document is indexed and the job completes. Before, the undo ran beside the
 # publish, found nothing pending and the job ended cancelled with every chunk of it found by searches.
 PUBLISH_SETTLES_PATCH = "document-publish-settles-before-a-cancel"
-# ... and the publish is not asked to stop at all: a cancel that reached the job in the workflow task bringing
-# the publish's result dropped that result (the job ended cancelled, its document found).
-PUBLISH_NOT_CUT_PATCH = "document-publish-not-cut-short-by-a-cancel"
+# ... and a cancel that reached the job in the workflow task bringing the publish's result (which the SDK then
+# drops) leaves the document indexed when the undo finds its chunks published. Before, the job ended cancelled
+# with its document found by searches.
+PUBLISH_LANDED_PATCH = "document-published-as-the-cancel-came-is-indexed"
 # An upload with a password that waited for the document's run another upload started, and saw it fail on
 # that upload's password (a wrong one, or none), runs the document once itself, with its own.
 OWN_PASSWORD_PATCH = "upload-tries-its-own-password"
@@ -84,32 +85,42 @@ class IngestDocumentWorkflow(JobWorkflow):
             self.upsert_attributes(sa.PAGES.value_set(extracted.pages))
         chunked = await self.step(IngestActivities.chunk_text, ChunkInput(
             document_id=doc.document_id, pages_ref=extracted.pages_ref))
+        publishing = False
         try:
             await self._embed_and_index(doc, chunked)
             publish_options = {"cancellation_type": ActivityCancellationType.WAIT_CANCELLATION_COMPLETED} \
                 if workflow.patched(PUBLISH_SETTLES_PATCH) else {}
-            publish = self.step(IngestActivities.prune_stale_chunks, PruneInput(
+            publishing = True
+            await self.step(IngestActivities.prune_stale_chunks, PruneInput(
                 tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, keep_chunks=chunked.chunks),
                 **publish_options)
-            await (self.not_cut_short(publish) if workflow.patched(PUBLISH_NOT_CUT_PATCH) else publish)
-        except (Exception, asyncio.CancelledError):
+        except (Exception, asyncio.CancelledError) as exc:
             # Batches indexed before the failure would be found once published: they go. Chunks an earlier
             # run published (the same bytes, indexed longer ago than the retention) stay found.
-            if workflow.patched(UNDO_PATCH):
-                await self._remove_chunks(doc)
-            raise
+            if not workflow.patched(UNDO_PATCH):
+                raise
+            undone = await self._remove_chunks(doc)
+            if not (publishing and isinstance(exc, asyncio.CancelledError) and _published(undone)
+                    and workflow.patched(PUBLISH_LANDED_PATCH)):
+                raise
+            # The publish landed as the cancel came (in one workflow task the SDK raises the cancel in place of
+            # the publish's result): the store says the document is indexed, and so does its job.
+            self.steps.complete(policies.activity_name(IngestActivities.prune_stale_chunks),
+                                detail="published as the cancel came")
         self.upsert_attributes(sa.CHUNKS.value_set(chunked.chunks), sa.PAGES.value_set(extracted.pages))
         metrics.document_ingested(workflow.metric_meter(), extracted.pages, chunked.chunks,
                                   doc.collection if doc.metrics_collection_label else None)
         return DocumentOutcome(document_id=doc.document_id, filename=doc.filename, status="indexed",
                                job_id=workflow.info().workflow_id, pages=extracted.pages, chunks=chunked.chunks)
 
-    async def _remove_chunks(self, doc: DocumentInput) -> None:
+    async def _remove_chunks(self, doc: DocumentInput) -> PruneOutput | None:
+        """The document's pending chunks removed: what was removed and what stays found (None: not known)."""
         try:
-            await policies.execute(IngestActivities.remove_document_chunks, RemoveInput(
+            return await policies.execute(IngestActivities.remove_document_chunks, RemoveInput(
                 tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, pending_only=True))
         except ActivityError as exc:  # the job's own failure is what it ends with; this one is logged
             workflow.logger.warning("chunks of a failed document not removed: %s", failure_reason(exc))
+            return None
 
     async def _embed_and_index(self, doc: DocumentInput, chunked: ChunkOutput) -> None:
         """embed_chunks -> index_chunks per batch; `parallelism` batches in flight; one step each in the view."""
@@ -248,6 +259,11 @@ class IngestWorkflow(JobWorkflow):
 
 
 _CANCELLED = (CANCELLED, CANCELLED_WITH_ITS_UPLOAD)
+
+
+def _published(undone: PruneOutput | None) -> bool:
+    """After a cancel during the publish: nothing was pending any more and chunks are found, so it landed."""
+    return undone is not None and undone.removed == 0 and undone.points > 0
 
 
 def _refused_a_password(error: str | None) -> bool:

@@ -80,7 +80,6 @@ class JobWorkflow:
         self._running = False
         self._status: JobStatus = "queued"
         self._slot_asked: asyncio.Future[None] | None = None
-        self._cancel_waits = False  # the job's cancel waits for work it does not cut short (`not_cut_short`)
 
     # -- the run skeleton ------------------------------------------------------------------------
     async def run_job(self, work: Callable[[], Awaitable[R]], accepted: dict[str, Any],
@@ -198,22 +197,6 @@ class JobWorkflow:
         await workflow.wait_condition(lambda: self._calls_running > before or task.done())
         return task
 
-    async def not_cut_short(self, work: Awaitable[R]) -> R:
-        """Work a cancel does not cut short (a document's publish, after which its chunks are found). A cancel
-        that comes meanwhile waits for its end: ended, its result stands and the job goes on (the cancel came
-        too late); failed for good, the job ends cancelled, with nothing parked for an operator. The work is
-        never asked to stop, so a cancel that reaches the job in the workflow task bringing the work's result
-        cannot drop that result (the SDK raises the cancel in its place then)."""
-        task = asyncio.ensure_future(work)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError as cancel:
-            self._cancel_waits = True
-            try:
-                return await task
-            except Exception as exc:
-                raise asyncio.CancelledError(f"cancelled; then the work it waited for failed: {exc}") from cancel
-
     @staticmethod
     async def together(*work: Awaitable[Any]) -> list[Any]:
         """Run steps beside each other; when one fails for good, the others are stopped (and have ended)
@@ -272,9 +255,6 @@ class JobWorkflow:
                 # Each round used up the policy's attempts (a batch step counts its own call's, not its siblings').
                 attempts = (rounds + 1) * policies.policy(name).retry.maximum_attempts
                 self.steps.failed_attempts(step, attempts=attempts, error=reason)
-                if self._cancel_waits:  # the job is being cancelled: nobody is to decide on this step
-                    self.steps.cancel(step)
-                    raise asyncio.CancelledError(f"cancelled while {step} failed: {reason}") from exc
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
                     raise _FellBack(await on_exhausted())
