@@ -41,6 +41,7 @@ from ragline.answer_cache import AnswerCache
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder, build_embedder
 from ragline.errors import StoreUnavailableError
+from ragline.keys import KeyRing, KeysFileError
 from ragline.llm import ChatModel
 from ragline.settings import Settings, get_settings
 from ragline.vectorstore import VectorIndex, open_index
@@ -354,6 +355,11 @@ async def main(argv: list[str] | None = None) -> int:
     except (policies.PolicyError, RoleError) as exc:
         log.error("invalid policy file for this role", role=role, error=str(exc))
         return 2
+    try:  # the tenants' limits: one that does not read would hold every job's running slot, retried for ever
+        KeyRing(settings.effective_api_keys_file).read()
+    except KeysFileError as exc:
+        log.error("the keys file does not read", error=str(exc))
+        return 5
     index = None
     if "index" in role_needs(role):
         try:

@@ -113,10 +113,11 @@ class PasswordTags:
 
     @classmethod
     def for_deployment(cls, codec_keys_file: Path) -> PasswordTags:
-        # The current key: after a rotation, a re-sent upload with a password is a new upload job (its
-        # documents are still run once: their jobs are named by their bytes).
+        # The oldest key (ids are the times they were made), not the current one: a rotation leaves it, so API
+        # processes started before and after one give a re-sent upload the same id. Only dropping that key
+        # changes the tags (a re-sent upload is then another job; its documents still run once).
         keys = KeysFile(codec_keys_file).keys
-        return cls(keys.keys[keys.current])
+        return cls(keys.keys[min(keys.keys)])
 
     def tag(self, password: str | None) -> str:
         return hmac.new(self._key, password.encode(), hashlib.sha256).hexdigest()[:16] if password else ""

@@ -131,6 +131,19 @@ def test_a_store_activity_outside_the_vector_queue_stops_a_role_that_does_not_ow
     assert not (tmp_path / "qdrant").exists(), "a cpu worker opened the embedded store"
 
 
+def test_a_worker_on_a_keys_file_that_does_not_read_stops_at_start_with_the_reason(tmp_path):
+    """Its tenants' limits would not read when a job asks for its running slot: retried for ever, every job
+    on that worker would stay queued. It does not start, and says which line is wrong."""
+    keys_file = tmp_path / "keys.toml"
+    keys_file.write_text("[tenants.acme]\nmax_running_job = 2\n")
+    env = {**os.environ, "RAGLINE_DATA_DIR": str(tmp_path), "RAGLINE_API_KEYS_FILE": str(keys_file),
+           "RAGLINE_TEMPORAL_ADDRESS": "127.0.0.1:1", "RAGLINE_WORKER_METRICS_PORT": "0"}
+    proc = subprocess.run([sys.executable, "worker.py", "--role", "workflows"], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5, proc.stdout + proc.stderr
+    assert "max_running_job" in proc.stdout + proc.stderr
+
+
 async def test_role_workers_poll_their_own_queues_with_their_own_slots(temporal_env, tmp_path, restore_policies):
     address = temporal_env.client.service_client.config.target_host
     settings = Settings(data_dir=tmp_path, temporal_address=address, task_queue="roles", policies=FAST,
