@@ -355,11 +355,14 @@ async def main(argv: list[str] | None = None) -> int:
     except (policies.PolicyError, RoleError) as exc:
         log.error("invalid policy file for this role", role=role, error=str(exc))
         return 2
-    try:  # the tenants' limits: one that does not read would hold every job's running slot, retried for ever
-        KeyRing(settings.effective_api_keys_file).read()
-    except KeysFileError as exc:
-        log.error("the keys file does not read", error=str(exc))
-        return 5
+    # The tenants' limits, for a role that hands out running slots: a file that does not read would hold every
+    # job's slot, retried for ever. (Other roles never read it: a bad edit must not stop them scaling.)
+    if policies.policy(policies.activity_name(GateActivities.acquire_slot)).queue in queues.ROLES[role]:
+        try:
+            KeyRing(settings.effective_api_keys_file).read()
+        except (KeysFileError, OSError) as exc:
+            log.error("the keys file does not read", error=str(exc))
+            return 5
     index = None
     if "index" in role_needs(role):
         try:

@@ -59,6 +59,7 @@ from workflows.dead_letters import DeadLetters
 from workflows.events import JobEvents
 from workflows.gate import TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+from workflows import ingest as ingest_workflow
 from workflows.remove import RemoveDocumentWorkflow
 from workflows.slot import RunningSlot
 
@@ -666,6 +667,15 @@ async def test_a_publish_that_ends_as_the_cancel_comes_stands(env):
     assert outcome.status == "indexed" and outcome.chunks == 5
     assert steps["prune_stale_chunks"] == "completed", steps
     assert fakes.one("remove_document_chunks").arg.pending_only  # it removed nothing: nothing was pending
+
+
+@pytest.mark.parametrize("removed, found, landed", [
+    (0, 5, True),  # nothing pending any more, this chunking's 5 chunks found
+    (5, 0, False),  # its pending chunks were removed: the publish never ran
+    (0, 8, False),  # an older chunking's 8 chunks are still found: this run's publish (which prunes) did not land
+    (0, 0, False)])
+def test_the_undo_after_a_cancel_tells_a_publish_that_landed(removed, found, landed):
+    assert ingest_workflow._published(PruneOutput(points=found, removed=removed), chunks=5) is landed
 
 
 async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(stack):

@@ -100,7 +100,8 @@ class IngestDocumentWorkflow(JobWorkflow):
             if not workflow.patched(UNDO_PATCH):
                 raise
             undone = await self._remove_chunks(doc)
-            if not (publishing and isinstance(exc, asyncio.CancelledError) and _published(undone)
+            cancelled = isinstance(exc, asyncio.CancelledError) or is_cancelled_exception(exc)
+            if not (publishing and cancelled and _published(undone, chunked.chunks)
                     and workflow.patched(PUBLISH_LANDED_PATCH)):
                 raise
             # The publish landed as the cancel came (in one workflow task the SDK raises the cancel in place of
@@ -261,9 +262,11 @@ class IngestWorkflow(JobWorkflow):
 _CANCELLED = (CANCELLED, CANCELLED_WITH_ITS_UPLOAD)
 
 
-def _published(undone: PruneOutput | None) -> bool:
-    """After a cancel during the publish: nothing was pending any more and chunks are found, so it landed."""
-    return undone is not None and undone.removed == 0 and undone.points > 0
+def _published(undone: PruneOutput | None, chunks: int) -> bool:
+    """After a cancel during the publish: nothing was pending any more, and the document's chunks found are
+    this run's chunking's (an older one's left over would be more, or fewer): it landed, or it did not
+    matter (the same chunks were found before)."""
+    return undone is not None and undone.removed == 0 and undone.points == chunks > 0
 
 
 def _refused_a_password(error: str | None) -> bool:
