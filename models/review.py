@@ -13,7 +13,8 @@ from models.inputs import STRICT_INPUT, Int
 # (an infinite token budget cannot be counted down, and would fail the job on every replay).
 MAX_EXTRA_DEPTH = 10
 MAX_EXTRA_BUDGET = 1e9
-Extension = Annotated[float, Field(ge=0, le=MAX_EXTRA_BUDGET, allow_inf_nan=False)]
+# int | float: a count given as 20 is shown as 20, not 20.0 (seconds may be fractions).
+Extension = Annotated[int | float, Field(ge=0, le=MAX_EXTRA_BUDGET, allow_inf_nan=False)]
 
 
 
@@ -88,7 +89,7 @@ class ReviewRecord(BaseModel):
     comment: str = ""
     instructions: str | None = None
     extra_depth: int = 0
-    extra_budget: dict[str, float] = {}
+    extra_budget: dict[str, int | float] = {}
     decided_at: datetime
     # Keys of `proposed_action` for reviewers only (ReviewRequest.withheld): kept here for the audit, left
     # out of the job's events and of what a member key reads.

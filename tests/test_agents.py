@@ -299,6 +299,8 @@ async def test_a_revise_on_a_spent_budget_brings_its_extra_budget(stack):
     assert job["status"] == "completed", job
     result = job["result"]
     assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the lamps follow the tides", 3)
+    [decision] = result["decisions"]
+    assert json.dumps(decision["extra_budget"]) == '{"max_llm_calls": 2}'  # a count, as sent (it read 2.0)
 
 
 async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack):
