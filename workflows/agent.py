@@ -69,8 +69,9 @@ DELEGATED_ONCE_PATCH = "agent-sub-goal-delegated-once"
 # no review asked. (A sub-agent terminated, or past its run timeout, still cannot tell.)
 CANCELLED_CHILD_SPEND_PATCH = "agent-counts-cancelled-child-spend"
 CANCELLED_CHILD_SPEND_SIGNAL = "cancelled_child_spend"
-# A plan that succeeded on its n-th attempt counts n model calls: an attempt that timed out or lost its
-# worker may have had its reply written (and paid for). Earlier agents counted one call per plan.
+# A plan that succeeded on its n-th attempt (counting those before an operator's retry) counts n model calls:
+# an attempt that timed out or lost its worker may have had its reply written (and paid for). Earlier agents
+# counted one call per plan.
 PLAN_ATTEMPTS_PATCH = "agent-counts-every-plan-attempt"
 
 
@@ -205,7 +206,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             plan = await self.step(AgentActivities.agent_plan, PlanInput(
                 goal=inp.goal, instructions=instructions, observations=self.observations[-MAX_OBSERVATIONS:],
                 depth=inp.depth, max_depth=self.max_depth, correction=correction), name=f"plan {turn}")
-            calls = max(1, plan.attempt) if workflow.patched(PLAN_ATTEMPTS_PATCH) else 1
+            # Every attempt of the plan, those before an operator's retry of it included.
+            calls = max(1, self.steps.attempts(f"plan {turn}")) if workflow.patched(PLAN_ATTEMPTS_PATCH) else 1
             self.spent.add(Spend(llm_calls=calls, tokens=plan.prompt_tokens + plan.completion_tokens))
             correction = None
             problems = ([f"malformed tool call: {plan.malformed}"] if plan.malformed else []) + [

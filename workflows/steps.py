@@ -134,5 +134,10 @@ class StepLog:
             if step.status == "pending":
                 step.status = "skipped"
 
+    def attempts(self, name: str) -> int:
+        """The attempts a step made, those before an operator's retry included."""
+        step = self._steps.get(name)
+        return step.attempts if step is not None else 0
+
     def view(self) -> list[StepState]:
         return [s.model_copy() for s in self._steps.values()]
