@@ -1100,6 +1100,31 @@ async def test_a_plan_that_took_two_attempts_counts_two_model_calls(env):
     assert [p.attempt for p in fakes.named("agent_plan")] == [1, 2]
 
 
+async def test_a_plan_retried_by_an_operator_counts_every_attempt(env):
+    """A plan that used up its attempts and was parked, then retried by an operator and answered on the
+    first attempt of that round: every attempt counts against the budget, the parked round's included."""
+    rounds = {"first": True}
+
+    def plan(req: PlanInput) -> PlanOutput:
+        if rounds["first"]:
+            raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
+        return finish("counted", tokens=15)
+
+    fakes = Fakes(plan=plan)
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships"),
+                                                 id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+
+        async def parked() -> bool:
+            return (await handle.query(AgentWorkflow.progress)).status == "dead_lettered"
+        await eventually(parked, timeout=30, what="the plan parked for an operator")
+        rounds["first"] = False
+        await handle.execute_update("retry", OperatorRequest(operator="ops"))
+        result = await handle.result()
+    attempts = policies.policy("agent_plan").retry.maximum_attempts
+    assert (result.status, result.llm_calls) == ("finished", attempts + 1), result
+
+
 async def test_agent_that_finishes_at_once(bare_env):
     env = bare_env
     fakes = Fakes(plan=lambda req: finish(f"done: {req.goal}", tokens=15))
