@@ -1084,15 +1084,19 @@ async def test_an_agent_that_only_repeats_its_search_stops_with_what_it_found(ba
     assert result.answer == "Stopped before finishing. What was found: found nothing about tides"
 
 
+def _times_out_while(failing: Callable[[], bool]) -> Callable[[PlanInput], PlanOutput]:
+    """A plan whose model times out while `failing()`, and then finishes."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if failing():
+            raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
+        return finish("counted", tokens=15)
+    return plan
+
+
 async def test_a_plan_that_took_two_attempts_counts_two_model_calls(env):
     """The budget counts what may have been paid for: a first attempt that timed out after the model had
     written its reply cost a call too."""
-    def plan(req: PlanInput) -> PlanOutput:
-        if activity.info().attempt == 1:
-            raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
-        return finish("counted", tokens=15)
-
-    fakes = Fakes(plan=plan)
+    fakes = Fakes(plan=_times_out_while(lambda: activity.info().attempt == 1))
     async with fake_worker(env, fakes) as queue:
         result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships"),
                                                    id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
@@ -1104,13 +1108,7 @@ async def test_a_plan_retried_by_an_operator_counts_every_attempt(env):
     """A plan that used up its attempts and was parked, then retried by an operator and answered on the
     first attempt of that round: every attempt counts against the budget, the parked round's included."""
     rounds = {"first": True}
-
-    def plan(req: PlanInput) -> PlanOutput:
-        if rounds["first"]:
-            raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
-        return finish("counted", tokens=15)
-
-    fakes = Fakes(plan=plan)
+    fakes = Fakes(plan=_times_out_while(lambda: rounds["first"]))
     async with fake_worker(env, fakes) as queue:
         handle = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships"),
                                                  id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
