@@ -44,8 +44,8 @@ def test_processes_sharing_the_keys_file_take_each_others_cursors_across_a_rotat
 
 def test_an_uploads_password_tag_is_the_deployments_and_tells_nothing_of_the_password(tmp_path):
     """The tag in an upload's job id: the same for the same password in every API process of a deployment,
-    across a key rotation too (a re-sent upload is a duplicate), another for another password, and keyed: another deployment's keys
-    give another tag (a guess cannot be checked against the id without the payload keys)."""
+    across a key rotation too (a re-sent upload is a duplicate), another for another password, and keyed:
+    another deployment's keys give another tag (a guess cannot be checked against the id without the keys)."""
     tags = PasswordTags.for_deployment(tmp_path / "codec_keys.toml")
     assert tags.tag("password") == PasswordTags.for_deployment(tmp_path / "codec_keys.toml").tag("password")
     assert tags.tag("password") != tags.tag("passw0rd") and tags.tag(None) == tags.tag("") == ""
