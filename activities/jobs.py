@@ -1,4 +1,5 @@
-"""Activities that wait on other jobs through Temporal itself (the worker's client)."""
+"""Activities of the job machinery: waits on other jobs through Temporal itself (the worker's client),
+and what a step's policy says."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from models.ingest import (
     CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput,
     ForgetDocumentOutput, NewerRun, RemovalConfirmed,
 )
-from models.jobs import StepResult
+from models.jobs import PolicyAttempts, PolicyAttemptsInput, StepResult
 from ragline.errors import InputError
+from temporal import policies
 from temporal.errors import translate_errors
 
 
@@ -166,6 +168,13 @@ class JobActivities:
                 while await self._known(req.workflow_id, run_id):
                     await asyncio.sleep(0.5)
         return ForgetDocumentOutput(runs=len(runs), attempt=activity.info().attempt)
+
+    @activity.defn
+    async def policy_attempts(self, req: PolicyAttemptsInput) -> PolicyAttempts:
+        """A local activity of a job whose step used up its retries on a timeout (no failure says how many
+        attempts that took): the policy's count, read once and kept in the job's history, so that a replay
+        after an edit of the policy file counts as the run did (an agent's budget branches on it)."""
+        return PolicyAttempts(maximum_attempts=policies.policy(req.activity).retry.maximum_attempts)
 
     async def _known(self, workflow_id: str, run_id: str | None = None) -> bool:
         try:

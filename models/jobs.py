@@ -38,6 +38,15 @@ class StepResult(BaseModel):
     attempt: int = 1
 
 
+class PolicyAttemptsInput(BaseModel):
+    activity: str  # an activity's name in the policy file
+
+
+class PolicyAttempts(StepResult):
+    """How many attempts the policy file gives the activity (`max_attempts`)."""
+    maximum_attempts: int
+
+
 class StreamedStepResult(StepResult):
     """The output of an activity that publishes events into its job's stream (answer deltas): the last
     batch comes back with the result, and the job publishes it (one signal, one stream read fewer)."""

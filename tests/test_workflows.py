@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,18 +18,22 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from temporalio import activity, workflow
-from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+from temporalio.api.enums.v1 import EventType, UpdateWorkflowExecutionLifecycleStage, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.update.v1 import UpdateRef, WaitPolicy
+from temporalio.api.workflowservice.v1 import PollWorkflowExecutionUpdateRequest
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 import worker
+from activities.jobs import JobActivities
 from models.agent import AgentInput, AgentResult, PlanInput, PlanOutput, SearchDocumentsInput, SearchDocumentsOutput, \
-    ToolCall, agent_workflow_id
+    Budget, ToolCall, agent_workflow_id
 from models.blobs import SweepInput, SweepReport
 from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline.evaluation import EvaluationReport
@@ -282,7 +287,8 @@ class Fakes:
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
-                self.acquire_slot, self.release_slot, self.ended_jobs, self.sweep_blobs]
+                self.acquire_slot, self.release_slot, self.ended_jobs, self.sweep_blobs,
+                JobActivities(None).policy_attempts]  # the real one: it reads the loaded policy file
 
     @activity.defn(name="sweep_blobs")
     async def sweep_blobs(self, req: SweepInput) -> SweepReport:
@@ -1121,6 +1127,114 @@ async def test_a_plan_retried_by_an_operator_counts_every_attempt(env):
         result = await handle.result()
     attempts = policies.policy("agent_plan").retry.maximum_attempts
     assert (result.status, result.llm_calls) == ("finished", attempts + 1), result
+
+
+async def test_an_edit_of_the_policy_file_does_not_change_what_a_parked_plan_cost(env, tmp_path):
+    """The attempts of a plan that timed out until it parked come from its history, not from the policy file
+    a replaying worker reads: the budget branches on them, and an edited file would otherwise make the agent
+    fail to replay (the budget's review here, a next plan there)."""
+    rounds = {"first": True}
+
+    def plan(req: PlanInput) -> PlanOutput:
+        if rounds["first"]:
+            raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
+        return PlanOutput(calls=[ToolCall(name="search_documents", arguments={"query": "ships"})])
+
+    fakes = Fakes(plan=plan)
+    async with fake_worker(env, fakes) as queue:
+        attempts = policies.policy("agent_plan").retry.maximum_attempts
+        handle = await env.client.start_workflow(
+            AgentWorkflow.run, AgentInput(goal="Count the ships", budget=Budget(max_llm_calls=attempts + 1)),
+            id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+
+        async def status_is(status: str) -> bool:
+            return (await handle.query(AgentWorkflow.progress)).status == status
+        await eventually(lambda: status_is("dead_lettered"), timeout=30, what="the plan parked for an operator")
+        rounds["first"] = False
+        await handle.execute_update("retry", OperatorRequest(operator="ops"))
+        # The plan's attempts used the budget up: the agent asks a reviewer before it plans again.
+        await eventually(lambda: status_is("waiting_review"), timeout=30, what="the budget's review")
+        history = await handle.fetch_history()
+        await handle.terminate("the test has what it needs")
+    edited = tmp_path / "policies.toml"
+    edited.write_text(FAST_POLICIES.read_text().replace(
+        '[activities.agent_plan]\n', f'[activities.agent_plan]\nmax_attempts = {attempts - 2}\n', 1))
+    policies.load(edited, worker.activity_names())
+    assert policies.policy("agent_plan").retry.maximum_attempts == attempts - 2
+    replayed = await Replayer(workflows=worker.WORKFLOWS, data_converter=env.client.data_converter
+                              ).replay_workflow(history, raise_on_replay_failure=False)
+    assert replayed.replay_failure is None, replayed.replay_failure
+
+
+def _delegates_past_its_depth(req: PlanInput) -> PlanOutput:
+    """A plan that delegates once (past max_depth 0: the depth guard asks a reviewer), then finishes."""
+    if not req.observations and req.depth == 0:
+        return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})])
+    return finish("counted")
+
+
+async def _told_to_stop_then_decided(env: WorkflowEnvironment, decide: Callable[[Any], Awaitable[Any]]):
+    """An agent waits at its depth guard; with no worker running it is told to stop, then a reviewer's
+    approval comes (by `decide`), so that both reach it in one workflow task. Returns what `decide` got back
+    and the agent's result."""
+    fakes = Fakes(plan=_delegates_past_its_depth)
+    async with fake_worker(env, fakes, sticky=False) as queue:
+        agent = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=0),
+                                                id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+
+        async def waits_for_a_reviewer() -> bool:
+            return (await agent.query(AgentWorkflow.progress)).status == "waiting_review"
+        await eventually(waits_for_a_reviewer, timeout=20, what="the agent waiting at its depth guard")
+    await agent.signal("stop")
+    decided = await decide(agent)
+    async with fake_worker(env, fakes, queue):
+        result = await agent.result()
+        if isinstance(decided, asyncio.Future):
+            decided = await asyncio.gather(decided, return_exceptions=True)
+    return decided[0] if isinstance(decided, list) else decided, result
+
+
+async def test_a_review_update_that_comes_with_a_stop_is_refused_not_ignored(env):
+    """The stop and the reviewer's approval reach the agent together: the reviewer is told the review is
+    withdrawn, rather than that the approval was accepted (and then find it ignored)."""
+    async def approve(agent):
+        update_id = f"review-{uuid.uuid4().hex[:8]}"
+        sent = asyncio.ensure_future(agent.execute_update(
+            "review", {"decision": "approve", "reviewer": "ana", "extra_depth": 1}, id=update_id))
+        await _update_admitted(env.client, agent.id, update_id)
+        return sent
+
+    refused, result = await _told_to_stop_then_decided(env, approve)
+    assert isinstance(refused, WorkflowUpdateFailedError), refused
+    assert "being withdrawn" in str(refused.cause), refused.cause
+    assert result.status == "stopped" and result.tree.children == []
+    assert [d.decision for d in result.decisions] == [], result.decisions
+
+
+async def test_a_review_signal_that_comes_with_a_stop_is_recorded_as_rejected_input(env):
+    async def approve(agent):
+        await agent.signal("review", {"decision": "approve", "reviewer": "ana", "extra_depth": 1})
+        return None
+
+    _, result = await _told_to_stop_then_decided(env, approve)
+    assert result.status == "stopped" and result.tree.children == []
+    assert [d.decision for d in result.decisions] == [], result.decisions
+
+
+async def _update_admitted(client, workflow_id: str, update_id: str) -> None:
+    """Returns once the server holds the Update (no worker has to be running)."""
+    stage = UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_ADMITTED
+
+    async def admitted() -> bool:
+        try:
+            await client.workflow_service.poll_workflow_execution_update(PollWorkflowExecutionUpdateRequest(
+                namespace=client.namespace, identity="test",
+                update_ref=UpdateRef(workflow_execution=WorkflowExecution(workflow_id=workflow_id), update_id=update_id),
+                wait_policy=WaitPolicy(lifecycle_stage=stage)), timeout=timedelta(seconds=2))
+        except RPCError:
+            return False
+        return True
+    await eventually(admitted, timeout=20, what="the server holding the review Update")
 
 
 async def test_agent_that_finishes_at_once(bare_env):

@@ -27,7 +27,10 @@ from temporalio.exceptions import (
 )
 
 with workflow.unsafe.imports_passed_through():
-    from models.jobs import JobProgress, JobStatus, OperatorAck, OperatorRequest, StreamedStepResult
+    from activities.jobs import JobActivities
+    from models.jobs import (
+        JobProgress, JobStatus, OperatorAck, OperatorRequest, PolicyAttemptsInput, StreamedStepResult,
+    )
     from models.tenancy import ChildWaiting, SlotGrant
     from ragline import metrics
     from temporal import policies
@@ -47,6 +50,11 @@ R = TypeVar("R")
 # retryable error is not retried by the server once the job's cancel was asked (retry state CANCEL_REQUESTED):
 # that is the job's cancel, and the job ends cancelled. Earlier histories replay ending failed.
 CANCEL_REQUESTED_IS_CANCEL_PATCH = "step-failed-after-cancel-request-is-cancelled"
+# A step that used up its retries counts the attempts its history says (the failure's attempt, or the policy
+# read once by a local activity), not the policy file as the replaying worker reads it: an agent's budget
+# branches on the count, and an edited file made running agents fail to replay. Earlier histories replay
+# with the file's count.
+ATTEMPTS_FROM_HISTORY_PATCH = "exhausted-attempts-from-history"
 
 
 class _FellBack(Exception):
@@ -229,6 +237,7 @@ class JobWorkflow:
         `options` go to the activity's start beside its policy's (a cancellation type a patch decides)."""
         name = policies.activity_name(activity)
         rounds = 0  # times an operator retried this call after it had used up its attempts
+        made = 0  # the attempts of those rounds
         while True:
             await self.slot.take_back()  # lent while a person decided
             self._calls_running += 1  # a parked call does not count: it waits for a person
@@ -253,7 +262,11 @@ class JobWorkflow:
                     self.steps.fail(step, reason, attempts=failed_attempt(exc))
                     raise
                 # Each round used up the policy's attempts (a batch step counts its own call's, not its siblings').
-                attempts = (rounds + 1) * policies.policy(name).retry.maximum_attempts
+                if workflow.patched(ATTEMPTS_FROM_HISTORY_PATCH):
+                    made += await self._attempts_made(name, exc)
+                    attempts = made
+                else:
+                    attempts = (rounds + 1) * policies.policy(name).retry.maximum_attempts
                 self.steps.failed_attempts(step, attempts=attempts, error=reason)
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
@@ -272,6 +285,15 @@ class JobWorkflow:
                 if resume is not None:
                     arg = resume(arg, exc)
                 rounds += 1
+
+    @staticmethod
+    async def _attempts_made(name: str, exc: ActivityError) -> int:
+        """The attempts of a call that used up its retries: its failure says on which it failed (our
+        activities' errors do); a timeout does not, and the policy's count is read once, into the history."""
+        if (attempt := failed_attempt(exc)) is not None:
+            return attempt
+        return (await policies.execute_local(JobActivities.policy_attempts, PolicyAttemptsInput(activity=name))
+                ).maximum_attempts
 
     # -- status ----------------------------------------------------------------------------------
     def status(self) -> JobStatus:

@@ -30,6 +30,9 @@ WITHDRAWN_PATCH = "review-withdrawn-when-its-wait-stops"
 # A second `review` signal that comes before the job has acted on the first is refused (recorded as rejected
 # input). Signal handlers run on replay: histories from before took the last one.
 SECOND_DECISION_PATCH = "review-second-decision-refused"
+# A `review` signal that comes once the review is being withdrawn (its job was told to stop, in the same
+# workflow task) is refused (recorded as rejected input). Earlier histories replay taking it, and ignoring it.
+WITHDRAWING_REFUSES_PATCH = "review-being-withdrawn-refuses-decisions"
 
 
 class ReviewWithdrawn(Exception):
@@ -46,6 +49,7 @@ class Reviews:
         self.decision: ReviewDecision | None = None
         self.history: list[ReviewRecord] = []
         self.rejected_inputs: list[RejectedInput] = []
+        self._withdrawing: Callable[[], bool] = lambda: False  # the pending review's `withdraw_when`
         # A job whose work a reviewer revises by giving its text (a chat answer), not by instructions.
         self.revise_needs_answer = False
 
@@ -61,6 +65,7 @@ class Reviews:
         shown = self.pending.shown_to_all()
         self.decision = None
         self.rejected_inputs = []  # bad input sent for an earlier review is not this one's
+        self._withdrawing = withdraw_when
         self._on_change()
         # The job's stream is read by any key of the tenant: what only reviewers may read stays out of it.
         self._events.emit("ragline.review.requested", {**self.pending.model_dump(mode="json"), "proposed_action": shown})
@@ -109,11 +114,16 @@ class Reviews:
         except ValidationError as exc:
             raise ApplicationError(f"invalid review: {validation_summary(exc)}", type="InvalidReview") from None
 
-    def validate(self, decision: ReviewDecision, *, refuse_second: bool = True) -> None:
+    def validate(self, decision: ReviewDecision, *, refuse_second: bool = True,
+                 refuse_withdrawing: bool = True) -> None:
         """`refuse_second`: refuse a decision that comes after one the job has not acted on yet (sent at the
-        same moment, or the review timed out meanwhile)."""
+        same moment, or the review timed out meanwhile). `refuse_withdrawing`: refuse one that comes after the
+        job was told to stop (in the same workflow task): it would be accepted and ignored."""
         if self.pending is None:
             raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
+        if refuse_withdrawing and self.decision is None and self._withdrawing():
+            raise ApplicationError("this review is being withdrawn: the job was told to stop, and finishes with "
+                                   "what it has", type="NotWaitingForReview")
         if refuse_second and self.decision is not None:
             raise ApplicationError(f"this review was already decided ({self.decision.decision} by "
                                    f"{self.decision.reviewer})", type="NotWaitingForReview")
@@ -141,7 +151,9 @@ class Reviews:
         try:
             decision = self.parse(payload)
             second = self.decision is not None and workflow.patched(SECOND_DECISION_PATCH)
-            self.validate(decision, refuse_second=second)
+            withdrawing = (self.pending is not None and self._withdrawing()
+                           and workflow.patched(WITHDRAWING_REFUSES_PATCH))
+            self.validate(decision, refuse_second=second, refuse_withdrawing=withdrawing)
         except (ApplicationError, TypeError) as exc:
             message = exc.message if isinstance(exc, ApplicationError) else str(exc)
             entry = RejectedInput(payload=payload, error=message, at=workflow.now())
