@@ -1221,6 +1221,81 @@ async def test_a_review_signal_that_comes_with_a_stop_is_recorded_as_rejected_in
     assert [d.decision for d in result.decisions] == [], result.decisions
 
 
+def _delegates(*subgoals: str, child: Callable[[PlanInput], PlanOutput]) -> Callable[[PlanInput], PlanOutput]:
+    """The root delegates `subgoals` in its first plan and finishes in its second; sub-agents plan by `child`."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth > 0:
+            return child(req)
+        if not req.observations:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": g}) for g in subgoals])
+        return finish("done", tokens=10)
+    return plan
+
+
+async def _status_is(handle, status: str) -> bool:
+    try:
+        return (await handle.query(AgentWorkflow.progress)).status == status
+    except RPCError:  # not started yet
+        return False
+
+
+async def test_a_stop_withdraws_a_sub_agents_parked_step_and_the_tree_finishes(env):
+    """A reviewer rejects one sub-agent's delegation while its sibling's plan waits for an operator: the
+    sibling is told to stop, no longer waits, and the tree finishes at once with what it has. Its plan's
+    attempts count against the tree's budget."""
+    def child(req: PlanInput) -> PlanOutput:
+        if req.goal == "the north":  # past max_depth 1: the depth guard asks a reviewer
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "the north-east"})])
+        raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
+
+    fakes = Fakes(plan=_delegates("the north", "the south", child=child))
+    root_id = f"agent-{uuid.uuid4().hex[:8]}"
+    async with fake_worker(env, fakes) as queue:
+        root = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=1),
+                                               id=root_id, task_queue=queue)
+        north = env.client.get_workflow_handle(agent_workflow_id(root_id, 1))
+        south = env.client.get_workflow_handle(agent_workflow_id(root_id, 2))
+        await eventually(lambda: _status_is(north, "waiting_review"), timeout=30, what="north at its depth guard")
+        await eventually(lambda: _status_is(south, "dead_lettered"), timeout=30, what="south's plan parked")
+        await north.execute_update("review", {"decision": "reject", "reviewer": "ana"})
+        result = await root.result()
+        south_progress = await south.query(AgentWorkflow.progress)
+    assert result.status == "stopped"
+    assert [(n.goal, n.status) for n in result.tree.children] == [("the north", "stopped"), ("the south", "stopped")]
+    assert south_progress.dead_letters == [] and south_progress.steps[0].status == "cancelled"
+    south_attempts = len([c for c in fakes.named("agent_plan") if c.arg.goal == "the south"])
+    assert south_attempts == policies.policy("agent_plan").retry.maximum_attempts
+    assert result.llm_calls == 1 + 1 + south_attempts  # the root's plan, north's, and each of south's attempts
+
+
+async def test_a_discarded_sub_agents_plan_attempts_count_against_the_tree(env):
+    def child(req: PlanInput) -> PlanOutput:
+        raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
+
+    fakes = Fakes(plan=_delegates("the north", child=child))
+    root_id = f"agent-{uuid.uuid4().hex[:8]}"
+    async with fake_worker(env, fakes) as queue:
+        root = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=2),
+                                               id=root_id, task_queue=queue)
+        north = env.client.get_workflow_handle(agent_workflow_id(root_id, 1))
+        await eventually(lambda: _status_is(north, "dead_lettered"), timeout=30, what="north's plan parked")
+        await north.execute_update("discard", OperatorRequest(operator="ops"))
+        result = await root.result()
+    north_attempts = len([c for c in fakes.named("agent_plan") if c.arg.depth == 1])
+    assert north_attempts == policies.policy("agent_plan").retry.maximum_attempts
+    assert [(n.goal, n.status) for n in result.tree.children] == [("the north", "failed")]
+    assert result.llm_calls == 2 + north_attempts  # the root's two plans, and each attempt of north's
+
+
+async def test_the_same_sub_goal_twice_in_one_plan_runs_one_sub_agent(env):
+    fakes = Fakes(plan=_delegates("Count the north", "count the north.", child=lambda req: finish("4 ships")))
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=2),
+                                                   id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    assert [n.goal for n in result.tree.children] == ["Count the north"]
+    assert [c.arg.goal for c in fakes.named("agent_plan") if c.arg.depth == 1] == ["Count the north"]
+
+
 async def _update_admitted(client, workflow_id: str, update_id: str) -> None:
     """Returns once the server holds the Update (no worker has to be running)."""
     stage = UpdateWorkflowExecutionLifecycleStage.UPDATE_WORKFLOW_EXECUTION_LIFECYCLE_STAGE_ADMITTED
@@ -1308,8 +1383,9 @@ async def test_a_sub_agent_that_fails_still_counts_what_it_spent(env):
     assert node.status == "failed" and "twice" in node.answer
     child_plans = [p for p in fakes.named("agent_plan") if p.arg.depth == 1]
     assert len(child_plans) == 3  # two that planned a search, the one that failed
-    # The root's two plans and the child's two paid ones (the failed call returned no usage).
-    assert (result.llm_calls, result.tokens) == (2 + 2, 10 + 30 + 2 * 2000)
+    # The root's two plans and the child's three calls: the one that failed was made too (its reply came
+    # back malformed), though it returned no usage.
+    assert (result.llm_calls, result.tokens) == (2 + 3, 10 + 30 + 2 * 2000)
 
 
 async def test_a_sub_agent_a_person_cancels_still_counts_what_it_spent(env):

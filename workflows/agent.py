@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.review import ReviewDecision, ReviewRecord
     from temporal import search_attributes as sa
+    from workflows.dead_letters import ParkWithdrawn
     from workflows.failures import failure_reason
     from workflows.job import JobWorkflow
     from workflows.review import ReviewHandlers, ReviewWithdrawn
@@ -73,6 +74,13 @@ CANCELLED_CHILD_SPEND_SIGNAL = "cancelled_child_spend"
 # an attempt that timed out or lost its worker may have had its reply written (and paid for). Earlier agents
 # counted one call per plan.
 PLAN_ATTEMPTS_PATCH = "agent-counts-every-plan-attempt"
+# A plan that never answered (discarded by an operator, past its dead-letter TTL, withdrawn, cancelled) still
+# counts its attempts: each may have been paid for. Earlier agents counted none, and a parent could delegate
+# the same sub-goal again on a budget that left them out.
+UNANSWERED_PLAN_ATTEMPTS_PATCH = "agent-counts-attempts-of-an-unanswered-plan"
+# The same sub-goal twice in one plan (as `normalise_goal` reads them) runs one sub-agent. Earlier agents ran
+# one for each, on half the budget each.
+ONE_CHILD_PER_SUBGOAL_PATCH = "agent-one-sub-agent-per-sub-goal-of-a-plan"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -149,6 +157,9 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
     def cancelled_child_spend(self, told: CancelledChildSpend) -> None:
         self._cancelled_spend[told.job_id] = told
 
+    def stopping(self) -> bool:
+        return self._stop_asked
+
     def failure_details(self) -> dict[str, Any]:
         return {SPENT_DETAIL: self.spent.model_dump(), GRANTED_DETAIL: self._granted().model_dump()}
 
@@ -171,7 +182,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.begin()
         try:
             answer, status = await self._loop(), "finished"
-        except Stop:
+        except (Stop, ParkWithdrawn):  # a step parked for an operator when the stop came is withdrawn
             answer, status = self._partial(), "stopped"
         if answer is None:
             answer, status = self._partial(), "stopped"
@@ -203,9 +214,15 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                     self.rejected.append(inp.goal)
                     raise Stop()
                 instructions = decision.instructions or instructions
-            plan = await self.step(AgentActivities.agent_plan, PlanInput(
-                goal=inp.goal, instructions=instructions, observations=self.observations[-MAX_OBSERVATIONS:],
-                depth=inp.depth, max_depth=self.max_depth, correction=correction), name=f"plan {turn}")
+            try:
+                plan = await self.step(AgentActivities.agent_plan, PlanInput(
+                    goal=inp.goal, instructions=instructions, observations=self.observations[-MAX_OBSERVATIONS:],
+                    depth=inp.depth, max_depth=self.max_depth, correction=correction), name=f"plan {turn}")
+            except BaseException:
+                # What the plan's attempts cost counts, in the spend the parent hears of too.
+                if self.steps.attempts(f"plan {turn}") and workflow.patched(UNANSWERED_PLAN_ATTEMPTS_PATCH):
+                    self.spent.add(Spend(llm_calls=self.steps.attempts(f"plan {turn}")))
+                raise
             # Every attempt of the plan, those before an operator's retry of it included.
             calls = max(1, self.steps.attempts(f"plan {turn}")) if workflow.patched(PLAN_ATTEMPTS_PATCH) else 1
             self.spent.add(Spend(llm_calls=calls, tokens=plan.prompt_tokens + plan.completion_tokens))
@@ -284,6 +301,11 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 self._tell_once(f"a sub-agent already answered {goal!r} (its answer is above): do not delegate "
                                 "it again; delegate something else, or call finish")
         subgoals = [g for g in subgoals if normalise_goal(g) not in rejected | cancelled | answered]
+        if len({normalise_goal(g) for g in subgoals}) < len(subgoals) and workflow.patched(ONE_CHILD_PER_SUBGOAL_PATCH):
+            firsts: dict[str, str] = {}
+            for goal in subgoals:
+                firsts.setdefault(normalise_goal(goal), goal)
+            subgoals = list(firsts.values())
         if not subgoals:
             return
         if self._stop_asked:

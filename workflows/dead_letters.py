@@ -24,13 +24,24 @@ UNPARK_ON_CANCEL_PATCH = "parked-step-unparked-when-stopped"
 # takes the other's off the list, which left it waiting unseen (no retry reached it). Earlier histories
 # replay with one entry per step.
 PER_CALL_PATCH = "dead-letter-per-parked-call"
+# A parked step of a job told to stop (an agent, when a reviewer rejected something elsewhere in its tree) is
+# withdrawn: the job finishes with what it has instead of waiting for an operator, whose retry would only
+# pay for work nobody wants. Earlier jobs stayed parked.
+WITHDRAWN_WHEN_STOPPING_PATCH = "parked-step-withdrawn-when-told-to-stop"
+
+
+class ParkWithdrawn(Exception):
+    """The job was told to stop while a step of it waited for an operator: the step no longer waits."""
 
 
 class DeadLetters:
     def __init__(self, events: JobEvents, on_change: Callable[[], None],
                  on_park: Callable[[], None] = lambda: None,
-                 while_waiting: Callable[[], AbstractAsyncContextManager] = nullcontext) -> None:
+                 while_waiting: Callable[[], AbstractAsyncContextManager] = nullcontext,
+                 stopping: Callable[[], bool] = lambda: False) -> None:
+        """`stopping`: the job was told to stop (it finishes with what it has): what is parked is withdrawn."""
         self._events = events
+        self._stopping = stopping
         self._on_change = on_change
         self._on_park = on_park
         self._while_waiting = while_waiting
@@ -43,7 +54,7 @@ class DeadLetters:
 
     async def park(self, step: str, *, attempts: int, reason: str, error_type: str | None) -> None:
         """Wait for an operator. Returns when they retry; raises a non-retryable ApplicationError when
-        they discard or nobody decides within the TTL."""
+        they discard or nobody decides within the TTL, and ParkWithdrawn when the job is told to stop first."""
         ttl = policies.dead_letter_ttl()
         now = workflow.now()
         letter = DeadLetter(step=step, attempts=attempts, error=reason, error_type=error_type,
@@ -58,8 +69,8 @@ class DeadLetters:
         # The job's running slot is lent while it waits; taken again only when it is to retry.
         async with self._while_waiting():
             try:
-                await workflow.wait_condition(lambda: self._releases != release or self._discard is not None,
-                                              timeout=ttl)
+                await workflow.wait_condition(
+                    lambda: self._releases != release or self._discard is not None or self._withdrawn(), timeout=ttl)
             except asyncio.CancelledError:
                 # Stopped while parked (a chat turn's summary, when its reviewer rejects the answer): nothing
                 # is left for an operator. Earlier jobs kept the step listed as parked.
@@ -77,7 +88,14 @@ class DeadLetters:
                 why = f": {self._discard.reason}" if self._discard.reason else ""
                 raise ApplicationError(f"discarded by {who}{why} (step {step} last failed with: {reason})",
                                        type="Discarded", non_retryable=True)
+            if self._releases == release:  # neither retried nor discarded: withdrawn
+                self._events.emit("ragline.job.dead_letter_withdrawn", {"step": step, "reason": "the job was told "
+                                  "to stop: it finishes with what it has"})
+                raise ParkWithdrawn(step)
         self._events.emit("ragline.step.retrying", {"step": step, "by": "operator"})
+
+    def _withdrawn(self) -> bool:
+        return self._stopping() and workflow.patched(WITHDRAWN_WHEN_STOPPING_PATCH)
 
     def _unpark(self, key: str) -> None:
         self.parked.pop(key, None)
@@ -89,6 +107,9 @@ class DeadLetters:
         if not self.parked:
             raise ApplicationError(f"the job is {status}, not dead_lettered: nothing to retry or discard",
                                    type="NotDeadLettered")
+        if self._stopping():  # told in the same workflow task: a retry would be accepted and not run
+            raise ApplicationError("the job was told to stop: its parked steps are withdrawn, and it finishes with "
+                                   "what it has", type="NotDeadLettered")
         if self._decided >= set(self.parked):  # a decision sent at the same moment was taken first
             last = self.decisions[-1]
             raise ApplicationError(f"an operator already decided: {last.action} by {last.operator or 'an operator'}",

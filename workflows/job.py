@@ -36,7 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from temporal import policies
     from temporal import search_attributes as sa
     from temporal.errors import failed_attempt
-    from workflows.dead_letters import DeadLetters
+    from workflows.dead_letters import DeadLetters, ParkWithdrawn
     from workflows.events import HOLD_PATCH, TERMINAL_EVENT_STANDS_PATCH, JobEvents
     from workflows.failures import exhausted_retries, failure_reason, failure_type
     from workflows.review import Reviews
@@ -83,7 +83,7 @@ class JobWorkflow:
         self.waits = PersonWaits(self.slot, within_parent=lambda: not self.takes_slot(),
                                  busy=lambda: self._calls_running, on_child=self._child_waiting)
         self.dead_letters = DeadLetters(self.events, self._sync_status, on_park=lambda: self._count("dead_lettered"),
-                                        while_waiting=self.waits.own)
+                                        while_waiting=self.waits.own, stopping=lambda: self.stopping())
         self.reviews = Reviews(self.events, self._sync_status, while_waiting=self.waits.own)
         self._running = False
         self._status: JobStatus = "queued"
@@ -132,6 +132,10 @@ class JobWorkflow:
                 # the gate's sweep frees a slot whose release it stopped.
                 if not workflow.patched(TERMINAL_EVENT_STANDS_PATCH):
                     raise
+
+    def stopping(self) -> bool:
+        """Whether the job was told to stop and finish with what it has (agents): a parked step is withdrawn."""
+        return False
 
     def failure_details(self) -> dict[str, Any]:
         """What the job's failure carries for whoever started it, beside the reason (its first detail)."""
@@ -278,7 +282,7 @@ class JobWorkflow:
                 except ApplicationError:
                     self.steps.fail(step, reason)
                     raise
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, ParkWithdrawn):
                     self.steps.cancel(step)  # stopped while parked
                     raise
                 self.steps.resume(step)
