@@ -34,6 +34,13 @@ def temporal_unavailable(exc: Exception | None = None) -> ApiError:
                     reason=str(exc) if exc else None)
 
 
+def _readable(error: dict) -> str:
+    """Pydantic's message, or one a caller can act on where Pydantic's speaks of Python classes."""
+    if "Expected UploadFile" in error["msg"]:  # a form field sent as text where a file part belongs
+        return "must be a file part (curl: -F files=@path/to/file), not a text value"
+    return error["msg"]
+
+
 def _body(code: str, message: str, **extra: Any) -> dict:
     return {"error": {"code": code, "message": message, **{k: v for k, v in extra.items() if v is not None}}}
 
@@ -69,7 +76,7 @@ def install(app: FastAPI) -> None:
         problems = [{"field": "body", "message": f"not valid JSON (at character {e['loc'][-1]}): "
                                                  f"{(e.get('ctx') or {}).get('error', e['msg'])}"}
                     if e["type"] == "json_invalid" else
-                    {"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": e["msg"]}
+                    {"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": _readable(e)}
                     for e in exc.errors()]
         message = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
         # A bad collection name or session id keeps its own code, whichever check caught it.

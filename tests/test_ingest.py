@@ -198,6 +198,13 @@ async def test_bad_uploads_are_refused_up_front(stack):
     fake = await post([("files", ("photo.pdf", png))])
     assert fake.status_code == 415 and fake.json()["error"]["code"] == "unsupported_file_type"
 
+    # Text named .pdf is not what its sender meant to index (the shared PDFs' README: a clear error).
+    renamed = await post([("files", ("report.pdf", b"plain text about arctic terns\n" * 3))])
+    assert renamed.status_code == 415 and "named .pdf" in renamed.json()["error"]["message"], renamed.text
+    # A file given as a text value, not a file part: said in words a curl user can act on.
+    as_text = await stack.http.post("/v1/documents", data={"files": "hello"})
+    assert as_text.status_code == 422 and "must be a file part" in as_text.json()["error"]["message"], as_text.text
+
     bad_collection = await post([("files", ("a.txt", b"hello world"))], collection="../etc")
     assert bad_collection.status_code == 422 and bad_collection.json()["error"]["code"] == "invalid_collection"
     long_collection = await post([("files", ("a.txt", b"hello world"))], collection="x" * 65)

@@ -101,6 +101,11 @@ async def _check_upload(upload: UploadFile, limit: UploadLimit) -> tuple[str, st
     if kind is None:
         raise ApiError(415, "unsupported_file_type",
                        f"{name}: not a PDF or UTF-8 text file (judged by its content, not its name)", file=name)
+    if kind != "pdf" and name.lower().endswith(".pdf"):
+        # Indexed as text it would not be what its sender meant (a PDF saved badly, or another file renamed):
+        # the sender is told at once rather than find a document of a page of plain text.
+        raise ApiError(415, "unsupported_file_type", f"{name}: named .pdf, but its content is not a PDF (it is "
+                       "plain text): send a PDF, or give a text file a .txt or .md name", file=name)
     if upload.size is not None and upload.size > limit.bytes:
         raise _too_large(name, limit)
     await upload.seek(0)
