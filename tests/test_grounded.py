@@ -75,7 +75,7 @@ async def test_a_collection_without_documents_is_named_instead_of_a_plain_i_dont
     en = await ask(trusted, "What was the root cause of incident 4711?", collection="handbok")
     zh = await ask(trusted, "单次大模型调用的超时阈值是多少秒？", collection="handbok")
     assert trusted.llm.count() == before  # nothing to retrieve: no model call
-    for job, says in ((en, '"handbok" has no documents'), (zh, "“handbok”中没有任何文档")):
+    for job, says in ((en, '"handbok" has no searchable documents'), (zh, "“handbok”中没有可检索的文档")):
         result = job["result"]
         assert result["supported"] is False and result["citations"] == [] and says in result["answer"]
         assert result["warnings"] == [no_documents_warning("handbok")] and "handbok" in result["warnings"][0]
@@ -110,7 +110,7 @@ async def test_another_tenants_documents_do_not_count_as_documents(trusted):
 
     job = await eventually(ended, timeout=120, what="globex's turn ended")
     assert job["status"] == "completed", job
-    assert job["result"]["supported"] is False and '"trust" has no documents' in job["result"]["answer"]
+    assert job["result"]["supported"] is False and '"trust" has no searchable documents' in job["result"]["answer"]
     assert job["result"]["warnings"] == [no_documents_warning("trust")]
     search = await trusted.other_http.post("/v1/search", json={"query": "incident 4711", "collection": "trust"})
     assert search.json() == {"hits": [], "warnings": [no_documents_warning("trust")]}
