@@ -332,6 +332,8 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
         result = await handle.result(rpc_timeout=rpc_timeout)
     elif view.status == "failed":
         error = await failure_of(handle, desc, rpc_timeout)
+        if view.kind == "ingest" and isinstance(error.details, dict) and "documents" in error.details:
+            result = error.details  # none of the upload's documents was indexed: each one's outcome, as ever
     elif progress and progress.dead_letters:
         error = dead_letter_error(progress)
     step_times = [t for s in steps for t in (s.finished_at, s.started_at) if t]

@@ -179,6 +179,10 @@ async def test_unprocessable_documents_fail_with_a_reason_and_no_retries(stack):
         job = await stack.wait_job(body["job_id"])
         assert job["status"] == "failed", (name, job)
         assert reason in job["error"]["message"], (name, job["error"])
+        # Each document's outcome is in the result, as a completed upload's are.
+        [outcome] = job["result"]["documents"]
+        assert (outcome["filename"], outcome["status"], job["result"]["failed"]) == (name, "failed", 1), job
+        assert reason in outcome["error"], outcome
         doc_job = (await stack.http.get(f"/v1/jobs/doc-{body['documents'][0]['document_id']}")).json()
         extract = next(s for s in doc_job["steps"] if s["name"] == "extract_text")
         assert extract["status"] == "failed" and reason in extract["error"]
