@@ -195,6 +195,7 @@ async def test_a_turn_whose_answer_waits_for_review_shows_its_steps_as_they_happ
 
 @activity.defn(name="held_step")
 async def held_step() -> None:
+    activity.heartbeat({"page": 3, "pages": 10})  # what a long step says of its progress
     await asyncio.Event().wait()  # runs until the test ends the workflow
 
 
@@ -216,8 +217,9 @@ async def test_the_progress_event_tells_a_step_that_runs_from_one_waiting_for_a_
         try:
             async def both_pending() -> dict | None:
                 event = await _progress_event(client, handle.id, timedelta(seconds=5))
-                states = sorted(s["state"] for s in event["data"]["running"]) if event else []
-                return event if states == ["running", "waiting"] else None
+                running = event["data"]["running"] if event else []
+                states = sorted((s["state"], s["progress"] is not None) for s in running)
+                return event if states == [("running", True), ("waiting", False)] else None
             event = await eventually(both_pending, what="one step running, one waiting")
         finally:
             await handle.terminate("test over")
@@ -226,6 +228,7 @@ async def test_the_progress_event_tells_a_step_that_runs_from_one_waiting_for_a_
     assert running["step"] == waiting["step"] == "held_step"
     assert running["running_for_s"] >= 0 and running["waiting_for_s"] is None
     assert waiting["waiting_for_s"] >= 0 and waiting["running_for_s"] is None
+    assert running["progress"] == {"page": 3, "pages": 10} and waiting["progress"] is None
 
 
 @activity.defn(name="other_held_step")

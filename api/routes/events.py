@@ -18,6 +18,7 @@ from typing import Annotated
 import structlog
 from fastapi import APIRouter, Header, Query, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from temporalio.api.common.v1 import Payloads
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
@@ -158,6 +159,17 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
         await items.aclose()
 
 
+async def _heartbeat(client: Client, details: Payloads) -> dict | None:
+    """What a running step last said of its progress in its heartbeat ({"page": 61, "pages": 500}), if anything."""
+    if not details.payloads:
+        return None
+    try:
+        first, *_ = await client.data_converter.decode(details.payloads)
+    except Exception:  # noqa: BLE001 - progress is a courtesy: one that does not read is left out
+        return None
+    return first if isinstance(first, dict) else None
+
+
 async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> dict | None:
     """What is still running, from the server's view of pending activities (heartbeat details)."""
     try:
@@ -181,6 +193,7 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
             "running_for_s": round(seconds, 1) if started and seconds is not None else None,
             "waiting_for_s": round(seconds, 1) if not started and seconds is not None else None,
             "last_error": await failure_message(client, pending.last_failure) or None,  # encrypted: decoded
+            "progress": await _heartbeat(client, pending.heartbeat_details) if started else None,
         })
     if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
         return None
