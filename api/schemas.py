@@ -91,15 +91,10 @@ class Accepted(BaseModel):
     @classmethod
     def for_job(cls, request: Request, job_id: str, **fields: Any) -> Self:
         structlog.contextvars.bind_contextvars(job_id=job_id)  # the request's access line names its job
-        return cls(**job_links(request, job_id), **fields)
-
-
-def job_links(request: Request, job_id: str) -> dict[str, str]:
-    """`job_id`, `status_url` and `events_url` of a job, as this request reached the API."""
-    base = str(request.base_url).rstrip("/")
-    status_path, events_path = _job_paths(request.app)
-    return {"job_id": job_id, "status_url": base + status_path.replace(_JOB_ID, job_id),
-            "events_url": base + events_path.replace(_JOB_ID, job_id)}
+        base = str(request.base_url).rstrip("/")
+        status_path, events_path = _job_paths(request.app)
+        return cls(job_id=job_id, status_url=base + status_path.replace(_JOB_ID, job_id),
+                   events_url=base + events_path.replace(_JOB_ID, job_id), **fields)
 
 
 def starting(request: Request, job_id: str) -> None:
@@ -128,10 +123,6 @@ class AcceptedDocument(BaseModel):
     sha256: str
     same_content: list[str] = Field([], description="Other files of the request with the very same bytes: one "
                                                     "document, listed under the first file's name")
-    job_id: str = Field(description="The document's own job (the upload's job runs one per document): its "
-                                    "steps, and their progress (pages read, batches indexed), are there")
-    status_url: str
-    events_url: str = Field(description="The document's own job's events: `ragline.step.progress` of its steps")
 
 
 class DocumentsAccepted(Accepted):

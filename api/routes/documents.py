@@ -23,7 +23,7 @@ from api.errors import ApiError
 from api.limits import SMALL_BODY_BYTES, Cap
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentRemovalAccepted,
-    DocumentsAccepted, DocumentStatus, DocumentView, JobError, error_responses, job_links, starting,
+    DocumentsAccepted, DocumentStatus, DocumentView, JobError, error_responses, starting,
 )
 from api.validators import COLLECTION_PATTERN, CursorDep, display_name, validate_collection
 from models.ingest import (
@@ -191,8 +191,7 @@ async def upload_documents(
         observability.job_accepted("ingest")
     return DocumentsAccepted.for_job(request, job_id, duplicate=duplicate, documents=[
         AcceptedDocument(document_id=d.document_id, filename=d.filename, sha256=d.sha256,
-                         same_content=same_content.get(d.document_id, []),
-                         **job_links(request, document_workflow_id(caller.tenant, d.document_id)))
+                         same_content=same_content.get(d.document_id, []))
         for d in documents.values()])
 
 
