@@ -1211,6 +1211,21 @@ async def test_a_review_update_that_comes_with_a_stop_is_refused_not_ignored(env
     assert [d.decision for d in result.decisions] == [], result.decisions
 
 
+async def test_a_rejection_that_comes_with_a_stop_still_counts(env):
+    """A reviewer's rejection is not refused as the review is withdrawn: the agent stops either way, and the
+    rejected sub-goal is the tree's to never propose again."""
+    async def reject(agent):
+        update_id = f"review-{uuid.uuid4().hex[:8]}"
+        sent = asyncio.ensure_future(agent.execute_update("review", {"decision": "reject", "reviewer": "ana"},
+                                                          id=update_id))
+        await _update_admitted(env.client, agent.id, update_id)
+        return sent
+
+    ack, result = await _told_to_stop_then_decided(env, reject)
+    assert (ack["accepted"], ack["decision"]) == (True, "reject"), ack
+    assert result.status == "stopped" and result.rejected == ["Count the ships in the north"]
+
+
 async def test_a_review_signal_that_comes_with_a_stop_is_recorded_as_rejected_input(env):
     async def approve(agent):
         await agent.signal("review", {"decision": "approve", "reviewer": "ana", "extra_depth": 1})

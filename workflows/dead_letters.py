@@ -42,6 +42,7 @@ class DeadLetters:
         """`stopping`: the job was told to stop (it finishes with what it has): what is parked is withdrawn."""
         self._events = events
         self._stopping = stopping
+        self._withdraw_on: bool | None = None  # the patch's answer, asked once the job is told to stop
         self._on_change = on_change
         self._on_park = on_park
         self._while_waiting = while_waiting
@@ -70,7 +71,7 @@ class DeadLetters:
         async with self._while_waiting():
             try:
                 await workflow.wait_condition(
-                    lambda: self._releases != release or self._discard is not None or self._withdrawn(), timeout=ttl)
+                    lambda: self._releases != release or self._discard is not None or self.withdrawing(), timeout=ttl)
             except asyncio.CancelledError:
                 # Stopped while parked (a chat turn's summary, when its reviewer rejects the answer): nothing
                 # is left for an operator. Earlier jobs kept the step listed as parked.
@@ -94,8 +95,13 @@ class DeadLetters:
                 raise ParkWithdrawn(step)
         self._events.emit("ragline.step.retrying", {"step": step, "by": "operator"})
 
-    def _withdrawn(self) -> bool:
-        return self._stopping() and workflow.patched(WITHDRAWN_WHEN_STOPPING_PATCH)
+    def withdrawing(self) -> bool:
+        """Whether a step that parks now, or is parked, no longer waits: the job was told to stop."""
+        if not self._stopping():
+            return False
+        if self._withdraw_on is None:
+            self._withdraw_on = workflow.patched(WITHDRAWN_WHEN_STOPPING_PATCH)
+        return self._withdraw_on
 
     def _unpark(self, key: str) -> None:
         self.parked.pop(key, None)
@@ -107,7 +113,9 @@ class DeadLetters:
         if not self.parked:
             raise ApplicationError(f"the job is {status}, not dead_lettered: nothing to retry or discard",
                                    type="NotDeadLettered")
-        if self._stopping():  # told in the same workflow task: a retry would be accepted and not run
+        # Told in the same workflow task: a retry would be accepted and not run. (A job told to stop under
+        # earlier code, whose step stayed parked, still takes an operator's decision: it is its way out.)
+        if self._stopping() and self._withdraw_on is not False:
             raise ApplicationError("the job was told to stop: its parked steps are withdrawn, and it finishes with "
                                    "what it has", type="NotDeadLettered")
         if self._decided >= set(self.parked):  # a decision sent at the same moment was taken first

@@ -267,7 +267,14 @@ class JobWorkflow:
                     raise
                 # Each round used up the policy's attempts (a batch step counts its own call's, not its siblings').
                 if workflow.patched(ATTEMPTS_FROM_HISTORY_PATCH):
-                    made += await self._attempts_made(name, exc)
+                    try:
+                        made += await self._attempts_made(name, exc)
+                    except BaseException as stopped:  # cancelled meanwhile (a sibling step failed), say
+                        if isinstance(stopped, asyncio.CancelledError) or is_cancelled_exception(stopped):
+                            self.steps.cancel(step)
+                        else:
+                            self.steps.fail(step, reason)
+                        raise
                     attempts = made
                 else:
                     attempts = (rounds + 1) * policies.policy(name).retry.maximum_attempts
@@ -275,6 +282,9 @@ class JobWorkflow:
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
                     raise _FellBack(await on_exhausted())
+                if self.dead_letters.withdrawing():  # told to stop before it came to this: it does not park
+                    self.steps.cancel(step)
+                    raise ParkWithdrawn(step)
                 self.steps.park(step)
                 try:
                     await self.dead_letters.park(step, attempts=attempts, reason=reason,

@@ -118,10 +118,11 @@ class Reviews:
                  refuse_withdrawing: bool = True) -> None:
         """`refuse_second`: refuse a decision that comes after one the job has not acted on yet (sent at the
         same moment, or the review timed out meanwhile). `refuse_withdrawing`: refuse one that comes after the
-        job was told to stop (in the same workflow task): it would be accepted and ignored."""
+        job was told to stop (in the same workflow task): it would be accepted and ignored (a rejection is not)."""
         if self.pending is None:
             raise ApplicationError("nothing is waiting for review on this job", type="NotWaitingForReview")
-        if refuse_withdrawing and self.decision is None and self._withdrawing():
+        # A rejection still counts (the job stops either way, and the rejected action is not proposed again).
+        if refuse_withdrawing and self.decision is None and decision.decision != "reject" and self._withdrawing():
             raise ApplicationError("this review is being withdrawn: the job was told to stop, and finishes with "
                                    "what it has", type="NotWaitingForReview")
         if refuse_second and self.decision is not None:
@@ -151,7 +152,7 @@ class Reviews:
         try:
             decision = self.parse(payload)
             second = self.decision is not None and workflow.patched(SECOND_DECISION_PATCH)
-            withdrawing = (self.pending is not None and self._withdrawing()
+            withdrawing = (self.pending is not None and decision.decision != "reject" and self._withdrawing()
                            and workflow.patched(WITHDRAWING_REFUSES_PATCH))
             self.validate(decision, refuse_second=second, refuse_withdrawing=withdrawing)
         except (ApplicationError, TypeError) as exc:
