@@ -50,6 +50,7 @@ class Caller:
     role: str
     name: str
     key_id: str  # the first characters of the key's sha256: enough to tell keys apart in logs
+    sha256: str  # the whole digest: a long-lived request (an event stream) looks the key up again by it
     fairness_weight: float | None = None  # `[tenants.<name>] fairness_weight` (policies.fair_share)
 
     @property
@@ -198,9 +199,16 @@ async def admit(request: Request, key: str) -> Caller:
         await guard.check_rate(entry)
     weight = guard.keys.limits(entry.tenant, refresh=False).fairness_weight
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
-                    key_id=entry.sha256[:8], fairness_weight=weight)
+                    key_id=entry.sha256[:8], sha256=entry.sha256, fairness_weight=weight)
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)
     return caller
+
+
+def still_valid(guard: Guard, caller: Caller) -> bool:
+    """Whether the caller's key is still in the keys file, for the same tenant and role (a request that
+    outlives its key check, an event stream, asks again: a revoked key must stop reading)."""
+    entry = guard.keys.by_digest(caller.sha256)
+    return entry is not None and entry.tenant == caller.tenant and entry.role == caller.role
 
 
 def reviewer_only(caller: Caller) -> Caller:

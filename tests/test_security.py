@@ -41,7 +41,7 @@ from temporal import codec as codec_mod
 from temporal import search_attributes as sa
 from temporal.client import connect
 from tests.conftest import SERVER_STARTUP, running_stack, serving_api
-from tests.helpers import delegate_until, eventually, raw_temporal_records, waiting_reviews
+from tests.helpers import delegate_until, eventually, raw_temporal_records, read_events, waiting_reviews
 from tests.pdfgen import pdf_bytes
 from worker import fallback_model
 
@@ -193,6 +193,39 @@ async def test_member_keys_cannot_decide_or_operate(stack):
     tried = [(e["action"], e["key_name"], e["outcome"]) for e in audit.read(stack.settings) if e["job_id"] == job_id]
     assert tried == [(a, k, o) for a in ("review", "retry", "discard")
                      for k, o in (("acme-member", "refused: forbidden"), ("acme-reviewer", "refused: job_not_found"))]
+
+
+async def test_a_revoked_keys_open_event_stream_ends_and_delivers_nothing_more(stack):
+    """A stream outlives the request that opened it (a job waiting days for a review): revoking the key
+    that opened it ends it, and the answer approved afterwards goes to the reviewer, not to that stream."""
+    tag = uuid.uuid4().hex[:8]
+    keys_file, name = stack.settings.effective_api_keys_file, f"revoked-{tag}"
+    key = api_keys.create(keys_file, "acme", "member", name)
+    collection = f"revoked-{tag}"
+    seed = await stack.upload(("tides.txt", b"High tide at Vell harbour is at noon."), collection=collection)
+    assert (await stack.wait_done(seed["job_id"]))["status"] == "completed"
+    async with _client(stack, key) as member:
+        r = await member.post("/v1/chats", json={"message": "When is high tide at Vell?", "collection": collection,
+                                                 "require_review": True})
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        after: list[str] = []
+        async with member.stream("GET", f"/v1/jobs/{job_id}/events", timeout=httpx.Timeout(60)) as events:
+            lines = events.aiter_lines()
+            async for line in lines:
+                if line.startswith("data:") and json.loads(line[5:])["type"] == "ragline.review.requested":
+                    break
+            assert api_keys.remove(keys_file, name) == 1
+            decided = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve",
+                                                                                "reviewer": "ana"})
+            assert decided.status_code == 200, decided.text
+            after = [line async for line in lines]  # to its end (a stream left open would time out)
+        assert not [line for line in after if line.startswith("data:")], after
+        assert ": the API key of this stream is no longer valid" in after, after
+        # Its EventSource would come back, and stop at the 401.
+        assert (await member.get(f"/v1/jobs/{job_id}/events")).status_code == 401
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+    assert "ragline.answer.completed" in [e["type"] for _, e in await read_events(stack, job_id)]
 
 
 async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tmp_path):
