@@ -186,8 +186,12 @@ async def authenticate(
         raise unauthenticated(KEY_REQUIRED)
     caller = await admit(request, key)
     if caller.role == "codec":
-        raise ApiError(403, "forbidden", "a codec key may only call the codec endpoint (/codec)")
+        raise codec_key_refused()
     return caller
+
+
+def codec_key_refused() -> ApiError:
+    return ApiError(403, "forbidden", "a codec key may only call the codec endpoint (/codec)")
 
 
 async def admit(request: Request, key: str) -> Caller:

@@ -4,6 +4,7 @@ FastAPI reads a route's whole body (and spools uploaded files to disk) before it
 dependencies, the API key check among them. So a body is read only for a known API key (401
 otherwise, also before a malformed body could be judged), a body over its route's limit is refused
 from its Content-Length alone (413), and one sent without a length is read only up to the limit.
+A codec key (the Web UI's, which every browser gets) is refused here (403), before its body is read.
 A body over SMALL_BODY_BYTES (an upload) is read only within the key's rate limit (429 first); the
 route's own key check (api/auth.py) then applies the key's role, and the rate limit to the others."""
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import KEY_REQUIRED, RATE_COUNTED, UNKNOWN_KEY, Guard, presented_key, unauthenticated
+from api.auth import KEY_REQUIRED, RATE_COUNTED, UNKNOWN_KEY, Guard, codec_key_refused, presented_key, unauthenticated
 from api.errors import ApiError, error_body
 from ragline.keys import TenantLimits
 
@@ -66,6 +67,9 @@ class BodyLimit:
         entry = self.guard().keys.find(key) if key is not None else None
         if entry is None:
             await _refuse(unauthenticated(KEY_REQUIRED if key is None else UNKNOWN_KEY), scope, receive, send)
+            return
+        if entry.role == "codec":  # refused by every /v1 route: not worth reading a body for
+            await _refuse(codec_key_refused(), scope, receive, send)
             return
         cap = self._cap(scope["path"], entry.tenant)
         length = headers.get("content-length")

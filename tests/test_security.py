@@ -181,6 +181,20 @@ async def test_a_large_body_is_refused_before_it_is_read(stack):
     assert (status, body["error"]["code"]) == (413, "body_too_large")
 
 
+async def test_a_codec_key_is_refused_before_a_v1_body_is_read(stack):
+    """The Web UI hands its codec key to every browser: with it, a large upload to a /v1 route is refused
+    from the request's head, as authenticate refuses it, rather than read and spooled first."""
+    ui_key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "codec", f"ui-{uuid.uuid4().hex[:6]}")
+    refused = {"code": "forbidden", "message": "a codec key may only call the codec endpoint (/codec)"}
+    for path, content_type in (("/v1/documents", "multipart/form-data; boundary=b"), ("/v1/chats", "application/json")):
+        status, body = await _raw(stack, f"POST {path} HTTP/1.1\nHost: x\nContent-Type: {content_type}\n"
+                                         f"Content-Length: {30 * 1024 * 1024}\nX-API-Key: {ui_key}\n")
+        assert (status, body["error"]) == (403, refused), path
+    async with _client(stack, ui_key) as ui:  # the same answer as a route's own key check gives
+        r = await ui.get("/v1/jobs")
+        assert (r.status_code, r.json()["error"]) == (403, refused)
+
+
 async def test_member_keys_cannot_decide_or_operate(stack):
     job_id = f"acme.agent-{uuid.uuid4().hex[:8]}"
     for path in (f"/v1/jobs/{job_id}/review", f"/v1/jobs/{job_id}/retry", f"/v1/jobs/{job_id}/discard"):
