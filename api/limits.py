@@ -56,8 +56,8 @@ class BodyLimit:
         return Cap(limit, "this route's limit")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # /codec checks its operator key (in its path for the Web UI) before it reads a body, and its bodies
-        # are whole histories: not for these limits.
+        # /codec checks its operator key (in its path for the Web UI) before it reads a body, and bounds its
+        # bodies itself (RAGLINE_CODEC_MAX_BODY_MB: histories' payloads, not these limits).
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") or \
                 not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
@@ -77,7 +77,7 @@ class BodyLimit:
             await self.app(scope, receive, send)  # the server reads no more than the length says
             return
         if length is not None and (not length.isdigit() or int(length) > cap.bytes):
-            await _refuse(_too_large(cap), scope, receive, send)
+            await _refuse(too_large(cap), scope, receive, send)
             return
         # A key over its rate must not get a large body read and spooled to disk first, again and again.
         try:
@@ -116,10 +116,10 @@ class BodyLimit:
         except _TooLarge:
             pass
         if over and not started:
-            await _refuse(_too_large(cap), scope, receive, send)
+            await _refuse(too_large(cap), scope, receive, send)
 
 
-def _too_large(cap: Cap) -> ApiError:
+def too_large(cap: Cap) -> ApiError:
     return ApiError(413, "body_too_large", f"the request body is over {cap.bytes} bytes ({cap.source})")
 
 

@@ -195,6 +195,51 @@ async def test_a_codec_key_is_refused_before_a_v1_body_is_read(stack):
         assert (r.status_code, r.json()["error"]) == (403, refused)
 
 
+async def test_a_codec_body_over_its_cap_is_refused_from_its_length(stack):
+    """The codec endpoint reads a body only up to RAGLINE_CODEC_MAX_BODY_MB (64 MiB), after the key check:
+    a longer Content-Length is refused at once, with nothing of the body sent."""
+    ui_key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "codec", f"ui-{uuid.uuid4().hex[:6]}")
+    over = stack.settings.codec_max_body_bytes + 1
+    for path, key_header in (("/codec/decode", f"X-API-Key: {stack.keys['operator']}\n"),
+                             (f"/codec/k/{ui_key}/encode", "")):
+        status, body = await _raw(stack, f"POST {path} HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                                         f"Content-Length: {over}\n{key_header}")
+        assert (status, body["error"]["code"]) == (413, "body_too_large"), body
+        assert "RAGLINE_CODEC_MAX_BODY_MB" in body["error"]["message"]
+    # The key comes first: without one, or with a member's, the length is not even looked at.
+    for key_header, code in (("", 401), (f"X-API-Key: {stack.keys['member']}\n", 403)):
+        status, _ = await _raw(stack, f"POST /codec/decode HTTP/1.1\nHost: x\nContent-Length: {over}\n{key_header}")
+        assert status == code
+
+
+async def test_a_codec_body_without_a_length_is_read_only_up_to_its_cap(stack):
+    """A body sent without a length (chunked) is read until it passes the cap, then refused: the rest of
+    it is never asked for."""
+    app = create_app(stack.settings.model_copy(update={"codec_max_body_mb": 1}))
+    sent = 0
+
+    async def three_mib():
+        nonlocal sent
+        for _ in range(48):
+            sent += 1
+            yield b" " * 65536
+
+    async def payloads(body: bytes):
+        for i in range(0, len(body), 7):  # a JSON body in small pieces, to be put together again
+            yield body[i:i + 7]
+
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://api",
+            headers={"X-API-Key": stack.keys["operator"]}) as http:
+        r = await http.post("/codec/encode", content=three_mib())
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "body_too_large"), r.text
+        assert sent <= 1024 * 1024 // 65536 + 2  # read up to the cap, no further
+        plain = {"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
+                 "data": base64.b64encode(b'"chunked"').decode()}
+        r = await http.post("/codec/decode", content=payloads(json.dumps({"payloads": [plain]}).encode()))
+        assert r.status_code == 200 and r.json()["payloads"] == [plain], r.text
+
+
 async def test_member_keys_cannot_decide_or_operate(stack):
     job_id = f"acme.agent-{uuid.uuid4().hex[:8]}"
     for path in (f"/v1/jobs/{job_id}/review", f"/v1/jobs/{job_id}/retry", f"/v1/jobs/{job_id}/discard"):
