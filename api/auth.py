@@ -17,6 +17,7 @@ through counts in `ragline_rate_limit_storage_errors_total` (alert RaglineRateLi
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -97,9 +98,13 @@ def rate_limit_storage(settings: Settings) -> Storage:
 
 
 def shown_address(uri: str) -> str:
-    """The storage URL without its password, for /healthz and logs."""
+    """The storage URL without its user-info and its query (either may hold a password: `?password=`),
+    for /healthz and logs."""
     scheme, sep, rest = uri.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+    at, query = rest.rfind("@"), re.search(r"[?#]", rest)
+    if query and at > query.start():  # an `@` in the query, or a `?` in a password not %-encoded: unclear
+        return f"{scheme}{sep}…"
+    return f"{scheme}{sep}{rest[at + 1:query.start() if query else None]}"
 
 
 class Guard:

@@ -40,7 +40,7 @@ from ragline.settings import Settings
 from temporal import codec as codec_mod
 from temporal import search_attributes as sa
 from temporal.client import connect
-from tests.conftest import SERVER_STARTUP, running_stack, serving_api
+from tests.conftest import SERVER_STARTUP, free_port, running_stack, serving_api
 from tests.helpers import delegate_until, eventually, raw_temporal_records, read_events, waiting_reviews
 from tests.pdfgen import pdf_bytes
 from worker import fallback_model
@@ -135,6 +135,35 @@ async def test_a_flood_of_anonymous_health_probes_asks_temporal_once_per_period(
             await asyncio.sleep(3.1)
             assert (await anonymous.get("/healthz")).json() == answers[0].json()
             assert calls == one_look * 2  # looked again once the period was over
+
+
+async def test_healthz_tells_anyone_each_status_and_only_an_operator_where_and_what_failed(tmp_path):
+    """GET /healthz needs no key (probes): without an operator key it shows no address (the rate-limit
+    Redis's may carry its password in a query) and no error as raised, which may name hosts. A key
+    that is not valid gets the anonymous answer, not an error: a probe must not fail on it."""
+    redis_port = free_port()  # nothing listens there: the counters are down
+    settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{free_port()}", temporal_rpc_timeout=2,
+                        rate_limit_storage=f"redis://ops:s3cret@127.0.0.1:{redis_port}/0?password=hunter2")
+    keys = {role: api_keys.create(settings.effective_api_keys_file, "acme", role, role)
+            for role in ("member", "reviewer", "codec", "operator")}
+    app = create_app(settings)
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+        for headers in ({}, {"X-API-Key": "rgl_not-a-key"},
+                        *({"Authorization": f"Bearer {keys[role]}"} for role in ("member", "reviewer", "codec"))):
+            r = await http.get("/healthz", headers=headers)
+            assert r.status_code == 503, (headers, r.text)
+            assert r.json() == {"status": "down", "components": {
+                "rate_limits": {"status": "down", "reason": "the shared rate-limit counters do not answer: requests "
+                                                            "are let through unlimited"},
+                "temporal": {"status": "down", "reason": "cannot reach Temporal"},
+                "worker": {"status": "unknown", "reason": "Temporal is down"}}}, headers
+        r = await http.get("/healthz", headers={"X-API-Key": keys["operator"]})
+        assert r.status_code == 503
+        shown = r.json()["components"]
+        assert shown["temporal"]["address"] == settings.temporal_address and shown["temporal"]["error"], shown
+        assert shown["rate_limits"]["address"] == f"redis://127.0.0.1:{redis_port}/0"
+        assert "s3cret" not in r.text and "hunter2" not in r.text
 
 
 async def _raw(stack, head: str, body: bytes = b"", *, headers: dict | None = None) -> tuple[int, dict]:
@@ -428,8 +457,10 @@ async def test_api_processes_share_each_keys_rate_through_redis(stack, redis_ser
             r = await http.get("/v1/jobs?limit=1")
             assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
             assert 1 <= int(r.headers["retry-after"]) <= 60
-        health = (await a.get("/healthz")).json()
+        # Where the counters are is for an operator's eyes (anyone may ask /healthz).
+        health = (await a.get("/healthz", headers={"X-API-Key": stack.keys["operator"]})).json()
         assert health["components"]["rate_limits"] == {"status": "up", "address": redis_server.url}
+        assert (await a.get("/healthz")).json()["components"]["rate_limits"] == {"status": "up"}
 
 
 def _unchecked_requests() -> float:
@@ -496,6 +527,9 @@ def test_rate_limit_storage_must_be_memory_or_redis():
         with pytest.raises(ValueError, match="rate_limit_storage"):
             Settings(rate_limit_storage=bad)
     assert shown_address("rediss://:secret@cache:6380/1") == "rediss://cache:6380/1"
+    assert shown_address("redis://cache:6379/0?password=secret&db=1") == "redis://cache:6379/0"
+    assert shown_address("redis://u:p%40ss@cache/0#x") == "redis://cache/0"
+    assert shown_address("redis://cache/0?password=a@secret") == "redis://…"  # which part is the password?
     for bad in ({"rate_limit_storage_timeout": 0}, {"rate_limit_storage_pause": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Settings(**bad)
