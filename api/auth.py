@@ -17,6 +17,7 @@ through counts in `ragline_rate_limit_storage_errors_total` (alert RaglineRateLi
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class Caller:
     role: str
     name: str
     key_id: str  # the first characters of the key's sha256: enough to tell keys apart in logs
+    sha256: str  # the whole digest: a long-lived request (an event stream) looks the key up again by it
     fairness_weight: float | None = None  # `[tenants.<name>] fairness_weight` (policies.fair_share)
 
     @property
@@ -96,9 +98,13 @@ def rate_limit_storage(settings: Settings) -> Storage:
 
 
 def shown_address(uri: str) -> str:
-    """The storage URL without its password, for /healthz and logs."""
+    """The storage URL without its user-info and its query (either may hold a password: `?password=`),
+    for /healthz and logs."""
     scheme, sep, rest = uri.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}"
+    at, query = rest.rfind("@"), re.search(r"[?#]", rest)
+    if query and at > query.start():  # an `@` in the query, or a `?` in a password not %-encoded: unclear
+        return f"{scheme}{sep}…"
+    return f"{scheme}{sep}{rest[at + 1:query.start() if query else None]}"
 
 
 class Guard:
@@ -185,8 +191,12 @@ async def authenticate(
         raise unauthenticated(KEY_REQUIRED)
     caller = await admit(request, key)
     if caller.role == "codec":
-        raise ApiError(403, "forbidden", "a codec key may only call the codec endpoint (/codec)")
+        raise codec_key_refused()
     return caller
+
+
+def codec_key_refused() -> ApiError:
+    return ApiError(403, "forbidden", "a codec key may only call the codec endpoint (/codec)")
 
 
 async def admit(request: Request, key: str) -> Caller:
@@ -198,9 +208,16 @@ async def admit(request: Request, key: str) -> Caller:
         await guard.check_rate(entry)
     weight = guard.keys.limits(entry.tenant, refresh=False).fairness_weight
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
-                    key_id=entry.sha256[:8], fairness_weight=weight)
+                    key_id=entry.sha256[:8], sha256=entry.sha256, fairness_weight=weight)
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)
     return caller
+
+
+def still_valid(guard: Guard, caller: Caller) -> bool:
+    """Whether the caller's key is still in the keys file, for the same tenant and role (a request that
+    outlives its key check, an event stream, asks again: a revoked key must stop reading)."""
+    entry = guard.keys.by_digest(caller.sha256)
+    return entry is not None and entry.tenant == caller.tenant and entry.role == caller.role
 
 
 def reviewer_only(caller: Caller) -> Caller:

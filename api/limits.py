@@ -4,6 +4,7 @@ FastAPI reads a route's whole body (and spools uploaded files to disk) before it
 dependencies, the API key check among them. So a body is read only for a known API key (401
 otherwise, also before a malformed body could be judged), a body over its route's limit is refused
 from its Content-Length alone (413), and one sent without a length is read only up to the limit.
+A codec key (the Web UI's, which every browser gets) is refused here (403), before its body is read.
 A body over SMALL_BODY_BYTES (an upload) is read only within the key's rate limit (429 first); the
 route's own key check (api/auth.py) then applies the key's role, and the rate limit to the others."""
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import KEY_REQUIRED, RATE_COUNTED, UNKNOWN_KEY, Guard, presented_key, unauthenticated
+from api.auth import KEY_REQUIRED, RATE_COUNTED, UNKNOWN_KEY, Guard, codec_key_refused, presented_key, unauthenticated
 from api.errors import ApiError, error_body
 from ragline.keys import TenantLimits
 
@@ -55,8 +56,8 @@ class BodyLimit:
         return Cap(limit, "this route's limit")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # /codec checks its operator key (in its path for the Web UI) before it reads a body, and its bodies
-        # are whole histories: not for these limits.
+        # /codec checks its operator key (in its path for the Web UI) before it reads a body, and bounds its
+        # bodies itself (RAGLINE_CODEC_MAX_BODY_MB: histories' payloads, not these limits).
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") or \
                 not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
@@ -67,13 +68,16 @@ class BodyLimit:
         if entry is None:
             await _refuse(unauthenticated(KEY_REQUIRED if key is None else UNKNOWN_KEY), scope, receive, send)
             return
+        if entry.role == "codec":  # refused by every /v1 route: not worth reading a body for
+            await _refuse(codec_key_refused(), scope, receive, send)
+            return
         cap = self._cap(scope["path"], entry.tenant)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES:
             await self.app(scope, receive, send)  # the server reads no more than the length says
             return
         if length is not None and (not length.isdigit() or int(length) > cap.bytes):
-            await _refuse(_too_large(cap), scope, receive, send)
+            await _refuse(too_large(cap), scope, receive, send)
             return
         # A key over its rate must not get a large body read and spooled to disk first, again and again.
         try:
@@ -112,10 +116,10 @@ class BodyLimit:
         except _TooLarge:
             pass
         if over and not started:
-            await _refuse(_too_large(cap), scope, receive, send)
+            await _refuse(too_large(cap), scope, receive, send)
 
 
-def _too_large(cap: Cap) -> ApiError:
+def too_large(cap: Cap) -> ApiError:
     return ApiError(413, "body_too_large", f"the request body is over {cap.bytes} bytes ({cap.source})")
 
 

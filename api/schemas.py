@@ -317,6 +317,7 @@ class Component(BaseModel):
     # Workers polling each task queue of the deployment (roles: temporal/queues.py), by queue name.
     queues: dict[str, QueuePollers] | None = None
     reason: str | None = None
+    error: str | None = None  # the error as raised (for an operator key only, like addresses and pollers)
 
 
 

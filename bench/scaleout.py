@@ -114,10 +114,11 @@ async def _chat_phase(http: httpx.AsyncClient, llm: ScriptedLLM, turns: int, tag
 
 
 def _api_key(settings: Settings) -> str:
-    """A reviewer key for the bench's tenant, with room for the bench's request rate and its jobs in
-    flight (what is measured here is throughput per worker, not the per-tenant limits)."""
+    """An operator key (/healthz shows it the pollers per queue) for the bench's tenant, with room for the
+    bench's request rate and its jobs in flight (what is measured here is throughput per worker, not the
+    per-tenant limits)."""
     path = settings.effective_api_keys_file
-    key = keys.create(path, "bench", role="reviewer", name="bench-scaleout", requests_per_minute=1_000_000)
+    key = keys.create(path, "bench", role="operator", name="bench-scaleout", requests_per_minute=1_000_000)
     with path.open("a") as f:
         f.write("\n[tenants.bench]\nmax_running_jobs = 100000\n")
     return key

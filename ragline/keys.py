@@ -144,6 +144,11 @@ class KeyRing:
                 return entry
         return None
 
+    def by_digest(self, sha256: str) -> KeyEntry | None:
+        """The entry of a key already found by `find` (its sha256), as the file says now: None once revoked."""
+        self._refresh()
+        return self._by_digest.get(sha256)
+
     def limits(self, tenant: str, *, refresh: bool = True) -> TenantLimits:
         """`refresh=False`: as of the last read (right after `find`, which re-read the file if it changed)."""
         if refresh:

@@ -227,6 +227,11 @@ class Settings(BaseSettings):
     # Allowed Origin of the codec endpoint (the Temporal Web UI); unset: http://127.0.0.1:<ui port>
     # and http://localhost:<ui port>.
     codec_cors_origins: list[str] | None = None
+    # Largest body the codec endpoint reads (MiB; 413 above it). The Web UI and the CLI send it the
+    # payloads of one history event at a time; Temporal refuses a payload over 2 MB and a history over
+    # 50 MB, so 64 MiB (with JSON's base64, +1/3) holds any request they make by far, while a caller can
+    # no longer have the API hold a body of any size in memory.
+    codec_max_body_mb: float = Field(64, gt=0)
     # Mask phone numbers, e-mail addresses and ID numbers in text sent to a model that is not local,
     # and in logs.
     redact_pii: bool = False
@@ -305,6 +310,10 @@ class Settings(BaseSettings):
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
+
+    @property
+    def codec_max_body_bytes(self) -> int:
+        return int(self.codec_max_body_mb * 1024 * 1024)
 
     @property
     def effective_llm_concurrency(self) -> int:

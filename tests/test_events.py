@@ -20,7 +20,8 @@ from temporalio.worker import Worker
 
 import worker
 from api.job_views import _steps
-from api.routes.events import _progress_event
+from api.routes import events as events_route
+from api.routes.events import _progress_event, _relay
 from temporal import policies
 from tests.conftest import running_stack, shared_pdf
 from tests.helpers import eventually, read_events, waiting_reviews
@@ -126,6 +127,53 @@ async def test_many_watchers_of_one_job_share_one_poll_and_leave_room_for_a_deci
     # more polls than events (a held answer's steps go out as they happen); twelve pollers would make
     # about twelve times as many.
     assert len(polls) <= len(seen[0]), (len(polls), len(seen[0]))
+
+
+@dataclasses.dataclass
+class _Item:
+    offset: int
+    data: dict
+
+
+def _relay_of(queue: asyncio.Queue, key_valid) -> tuple:
+    """The relay of a job whose events are what the test puts in `queue` (no Temporal: the stream is open)."""
+    async def items():
+        while True:
+            yield await queue.get()
+
+    followed = items()
+    opened = (followed, asyncio.ensure_future(followed.__anext__()))
+    return _relay(None, None, "acme", "acme.x", 0, timedelta(seconds=5), timedelta(0), False, opened,
+                  key_valid=key_valid)
+
+
+async def test_a_stream_sends_no_event_once_its_key_is_revoked():
+    """The key is looked at again before each event: one revoked after the stream opened reads nothing more."""
+    queue, valid = asyncio.Queue(), [True]
+    relay = _relay_of(queue, lambda: valid[0])
+    queue.put_nowait(_Item(0, {"type": "ragline.review.requested"}))
+    assert (await anext(relay)).id == "0"
+    valid[0] = False
+    queue.put_nowait(_Item(1, {"type": "ragline.answer.completed", "data": {"answer": "secret"}}))
+    queue.put_nowait(_Item(2, {"type": "ragline.job.completed"}))
+    rest = await asyncio.wait_for(_rest(relay), timeout=10)
+    assert [(e.data, e.comment) for e in rest] == [(None, "the API key of this stream is no longer valid")]
+
+
+async def test_an_idle_stream_ends_soon_after_its_key_is_revoked(monkeypatch):
+    """No event may come for days (a job waiting for a review): the key is looked at while idle too."""
+    monkeypatch.setattr(events_route, "KEY_CHECK_SECONDS", 0.05)
+    queue, valid = asyncio.Queue(), [True]
+    relay = _relay_of(queue, lambda: valid[0])
+    queue.put_nowait(_Item(0, {"type": "ragline.review.requested"}))
+    assert (await anext(relay)).id == "0"
+    valid[0] = False
+    rest = await asyncio.wait_for(_rest(relay), timeout=5)  # PROGRESS_AFTER (30 s) is far off
+    assert [e.comment for e in rest] == ["the API key of this stream is no longer valid"]
+
+
+async def _rest(relay) -> list:
+    return [e async for e in relay]
 
 
 async def test_a_summary_the_answer_waits_for_shows_the_turn_at_work(temporal_env, scripted_llm, tmp_path):

@@ -111,7 +111,10 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
                 fleet.start(name)
 
             async def every_queue_polled() -> dict | None:
-                health = (await stack.http.get("/healthz")).json()["components"]["worker"]
+                # Pollers per queue: an operator key's view
+                operator = {"Authorization": f"Bearer {stack.keys['operator']}"}
+                health = (await stack.http.get("/healthz", headers=operator)).json()
+                health = health["components"]["worker"]
                 return health if health["status"] == "up" else None
 
             worker_health = await eventually(every_queue_polled, timeout=60, every=0.5, what="pollers on every queue")

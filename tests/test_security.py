@@ -40,8 +40,8 @@ from ragline.settings import Settings
 from temporal import codec as codec_mod
 from temporal import search_attributes as sa
 from temporal.client import connect
-from tests.conftest import SERVER_STARTUP, running_stack, serving_api
-from tests.helpers import delegate_until, eventually, raw_temporal_records, waiting_reviews
+from tests.conftest import SERVER_STARTUP, free_port, running_stack, serving_api
+from tests.helpers import delegate_until, eventually, raw_temporal_records, read_events, waiting_reviews
 from tests.pdfgen import pdf_bytes
 from worker import fallback_model
 
@@ -137,6 +137,35 @@ async def test_a_flood_of_anonymous_health_probes_asks_temporal_once_per_period(
             assert calls == one_look * 2  # looked again once the period was over
 
 
+async def test_healthz_tells_anyone_each_status_and_only_an_operator_where_and_what_failed(tmp_path):
+    """GET /healthz needs no key (probes): without an operator key it shows no address (the rate-limit
+    Redis's may carry its password in a query) and no error as raised, which may name hosts. A key
+    that is not valid gets the anonymous answer, not an error: a probe must not fail on it."""
+    redis_port = free_port()  # nothing listens there: the counters are down
+    settings = Settings(data_dir=tmp_path, temporal_address=f"127.0.0.1:{free_port()}", temporal_rpc_timeout=2,
+                        rate_limit_storage=f"redis://ops:s3cret@127.0.0.1:{redis_port}/0?password=hunter2")
+    keys = {role: api_keys.create(settings.effective_api_keys_file, "acme", role, role)
+            for role in ("member", "reviewer", "codec", "operator")}
+    app = create_app(settings)
+    async with app.router.lifespan_context(app), \
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+        for headers in ({}, {"X-API-Key": "rgl_not-a-key"},
+                        *({"Authorization": f"Bearer {keys[role]}"} for role in ("member", "reviewer", "codec"))):
+            r = await http.get("/healthz", headers=headers)
+            assert r.status_code == 503, (headers, r.text)
+            assert r.json() == {"status": "down", "components": {
+                "rate_limits": {"status": "down", "reason": "the shared rate-limit counters do not answer: requests "
+                                                            "are let through unlimited"},
+                "temporal": {"status": "down", "reason": "cannot reach Temporal"},
+                "worker": {"status": "unknown", "reason": "Temporal is down"}}}, headers
+        r = await http.get("/healthz", headers={"X-API-Key": keys["operator"]})
+        assert r.status_code == 503
+        shown = r.json()["components"]
+        assert shown["temporal"]["address"] == settings.temporal_address and shown["temporal"]["error"], shown
+        assert shown["rate_limits"]["address"] == f"redis://127.0.0.1:{redis_port}/0"
+        assert "s3cret" not in r.text and "hunter2" not in r.text
+
+
 async def _raw(stack, head: str, body: bytes = b"", *, headers: dict | None = None) -> tuple[int, dict]:
     """Send a request as raw bytes (a length it does not keep, a chunked body) and read the answer the
     API gives, which must come without the rest of the body: reading it would wait forever."""
@@ -181,6 +210,65 @@ async def test_a_large_body_is_refused_before_it_is_read(stack):
     assert (status, body["error"]["code"]) == (413, "body_too_large")
 
 
+async def test_a_codec_key_is_refused_before_a_v1_body_is_read(stack):
+    """The Web UI hands its codec key to every browser: with it, a large upload to a /v1 route is refused
+    from the request's head, as authenticate refuses it, rather than read and spooled first."""
+    ui_key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "codec", f"ui-{uuid.uuid4().hex[:6]}")
+    refused = {"code": "forbidden", "message": "a codec key may only call the codec endpoint (/codec)"}
+    for path, content_type in (("/v1/documents", "multipart/form-data; boundary=b"), ("/v1/chats", "application/json")):
+        status, body = await _raw(stack, f"POST {path} HTTP/1.1\nHost: x\nContent-Type: {content_type}\n"
+                                         f"Content-Length: {30 * 1024 * 1024}\nX-API-Key: {ui_key}\n")
+        assert (status, body["error"]) == (403, refused), path
+    async with _client(stack, ui_key) as ui:  # the same answer as a route's own key check gives
+        r = await ui.get("/v1/jobs")
+        assert (r.status_code, r.json()["error"]) == (403, refused)
+
+
+async def test_a_codec_body_over_its_cap_is_refused_from_its_length(stack):
+    """The codec endpoint reads a body only up to RAGLINE_CODEC_MAX_BODY_MB (64 MiB), after the key check:
+    a longer Content-Length is refused at once, with nothing of the body sent."""
+    ui_key = api_keys.create(stack.settings.effective_api_keys_file, "acme", "codec", f"ui-{uuid.uuid4().hex[:6]}")
+    over = stack.settings.codec_max_body_bytes + 1
+    for path, key_header in (("/codec/decode", f"X-API-Key: {stack.keys['operator']}\n"),
+                             (f"/codec/k/{ui_key}/encode", "")):
+        status, body = await _raw(stack, f"POST {path} HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                                         f"Content-Length: {over}\n{key_header}")
+        assert (status, body["error"]["code"]) == (413, "body_too_large"), body
+        assert "RAGLINE_CODEC_MAX_BODY_MB" in body["error"]["message"]
+    # The key comes first: without one, or with a member's, the length is not even looked at.
+    for key_header, code in (("", 401), (f"X-API-Key: {stack.keys['member']}\n", 403)):
+        status, _ = await _raw(stack, f"POST /codec/decode HTTP/1.1\nHost: x\nContent-Length: {over}\n{key_header}")
+        assert status == code
+
+
+async def test_a_codec_body_without_a_length_is_read_only_up_to_its_cap(stack):
+    """A body sent without a length (chunked) is read until it passes the cap, then refused: the rest of
+    it is never asked for."""
+    app = create_app(stack.settings.model_copy(update={"codec_max_body_mb": 1}))
+    sent = 0
+
+    async def three_mib():
+        nonlocal sent
+        for _ in range(48):
+            sent += 1
+            yield b" " * 65536
+
+    async def payloads(body: bytes):
+        for i in range(0, len(body), 7):  # a JSON body in small pieces, to be put together again
+            yield body[i:i + 7]
+
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://api",
+            headers={"X-API-Key": stack.keys["operator"]}) as http:
+        r = await http.post("/codec/encode", content=three_mib())
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "body_too_large"), r.text
+        assert sent <= 1024 * 1024 // 65536 + 2  # read up to the cap, no further
+        plain = {"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
+                 "data": base64.b64encode(b'"chunked"').decode()}
+        r = await http.post("/codec/decode", content=payloads(json.dumps({"payloads": [plain]}).encode()))
+        assert r.status_code == 200 and r.json()["payloads"] == [plain], r.text
+
+
 async def test_member_keys_cannot_decide_or_operate(stack):
     job_id = f"acme.agent-{uuid.uuid4().hex[:8]}"
     for path in (f"/v1/jobs/{job_id}/review", f"/v1/jobs/{job_id}/retry", f"/v1/jobs/{job_id}/discard"):
@@ -193,6 +281,39 @@ async def test_member_keys_cannot_decide_or_operate(stack):
     tried = [(e["action"], e["key_name"], e["outcome"]) for e in audit.read(stack.settings) if e["job_id"] == job_id]
     assert tried == [(a, k, o) for a in ("review", "retry", "discard")
                      for k, o in (("acme-member", "refused: forbidden"), ("acme-reviewer", "refused: job_not_found"))]
+
+
+async def test_a_revoked_keys_open_event_stream_ends_and_delivers_nothing_more(stack):
+    """A stream outlives the request that opened it (a job waiting days for a review): revoking the key
+    that opened it ends it, and the answer approved afterwards goes to the reviewer, not to that stream."""
+    tag = uuid.uuid4().hex[:8]
+    keys_file, name = stack.settings.effective_api_keys_file, f"revoked-{tag}"
+    key = api_keys.create(keys_file, "acme", "member", name)
+    collection = f"revoked-{tag}"
+    seed = await stack.upload(("tides.txt", b"High tide at Vell harbour is at noon."), collection=collection)
+    assert (await stack.wait_done(seed["job_id"]))["status"] == "completed"
+    async with _client(stack, key) as member:
+        r = await member.post("/v1/chats", json={"message": "When is high tide at Vell?", "collection": collection,
+                                                 "require_review": True})
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        after: list[str] = []
+        async with member.stream("GET", f"/v1/jobs/{job_id}/events", timeout=httpx.Timeout(60)) as events:
+            lines = events.aiter_lines()
+            async for line in lines:
+                if line.startswith("data:") and json.loads(line[5:])["type"] == "ragline.review.requested":
+                    break
+            assert api_keys.remove(keys_file, name) == 1
+            decided = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve",
+                                                                                "reviewer": "ana"})
+            assert decided.status_code == 200, decided.text
+            after = [line async for line in lines]  # to its end (a stream left open would time out)
+        assert not [line for line in after if line.startswith("data:")], after
+        assert ": the API key of this stream is no longer valid" in after, after
+        # Its EventSource would come back, and stop at the 401.
+        assert (await member.get(f"/v1/jobs/{job_id}/events")).status_code == 401
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+    assert "ragline.answer.completed" in [e["type"] for _, e in await read_events(stack, job_id)]
 
 
 async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tmp_path):
@@ -336,8 +457,10 @@ async def test_api_processes_share_each_keys_rate_through_redis(stack, redis_ser
             r = await http.get("/v1/jobs?limit=1")
             assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
             assert 1 <= int(r.headers["retry-after"]) <= 60
-        health = (await a.get("/healthz")).json()
+        # Where the counters are is for an operator's eyes (anyone may ask /healthz).
+        health = (await a.get("/healthz", headers={"X-API-Key": stack.keys["operator"]})).json()
         assert health["components"]["rate_limits"] == {"status": "up", "address": redis_server.url}
+        assert (await a.get("/healthz")).json()["components"]["rate_limits"] == {"status": "up"}
 
 
 def _unchecked_requests() -> float:
@@ -404,6 +527,9 @@ def test_rate_limit_storage_must_be_memory_or_redis():
         with pytest.raises(ValueError, match="rate_limit_storage"):
             Settings(rate_limit_storage=bad)
     assert shown_address("rediss://:secret@cache:6380/1") == "rediss://cache:6380/1"
+    assert shown_address("redis://cache:6379/0?password=secret&db=1") == "redis://cache:6379/0"
+    assert shown_address("redis://u:p%40ss@cache/0#x") == "redis://cache/0"
+    assert shown_address("redis://cache/0?password=a@secret") == "redis://…"  # which part is the password?
     for bad in ({"rate_limit_storage_timeout": 0}, {"rate_limit_storage_pause": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Settings(**bad)

@@ -13,6 +13,10 @@ How the caller authenticates:
     (name `webui-codec`), so the key the UI hands browsers dies with it; the API's access log shows that
     path as `/codec/k/***`.
 
+A body is read only after the key check, and only up to RAGLINE_CODEC_MAX_BODY_MB (413 `body_too_large`:
+from its Content-Length, or once one sent without a length passes it), so a caller cannot have the API
+hold a body of any size in memory.
+
 It is a sub-application mounted at /codec, so that CORS (for the Web UI's origin, with the
 X-Namespace header, preflight included) applies to it alone.
 """
@@ -33,6 +37,7 @@ from temporalio.converter import PayloadCodec
 from api import errors
 from api.auth import Guard, admit
 from api.errors import ApiError
+from api.limits import Cap, too_large
 from ragline import tracing
 from ragline.settings import Settings
 from temporal.codec import ENCODING
@@ -69,8 +74,9 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
             raise ApiError(404, "encryption_off", "payload encryption is off (RAGLINE_ENCRYPT_PAYLOADS)")
         if namespace and namespace != settings.temporal_namespace:
             raise ApiError(400, "wrong_namespace", f"this codec serves namespace {settings.temporal_namespace!r}")
+        body = await _body(request, Cap(settings.codec_max_body_bytes, "RAGLINE_CODEC_MAX_BODY_MB"))
         try:
-            payloads = json_format.Parse(await request.body(), Payloads(), ignore_unknown_fields=True)
+            payloads = json_format.Parse(body, Payloads(), ignore_unknown_fields=True)
         except Exception as exc:
             raise ApiError(400, "invalid_payloads", f"not a payloads object: {exc}") from None
         try:
@@ -96,6 +102,21 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
         app.post(f"/k/{{key}}/{action}")(with_path_key)
 
     return app
+
+
+async def _body(request: Request, cap: Cap) -> bytes:
+    """The request's body, refused (413) from its Content-Length when that is over `cap`, and otherwise
+    read only up to `cap` (a body sent without a length, or longer than it said)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > cap.bytes):
+        raise too_large(cap)
+    chunks, received = [], 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > cap.bytes:
+            raise too_large(cap)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _decode_for_display(codec: PayloadCodec, payload: Payload) -> Payload:

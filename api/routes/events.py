@@ -5,6 +5,11 @@ relays them. The SSE `id` is the event's offset in that stream, so a client that
 `Last-Event-ID` resumes right after the last event it saw. While no event arrives for
 `PROGRESS_AFTER` seconds, a `ragline.job.running` event (no id: it is not part of the durable
 log) tells a person which steps are still running, from the server's view of the job.
+
+The caller's key is checked when the stream opens and again before each event and every
+KEY_CHECK_SECONDS while idle: a stream outlives its request (an agent waits days for a review), and a
+key revoked meanwhile (or moved to another tenant or role) ends it. A browser's EventSource then
+reconnects, gets 401 and stops.
 """
 
 from __future__ import annotations
@@ -12,18 +17,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
 import structlog
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from temporalio.api.common.v1 import Payloads
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from api.auth import CallerDep
+from api.auth import CallerDep, still_valid
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep, StreamsDep
 from api.job_views import accepted_turn, failure_message, not_found, owned, wait_until_created
 from api.streams import JobStreams
@@ -38,6 +44,9 @@ TERMINAL_TYPES = {"ragline.job.completed", "ragline.job.failed", "ragline.job.ca
 KEEPALIVE_SECONDS = 15
 RECONNECT_MS = 5000  # the `retry:` a stream ends with when the job's events cannot be read for now
 PROGRESS_AFTER = 30
+# While no event comes, the caller's key is looked at again this often (a stat of the keys file): a
+# revoked key's stream ends within these seconds, not at the next event, which may be days away.
+KEY_CHECK_SECONDS = 5.0
 
 
 def _start_offset(last_event_id: str | None, from_offset: int | None) -> int:
@@ -66,8 +75,8 @@ STREAM_RESPONSES = {
 
 @router.get("/{job_id}/events", name="job_events", summary="Live job events (SSE, CloudEvents 1.0 in data)",
             response_class=EventSourceResponse, responses=STREAM_RESPONSES)
-async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep, settings: SettingsDep,
-                     accepted: AcceptedDep, streams: StreamsDep,
+async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep,
+                     settings: SettingsDep, accepted: AcceptedDep, streams: StreamsDep,
                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                      from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
                      ) -> Response:
@@ -100,8 +109,10 @@ async def job_events(job_id: JOB_ID, client: ClientDep, caller: CallerDep, timeo
             # An empty 200 would end the stream, and an EventSource reconnects after every end, for ever.
             return Response(status_code=204)
         opened = items, first
+    guard = request.app.state.guard
     return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending,
-                                      opened, ended=ended), ping=KEEPALIVE_SECONDS)
+                                      opened, ended=ended, key_valid=lambda: still_valid(guard, caller)),
+                               ping=KEEPALIVE_SECONDS)
 
 
 def _come_back(job_id: str, reason: object) -> ServerSentEvent:
@@ -112,16 +123,32 @@ def _come_back(job_id: str, reason: object) -> ServerSentEvent:
     return ServerSentEvent(comment=f"events unavailable, reconnect: {reason}"[:300], retry=RECONNECT_MS)
 
 
+def _key_gone(job_id: str) -> ServerSentEvent:
+    log.info("job events stream ended: its key is no longer valid", job_id=job_id)
+    return ServerSentEvent(comment="the API key of this stream is no longer valid")
+
+
 async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, start: int, timeout: timedelta,
-                 cooldown: timedelta, pending: bool, opened: tuple | None = None, *, ended: bool = False):
+                 cooldown: timedelta, pending: bool, opened: tuple | None = None, *, ended: bool = False,
+                 key_valid: Callable[[], bool]):
     """`opened`: the job's events already followed, and the read of the next one under way. An ended
     job's events are all there to read: a read that takes longer than an RPC may means no worker
-    answers, and the client is told to come back rather than held on a silent stream."""
+    answers, and the client is told to come back rather than held on a silent stream. `key_valid`:
+    whether the caller's key still holds (asked before each event, and every KEY_CHECK_SECONDS)."""
     if opened is not None:
         items, next_item = opened
-    elif not await wait_until_created(client, tenant, job_id, timeout, pending=pending):
-        return
     else:
+        # A turn whose session has not started its job may wait long (no worker): the key is watched meanwhile.
+        created = asyncio.ensure_future(wait_until_created(client, tenant, job_id, timeout, pending=pending))
+        try:
+            while not (await asyncio.wait({created}, timeout=KEY_CHECK_SECONDS))[0]:
+                if not key_valid():
+                    yield _key_gone(job_id)
+                    return
+        finally:
+            created.cancel()
+        if not created.result():
+            return
         # Each poll is an Update that waits in the workflow until there is something new (no busy loop
         # at any cooldown). With no pause the next poll is already waiting when the job publishes its
         # terminal event, so that event leaves with the run's last workflow task; otherwise the poll
@@ -129,9 +156,20 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
         # replaying the whole history.
         items = streams.follow(client, job_id, start, cooldown).__aiter__()
         next_item = asyncio.ensure_future(items.__anext__())
+    loop = asyncio.get_running_loop()
     try:
+        quiet_since = loop.time()
         while True:
-            done, _ = await asyncio.wait({next_item}, timeout=timeout.total_seconds() if ended else PROGRESS_AFTER)
+            # How long the stream may stay quiet: then an ended job's client is told to come back, a running
+            # job's is sent what still runs. Waited for in steps of KEY_CHECK_SECONDS, to look at the key.
+            patience = timeout.total_seconds() if ended else PROGRESS_AFTER
+            left = quiet_since + patience - loop.time()
+            done, _ = await asyncio.wait({next_item}, timeout=max(0.0, min(left, KEY_CHECK_SECONDS)))
+            if not key_valid():  # before anything more goes out
+                yield _key_gone(job_id)
+                return
+            if not done and loop.time() < quiet_since + patience:
+                continue
             if not done and ended:
                 yield _come_back(job_id, f"no worker answered within {timeout.total_seconds():g} s")
                 return
@@ -139,6 +177,7 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
                 event = await _progress_event(client, job_id, timeout)
                 if event:
                     yield ServerSentEvent(data=json.dumps(event))
+                quiet_since = loop.time()
                 continue
             try:
                 item = next_item.result()
@@ -151,6 +190,7 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
             if item.data.get("type") in TERMINAL_TYPES:
                 return
             next_item = asyncio.ensure_future(items.__anext__())
+            quiet_since = loop.time()
     finally:
         # Leave the job's shared subscription now (the last reader to leave ends it), not when the
         # reader is garbage-collected.

@@ -1,7 +1,11 @@
 """GET /healthz: each component's state, with the workers polling each task queue (and the shared
 rate-limit counters, when there are); 503 when Temporal is down.
 
-It needs no key (probes), and its Temporal half is ~7 RPCs: that half is checked at most once per
+It needs no key (probes). Without an operator key it says each component's status and why, in words of
+its own; addresses, poller counts and errors as raised (which may name hosts) only to an operator key.
+A key that is not valid is no error here: the answer is the anonymous one, so probes keep working.
+
+Its Temporal half is ~7 RPCs: that half is checked at most once per
 RAGLINE_HEALTHZ_CACHE_SECONDS and shared by every request in that window (those that arrive while a
 check is under way wait for it), so a flood of anonymous requests costs Temporal nothing more."""
 
@@ -18,7 +22,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest, GetSystemInfoRequest
 from temporalio.client import Client
 
-from api.auth import GuardDep, shown_address
+from api.auth import Guard, GuardDep, presented_key, shown_address
 from api.deps import ClientDep, SettingsDep
 from api.schemas import Component, Health, QueuePollers
 from ragline.settings import Settings
@@ -86,7 +90,7 @@ async def temporal_components(client: Client, settings: Settings) -> dict[str, C
         await client.workflow_service.get_system_info(GetSystemInfoRequest(), timeout=CHECK_TIMEOUT)
     except Exception as exc:
         return {"temporal": Component(status="down", address=settings.temporal_address,
-                                      reason=f"cannot reach Temporal: {exc}"),
+                                      reason="cannot reach Temporal", error=str(exc)),
                 "worker": Component(status="unknown", reason="Temporal is down")}
     components = {"temporal": Component(status="up", address=settings.temporal_address)}
     try:
@@ -104,11 +108,15 @@ async def temporal_components(client: Client, settings: Settings) -> dict[str, C
             status="up" if not idle else "down", pollers=main.workflow_pollers, task_queue=settings.task_queue,
             queues=by_queue, reason=reason)
     except Exception as exc:
-        components["worker"] = Component(status="unknown", reason=str(exc))
+        components["worker"] = Component(status="unknown", reason="the task queues could not be described",
+                                         error=str(exc))
     return components
 
 
 @router.get("/healthz", summary="Component health", response_model_exclude_none=True,
+            description="Needs no key. Addresses, pollers and errors as raised only for an operator key "
+                        "(`Authorization: Bearer <key>` or `X-API-Key`); any other key, or none, gets each "
+                        "component's status and reason",
             responses={503: {"model": Health, "description": "Temporal is down: no work can be recorded"}})
 async def healthz(request: Request, client: ClientDep, settings: SettingsDep, guard: GuardDep,
                   response: Response) -> Health:
@@ -123,8 +131,17 @@ async def healthz(request: Request, client: ClientDep, settings: SettingsDep, gu
                       reason="the shared rate-limit counters do not answer: requests are let through unlimited"))
     shared: SharedCheck = request.app.state.temporal_health
     components.update(await shared.get(lambda: temporal_components(client, settings)))
+    if not _operator(request, guard):
+        components = {name: Component(status=c.status, reason=c.reason) for name, c in components.items()}
     if components["temporal"].status == "down":
         response.status_code = 503
         return Health(status="down", components=components)
     healthy = all(c.status == "up" for c in components.values())
     return Health(status="up" if healthy else "degraded", components=components)
+
+
+def _operator(request: Request, guard: Guard) -> bool:
+    """Whether the request carries an operator's key (not counted against its rate: probes poll)."""
+    key = presented_key(request.headers)
+    entry = guard.keys.find(key) if key else None
+    return entry is not None and entry.role == "operator"
