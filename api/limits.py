@@ -72,7 +72,7 @@ class BodyLimit:
             await _refuse(codec_key_refused(), scope, receive, send)
             return
         cap = self._cap(scope["path"], entry.tenant)
-        length = headers.get("content-length")
+        length = (headers.get("content-length") or "").strip() or None  # the server keeps trailing spaces
         if length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES:
             await self.app(scope, receive, send)  # the server reads no more than the length says
             return

@@ -93,6 +93,8 @@ def load(path: Path) -> KeysFile:
         return KeysFile()
     except tomllib.TOMLDecodeError as exc:
         raise KeysFileError(f"{path} is not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable for now (permissions, a network mount)
+        raise KeysFileError(f"{path} cannot be read: {exc}") from None
     try:
         return KeysFile.model_validate(data)
     except ValidationError as exc:
@@ -113,10 +115,16 @@ class KeyRing:
         try:
             st = self.path.stat()
             stamp = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
+        except OSError:  # not there, or not readable for now
             stamp = None
         with self._lock:
             if self._loaded and stamp == self._stamp:
+                return
+            if self._loaded and (stamp is None or stamp[1] == 0):
+                # Gone or empty after it read well: an edit under way (a copy over it truncates first, an editor
+                # may move it away before it writes), not "no keys": every key and open stream would stop.
+                self._stamp = stamp
+                log.error("keys file missing or empty: the keys read before stay in force", path=str(self.path))
                 return
             try:
                 keys_file = load(self.path)

@@ -228,10 +228,10 @@ class Settings(BaseSettings):
     # and http://localhost:<ui port>.
     codec_cors_origins: list[str] | None = None
     # Largest body the codec endpoint reads (MiB; 413 above it). The Web UI and the CLI send it the
-    # payloads of one history event at a time; Temporal refuses a payload over 2 MB and a history over
-    # 50 MB, so 64 MiB (with JSON's base64, +1/3) holds any request they make by far, while a caller can
-    # no longer have the API hold a body of any size in memory.
-    codec_max_body_mb: float = Field(64, gt=0)
+    # payloads of one history event at a time, and Temporal refuses a payload over 2 MB: 16 MiB (with JSON's
+    # base64, +1/3) holds any of them, while a few callers at once (every browser of the Web UI has a codec
+    # key) cannot have the API hold more than its memory.
+    codec_max_body_mb: float = Field(16, gt=0)
     # Mask phone numbers, e-mail addresses and ID numbers in text sent to a model that is not local,
     # and in logs.
     redact_pii: bool = False

@@ -368,6 +368,22 @@ def test_a_broken_edit_of_the_keys_file_keeps_the_keys_read_before(tmp_path):
         api_keys.KeyRing(broken).find(first)
 
 
+def test_a_keys_file_caught_mid_rewrite_keeps_the_keys_read_before(tmp_path):
+    """`cp new.toml keys.toml` truncates before it writes, and an editor may move the file away before it
+    writes the new one: read then, the file is "no keys", and every key (every open event stream) would stop."""
+    path = tmp_path / "keys.toml"
+    key = api_keys.create(path, "acme", "member", "first")
+    ring = api_keys.KeyRing(path)
+    assert ring.find(key).name == "first"
+    text = path.read_text()
+    path.write_text("")  # truncated, not yet written
+    assert ring.find(key).name == "first"
+    path.unlink()  # moved away, the new one not yet there
+    assert ring.find(key).name == "first"
+    path.write_text(text.replace('name = "first"', 'name = "renamed"'))
+    assert ring.find(key).name == "renamed"  # the file that reads again is the one in force
+
+
 def test_a_misspelt_limit_in_the_keys_file_is_refused_with_its_name(tmp_path, caplog):
     """`request_per_minute = 5` (for requests_per_minute) or `max_upload_MB`: read as no limit at all, the
     operator's limit went unenforced without a word. Now the edit is refused with the line's name, and the

@@ -107,16 +107,15 @@ def create_codec_app(settings: Settings, guard: Guard, get_codec: Callable[[], P
 async def _body(request: Request, cap: Cap) -> bytes:
     """The request's body, refused (413) from its Content-Length when that is over `cap`, and otherwise
     read only up to `cap` (a body sent without a length, or longer than it said)."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > cap.bytes):
+    length = (request.headers.get("content-length") or "").strip()  # the server keeps trailing spaces
+    if length and (not length.isdigit() or int(length) > cap.bytes):
         raise too_large(cap)
-    chunks, received = [], 0
+    body = bytearray()  # one buffer: not the chunks and their join besides
     async for chunk in request.stream():
-        received += len(chunk)
-        if received > cap.bytes:
+        if len(body) + len(chunk) > cap.bytes:
             raise too_large(cap)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return bytes(body)
 
 
 async def _decode_for_display(codec: PayloadCodec, payload: Payload) -> Payload:

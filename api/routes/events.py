@@ -147,6 +147,7 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
                     return
         finally:
             created.cancel()
+            await asyncio.gather(created, return_exceptions=True)
         if not created.result():
             return
         # Each poll is an Update that waits in the workflow until there is something new (no busy loop
@@ -175,6 +176,9 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
                 return
             if not done:
                 event = await _progress_event(client, job_id, timeout)
+                if event and not key_valid():  # revoked while the job was described
+                    yield _key_gone(job_id)
+                    return
                 if event:
                     yield ServerSentEvent(data=json.dumps(event))
                 quiet_since = loop.time()
