@@ -15,7 +15,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.heartbeats import heartbeating
 
-from models.chat import AwaitTurnInput, TurnOutcome, TurnResult
+from models.chat import AwaitTurnInput, TurnOutcome, TurnResult, final_answer_of
 from models.ingest import (
     CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput,
     ForgetDocumentOutput, NewerRun, RemovalConfirmed,
@@ -100,8 +100,8 @@ class JobActivities:
         try:
             async with heartbeating():
                 result = await handle.result()
-        except WorkflowFailureError:
-            return TurnOutcome(answer=None)
+        except WorkflowFailureError as exc:  # an answer it had shown before failing stays in the history
+            return TurnOutcome(answer=final_answer_of(exc.cause))
         return TurnOutcome(answer=result.answer if result.answered else None)
 
     @activity.defn

@@ -926,6 +926,41 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
     assert len(generates[2].arg.history) == 2
 
 
+@dataclass
+class FirstTurnsEntitiesFail(Fakes):
+    """The first question's entities fail for good, once its answer is shown: that turn's job fails."""
+
+    @activity.defn(name="extract_entities")
+    async def extract_entities(self, req: ContextInput) -> EntitiesOutput:
+        self._end(self._start("extract_entities", req))
+        if req.question.startswith("First"):
+            raise ApplicationError("the entities could not be read", type="InputError", non_retryable=True)
+        return EntitiesOutput(entities=[], usage=Usage())
+
+
+@pytest.mark.parametrize("sent", ["while the first turn runs", "once it has failed"])
+async def test_an_answer_shown_before_its_turn_failed_is_in_the_next_turns_history(env, sent):
+    """Whether the next question was sent before the first turn failed (it then asked for the answer as soon
+    as it was shown) or after, the answer the person saw is the history it is asked in."""
+    fakes = FirstTurnsEntitiesFail(side_step_seconds=0.5)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(
+            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id("default", session),
+            task_queue=queue, start_signal="submit", start_signal_args=[first])
+        if sent == "while the first turn runs":
+            await handle.signal(ChatSessionWorkflow.submit, second)
+        with pytest.raises(WorkflowFailureError):
+            await turn_result(env, first.job_id)
+        if sent == "once it has failed":
+            await handle.signal(ChatSessionWorkflow.submit, second)
+        await turn_result(env, second.job_id)
+        await handle.terminate("test over")
+    asked = next(c.arg for c in fakes.named("generate_answer") if c.arg.question == "Second question?")
+    assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
+
+
 # -- the tenant gate (running slots) ------------------------------------------------------------------
 
 async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended_jobs(env):

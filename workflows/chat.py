@@ -25,6 +25,7 @@ import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -35,8 +36,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
-        RetrieveInput, SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage,
-        session_workflow_id,
+        FINAL_ANSWER_DETAIL, RetrieveInput, SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput,
+        TurnResult, Usage, final_answer_of, session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
     from models.review import ReviewDecision, without
@@ -83,6 +84,10 @@ SIDE_STEP_FAILURE_ENDS_REVIEW_PATCH = "side-step-failure-ends-review"
 # When the summary or the entities fail for good, the other is stopped (its model call, or its wait for an
 # operator). Earlier turns left it running in a failed job.
 SIDE_STEPS_STOP_TOGETHER_PATCH = "side-steps-stop-together"
+# A turn that fails once its answer was shown (its summary or entities failed for good) leaves that answer in
+# its session's history, as it does when a later turn asked for it before the end (its failure carries it).
+# Earlier sessions kept it only in that case. (A cancelled turn's still depends on it: its cancel carries none.)
+FAILED_TURN_ANSWER_PATCH = "failed-turn-shown-answer-in-history"
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -158,6 +163,9 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
     def shown_answer(self) -> dict | None:
         return self._shown
+
+    def failure_details(self) -> dict[str, Any]:
+        return {FINAL_ANSWER_DETAIL: self._final_answer[:HISTORY_ANSWER_CHARS]} if self._final_answer else {}
 
     def _released(self, result: TurnResult) -> dict:
         """`ragline.answer.completed` of a held answer: a reviewer's text comes with its own citations."""
@@ -519,8 +527,9 @@ class ChatSessionWorkflow:
     async def _outcome(child: workflow.ChildWorkflowHandle) -> str | None:
         try:
             result = await child
-        except ChildWorkflowError:
-            return None
+        except ChildWorkflowError as exc:
+            shown = final_answer_of(exc.cause)
+            return shown if shown and workflow.patched(FAILED_TURN_ANSWER_PATCH) else None
         return result.answer if result.answered else None
 
     def _should_continue_as_new(self) -> bool:
