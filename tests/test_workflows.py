@@ -892,14 +892,20 @@ async def test_chat_turn_started_with_its_go_needs_no_signal(bare_env):
     assert fakes.one("generate_answer").arg.history == history
 
 
+async def start_session(env: WorkflowEnvironment, queue: str, first: TurnInput):
+    """A session's workflow, started by its first turn as `POST /v1/chats` starts it (signal-with-start)."""
+    return await env.client.start_workflow(
+        ChatSessionWorkflow.run, SessionState(session_id=first.session_id),
+        id=session_workflow_id("default", first.session_id), task_queue=queue, start_signal="submit",
+        start_signal_args=[first])
+
+
 async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_resent_turn(env):
     fakes = Fakes(side_step_seconds=0)
     session = f"s-{uuid.uuid4().hex[:8]}"
     first, second = turn(session, "First question?"), turn(session, "Second question?")
     async with fake_worker(env, fakes) as queue:
-        handle = await env.client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id("default", session),
-            task_queue=queue, start_signal="submit", start_signal_args=[first])
+        handle = await start_session(env, queue, first)
         await handle.signal(ChatSessionWorkflow.submit, second)
         await handle.signal(ChatSessionWorkflow.submit, first)  # the same request again
         results = [await turn_result(env, t.job_id) for t in (first, second)]
@@ -946,9 +952,7 @@ async def test_an_answer_shown_before_its_turn_failed_is_in_the_next_turns_histo
     session = f"s-{uuid.uuid4().hex[:8]}"
     first, second = turn(session, "First question?"), turn(session, "Second question?")
     async with fake_worker(env, fakes) as queue:
-        handle = await env.client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session), id=session_workflow_id("default", session),
-            task_queue=queue, start_signal="submit", start_signal_args=[first])
+        handle = await start_session(env, queue, first)
         if sent == "while the first turn runs":
             await handle.signal(ChatSessionWorkflow.submit, second)
         with pytest.raises(WorkflowFailureError):
