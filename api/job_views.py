@@ -262,35 +262,39 @@ async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeo
     or earlier turns of the session still starting). False when there is no such job at all.
     `pending`: the caller has just found the turn accepted and its job missing; the wait begins there."""
     job_id = scoped(tenant, job_id)
-    if pending:
-        await _session_starts(client, tenant, job_id, SESSION_WATCH)
+    if pending and await _session_starts(client, tenant, job_id, SESSION_WATCH) == "closed":
+        return await exists(client, job_id, rpc_timeout)
     while not await exists(client, job_id, rpc_timeout):
         if await accepted_turn(client, tenant, job_id, rpc_timeout) is None:
             return await exists(client, job_id, rpc_timeout)
-        await _session_starts(client, tenant, job_id, SESSION_WATCH)
+        if await _session_starts(client, tenant, job_id, SESSION_WATCH) == "closed":
+            # Its session's run ended without starting it (terminated by hand): no run will (README).
+            return await exists(client, job_id, rpc_timeout)
     return True
 
 
-async def _session_starts(client: Client, tenant: str, job_id: str, wait: timedelta) -> None:
-    """Until the turn's session has started (or tried to start) the job `job_id`, its run ends, or
-    `wait` passes: a long poll on the session's history, which the server answers as events arrive,
-    rather than asking again and again (a burst of accepted turns would cost the server that much)."""
+async def _session_starts(client: Client, tenant: str, job_id: str, wait: timedelta) -> str:
+    """Until the turn's session has started (or tried to start) the job `job_id` ("started"), its run
+    ended without doing so ("closed"), or `wait` passes ("waited"): a long poll on the session's history,
+    which the server answers as events arrive, rather than asking again and again (a burst of accepted
+    turns would cost the server that much)."""
     handle = client.get_workflow_handle(session_workflow_id(tenant, session_of_turn(job_id)))
 
-    async def watch() -> None:
+    async def watch() -> str:
         async for event in handle.fetch_history_events(wait_new_event=True, rpc_timeout=wait):
             if event.HasField("child_workflow_execution_started_event_attributes"):
                 started = event.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id
                 if started == job_id:
-                    return
+                    return "started"
             elif event.HasField("start_child_workflow_execution_failed_event_attributes"):
                 if event.start_child_workflow_execution_failed_event_attributes.workflow_id == job_id:
-                    return  # it existed already
+                    return "started"  # it existed already
+        return "closed"  # a long poll of a history ends only with its run (a continue-as-new starts it first)
 
     try:
-        await asyncio.wait_for(watch(), wait.total_seconds())
+        return await asyncio.wait_for(watch(), wait.total_seconds())
     except (asyncio.TimeoutError, RPCError):
-        pass  # the caller looks again
+        return "waited"  # the caller looks again
 
 
 async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta, *,

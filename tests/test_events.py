@@ -14,17 +14,20 @@ import httpx
 import pytest
 from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType, PendingActivityState
-from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateStage
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateStage
 from temporalio.contrib.workflow_streams import PollInput, PollResult
 from temporalio.worker import Worker
 
 import worker
-from api.job_views import _steps
+from api.job_views import _steps, wait_until_created
 from api.routes import events as events_route
 from api.routes.events import _progress_event, _relay
+from ragline.settings import Settings
 from temporal import policies
+from temporal.converter import build_data_converter
 from tests.conftest import running_stack, shared_pdf
 from tests.helpers import eventually, read_events, waiting_reviews
+from models.chat import ChatQuestion, SessionState, TurnInput, session_workflow_id, turn_job_id
 from models.jobs import JobProgress, StepState
 from workflows.events import JobEvents
 
@@ -170,6 +173,26 @@ async def test_an_idle_stream_ends_soon_after_its_key_is_revoked(monkeypatch):
     valid[0] = False
     rest = await asyncio.wait_for(_rest(relay), timeout=5)  # PROGRESS_AFTER (30 s) is far off
     assert [e.comment for e in rest] == ["the API key of this stream is no longer valid"]
+
+
+async def test_a_stream_of_a_turn_whose_session_was_terminated_before_starting_it_ends(temporal_env, tmp_path):
+    """The session accepted the turn (its `submit` is in the session's history), then was terminated by hand
+    before it started the turn's job: no run will start it. A stream waiting for that job ends, rather than
+    read the closed session's history again and again, at once."""
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    client = Client(temporal_env.client.service_client,  # payloads as Ragline writes them
+                    data_converter=build_data_converter(Settings(data_dir=tmp_path, encrypt_payloads=False)))
+    job_id = f"acme.{turn_job_id(session, 'k')}"
+    turn = TurnInput(tenant="acme", job_id=job_id, session_id=session,
+                     question=ChatQuestion(message="Anyone there?", collection="default"))
+    handle = await client.start_workflow(  # as POST /v1/chats does; no worker polls this queue
+        "ChatSessionWorkflow", SessionState(tenant="acme", session_id=session),
+        id=session_workflow_id("acme", session), task_queue=f"nobody-{session}",
+        start_signal="submit", start_signal_args=[turn])
+    await handle.terminate("by hand, from the Web UI")
+    created = await asyncio.wait_for(
+        wait_until_created(client, "acme", job_id, timedelta(seconds=5), pending=True), timeout=30)
+    assert created is False
 
 
 async def _rest(relay) -> list:
