@@ -15,7 +15,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.heartbeats import heartbeating
 
-from models.chat import AwaitTurnInput, TurnOutcome, TurnResult, final_answer_of
+from models.chat import FINAL_ANSWER_DETAIL, AwaitTurnInput, TurnOutcome, TurnResult
 from models.ingest import (
     CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput,
     ForgetDocumentOutput, NewerRun, RemovalConfirmed,
@@ -23,7 +23,7 @@ from models.ingest import (
 from models.jobs import PolicyAttempts, PolicyAttemptsInput, StepResult
 from ragline.errors import InputError
 from temporal import policies
-from temporal.errors import translate_errors
+from temporal.errors import failure_detail, translate_errors
 
 
 class JobActivities:
@@ -101,7 +101,7 @@ class JobActivities:
             async with heartbeating():
                 result = await handle.result()
         except WorkflowFailureError as exc:  # an answer it had shown before failing stays in the history
-            return TurnOutcome(answer=final_answer_of(exc.cause))
+            return TurnOutcome(answer=failure_detail(exc.cause, FINAL_ANSWER_DETAIL))
         return TurnOutcome(answer=result.answer if result.answered else None)
 
     @activity.defn

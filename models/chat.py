@@ -74,13 +74,6 @@ class TurnInput(BaseModel):
 FINAL_ANSWER_DETAIL = "final_answer"
 
 
-def final_answer_of(failure: BaseException | None) -> str | None:
-    """The answer a failed turn had shown (and would have told its session), from its failure's details."""
-    details = getattr(failure, "details", None) or ()
-    first = details[0] if details else None
-    return first.get(FINAL_ANSWER_DETAIL) if isinstance(first, dict) else None
-
-
 class TurnOutcome(BaseModel):
     """What the session keeps of a finished turn: its answer, or None when the turn failed or has none."""
     answer: str | None = None

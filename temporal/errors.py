@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from datetime import timedelta
+from typing import Any
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -36,12 +37,16 @@ def to_application_error(exc: RaglineError) -> ApplicationError:
                             non_retryable=not exc.retryable, next_retry_delay=delay)
 
 
+def failure_detail(failure: BaseException | None, key: str) -> Any:
+    """`key` of a failure's first detail, when that is a dict (how Ragline's failures carry what they tell)."""
+    details = getattr(failure, "details", None) or ()
+    first = details[0] if details else None
+    return first.get(key) if isinstance(first, dict) else None
+
+
 def failed_attempt(error: BaseException) -> int | None:
     """The attempt an activity's failure (ActivityError, or its ApplicationError cause) happened on."""
-    cause = getattr(error, "cause", None) or error
-    details = getattr(cause, "details", None) or ()
-    first = details[0] if details else None
-    return first.get(ATTEMPT_DETAIL) if isinstance(first, dict) else None
+    return failure_detail(getattr(error, "cause", None) or error, ATTEMPT_DETAIL)
 
 
 def _max_interval() -> timedelta | None:

@@ -30,6 +30,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.review import ReviewDecision, ReviewRecord
     from temporal import search_attributes as sa
+    from temporal.errors import failure_detail
     from workflows.dead_letters import ParkWithdrawn
     from workflows.failures import failure_reason
     from workflows.job import JobWorkflow
@@ -85,19 +86,14 @@ ONE_CHILD_PER_SUBGOAL_PATCH = "agent-one-sub-agent-per-sub-goal-of-a-plan"
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
     """What a failed sub-agent spent, from its failure (nothing, from a child of older code)."""
-    spent = _failure_detail(exc, SPENT_DETAIL)
+    spent = failure_detail(exc.cause, SPENT_DETAIL)
     return Spend.model_validate(spent) if isinstance(spent, dict) else Spend()
 
 
 def granted_before_failing(exc: ChildWorkflowError) -> Grant:
     """What reviewers granted a failed sub-agent's subtree, from its failure."""
-    granted = _failure_detail(exc, GRANTED_DETAIL)
+    granted = failure_detail(exc.cause, GRANTED_DETAIL)
     return Grant.model_validate(granted) if isinstance(granted, dict) else Grant()
-
-
-def _failure_detail(exc: ChildWorkflowError, key: str) -> Any:
-    details = getattr(exc.cause, "details", None) or ()
-    return details[0].get(key) if details and isinstance(details[0], dict) else None
 
 
 def normalise_goal(goal: str) -> str:

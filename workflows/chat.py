@@ -37,13 +37,14 @@ with workflow.unsafe.imports_passed_through():
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
         FINAL_ANSWER_DETAIL, RetrieveInput, SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput,
-        TurnResult, Usage, final_answer_of, session_workflow_id,
+        TurnResult, Usage, session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
     from models.review import ReviewDecision, without
     from ragline import tracing
     from temporal import policies
     from temporal import search_attributes as sa
+    from temporal.errors import failure_detail
     from workflows.job import JobWorkflow
     from workflows.review import ReviewHandlers
 
@@ -528,7 +529,7 @@ class ChatSessionWorkflow:
         try:
             result = await child
         except ChildWorkflowError as exc:
-            shown = final_answer_of(exc.cause)
+            shown = failure_detail(exc.cause, FINAL_ANSWER_DETAIL)
             return shown if shown and workflow.patched(FAILED_TURN_ANSWER_PATCH) else None
         return result.answer if result.answered else None
 
