@@ -78,7 +78,7 @@ $(REDIS):
 TEST_WORKERS ?= 2
 
 test: install $(CHROMIUM) $(WEBUI_STAMP) $(PROMETHEUS) $(REDIS)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope --durations=20
 
 bench: install
 	$(BIN)/python -m bench
