@@ -302,6 +302,35 @@ async def test_the_progress_event_tells_a_step_that_runs_from_one_waiting_for_a_
     assert running["progress"] == {"page": 3, "pages": 10} and waiting["progress"] is None
 
 
+@workflow.defn(name="WaitsOnItsChild", sandboxed=False)
+class WaitsOnItsChild:
+    """An upload waiting on its document's job: it runs no activity of its own."""
+    @workflow.run
+    async def run(self, queue: str) -> None:
+        await workflow.execute_child_workflow(TwoStepsUnderWay.run, queue, id=f"{workflow.info().workflow_id}-doc")
+
+
+async def test_the_progress_event_of_a_job_waiting_on_its_child_tells_the_childs_steps(temporal_env):
+    """An upload's stream: its documents' jobs are what runs, so `ragline.job.running` lists their steps,
+    each with its job's id and its progress (the page a long PDF is at)."""
+    client, queue = temporal_env.client, f"parent-{uuid.uuid4().hex[:8]}"
+    async with Worker(client, task_queue=queue, workflows=[WaitsOnItsChild, TwoStepsUnderWay],
+                      activities=[held_step]):
+        handle = await client.start_workflow(WaitsOnItsChild.run, queue, id=queue, task_queue=queue)
+        try:
+            async def child_running() -> dict | None:
+                event = await _progress_event(client, handle.id, timedelta(seconds=5))
+                running = event["data"]["running"] if event else []
+                return event if any(s["progress"] for s in running) else None
+            event = await eventually(child_running, what="the child's step running, with its progress")
+        finally:
+            await handle.terminate("test over")  # and its child with it (the default parent close policy)
+    assert event["subject"] == handle.id
+    assert sorted((s["job_id"], s["step"], s["state"], s["progress"] is not None)
+                  for s in event["data"]["running"]) == [(f"{queue}-doc", "held_step", "running", True),
+                                                         (f"{queue}-doc", "held_step", "waiting", False)]
+
+
 @activity.defn(name="other_held_step")
 async def other_held_step() -> None:
     await asyncio.Event().wait()

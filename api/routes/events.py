@@ -44,6 +44,9 @@ TERMINAL_TYPES = {"ragline.job.completed", "ragline.job.failed", "ragline.job.ca
 KEEPALIVE_SECONDS = 15
 RECONNECT_MS = 5000  # the `retry:` a stream ends with when the job's events cannot be read for now
 PROGRESS_AFTER = 30
+# A progress event describes at most this many of the job's running child jobs (the first started):
+# one read of Temporal each, every PROGRESS_AFTER seconds of quiet, for an upload of any number of files.
+MAX_CHILDREN_DESCRIBED = 16
 # While no event comes, the caller's key is looked at again this often (a stat of the keys file): a
 # revoked key's stream ends within these seconds, not at the next event, which may be days away.
 KEY_CHECK_SECONDS = 5.0
@@ -215,12 +218,35 @@ async def _heartbeat(client: Client, details: Payloads) -> dict | None:
 
 
 async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> dict | None:
-    """What is still running, from the server's view of pending activities (heartbeat details)."""
+    """What is still running, from the server's view of pending activities (heartbeat details): the job's
+    own, then those of its child jobs still running (an upload's documents, an agent's sub-agents), each
+    with its `job_id`, so an upload's stream shows the page its 500-page PDF is at."""
     try:
         desc = await client.get_workflow_handle(job_id).describe(rpc_timeout=timeout)
     except RPCError:
         return None
     now = datetime.now(timezone.utc)
+    running = await _running_steps(client, desc, now)
+    children = [c.workflow_id for c in desc.raw_description.pending_children][:MAX_CHILDREN_DESCRIBED]
+    for child, steps in zip(children, await asyncio.gather(*(_child_steps(client, c, now, timeout)
+                                                             for c in children))):
+        running += [{"job_id": child, **step} for step in steps]
+    if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
+        return None
+    return {"specversion": "1.0", "id": f"{job_id}/progress/{int(now.timestamp())}", "source": "ragline/api",
+            "type": "ragline.job.running", "time": now.isoformat(), "subject": job_id,
+            "datacontenttype": "application/json", "data": {"running": running}}
+
+
+async def _child_steps(client: Client, workflow_id: str, now: datetime, timeout: timedelta) -> list[dict]:
+    try:
+        desc = await client.get_workflow_handle(workflow_id).describe(rpc_timeout=timeout)
+    except RPCError:  # it ended meanwhile (and was deleted), or the server is busy: progress is a courtesy
+        return []
+    return await _running_steps(client, desc, now)
+
+
+async def _running_steps(client: Client, desc, now: datetime) -> list[dict]:  # noqa: ANN001
     running = []
     for pending in desc.raw_description.pending_activities:
         # Scheduled, not started: it waits for a worker's slot (a local model's one slot, say), or for its
@@ -239,8 +265,4 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
             "last_error": await failure_message(client, pending.last_failure) or None,  # encrypted: decoded
             "progress": await _heartbeat(client, pending.heartbeat_details) if started else None,
         })
-    if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
-        return None
-    return {"specversion": "1.0", "id": f"{job_id}/progress/{int(now.timestamp())}", "source": "ragline/api",
-            "type": "ragline.job.running", "time": now.isoformat(), "subject": job_id,
-            "datacontenttype": "application/json", "data": {"running": running}}
+    return running
