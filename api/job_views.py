@@ -39,6 +39,8 @@ from temporal import search_attributes as sa
 PROGRESS_QUERY_TIMEOUT = timedelta(seconds=2)
 # How long one long poll on a session's history waits for the start of an accepted turn's job.
 SESSION_WATCH = timedelta(seconds=10)
+# A read of a chat turn queued longer than this asks whether its session still runs (one describe).
+QUEUED_A_MOMENT = timedelta(seconds=5)
 
 Ack = TypeVar("Ack", bound=BaseModel)
 T = TypeVar("T")
@@ -273,6 +275,22 @@ async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeo
     return True
 
 
+async def never_started(client: Client, tenant: str, job_id: str,
+                        rpc_timeout: timedelta) -> tuple[str, datetime] | None:
+    """Why, and since when, an accepted turn's job will never run: its session's run ended (terminated by
+    hand, README) without starting it. None while the session runs, or when the job exists after all."""
+    job_id = scoped(tenant, job_id)
+    session = await describe_or_none(client, session_workflow_id(tenant, session_of_turn(job_id)), rpc_timeout)
+    if session is None or session.status in (WorkflowExecutionStatus.RUNNING,
+                                             WorkflowExecutionStatus.CONTINUED_AS_NEW):
+        return None
+    if await exists(client, job_id, rpc_timeout):  # started just before its session's run ended
+        return None
+    how = session.status.name.lower().replace("canceled", "cancelled").replace("_", " ")
+    return (f"its session's workflow was {how} before it started this turn's job: the turn never ran (no model "
+            f"was called for it); send the question again", session.close_time or datetime.now(timezone.utc))
+
+
 async def _session_starts(client: Client, tenant: str, job_id: str, wait: timedelta) -> str:
     """Until the turn's session has started (or tried to start) the job `job_id` ("started"), its run
     ended without doing so ("closed"), or `wait` passes ("waited"): a long poll on the session's history,
@@ -310,6 +328,11 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
             at = accepted.accepted_at(job_id) if accepted is not None else None
             if at is None and (turn := await accepted_turn(client, tenant, job_id, rpc_timeout)) is not None:
                 at = turn.accepted_at or datetime.now(timezone.utc)  # a turn accepted before the time was kept
+            # (A turn this process accepted a moment ago is not looked at: its session ran then.)
+            if at is not None and datetime.now(timezone.utc) - at > QUEUED_A_MOMENT and \
+                    (ended := await never_started(client, tenant, job_id, rpc_timeout)) is not None:
+                return JobView(job_id=job_id, kind="chat", status="failed", created_at=at, updated_at=ended[1],
+                               turn=None, steps=[], result=None, error=JobError(message=ended[0], type="SessionEnded"))
             if at is not None:
                 return JobView(job_id=job_id, kind="chat", status="queued", created_at=at, updated_at=at,
                                turn=None, steps=[], result=None, error=None,

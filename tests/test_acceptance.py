@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import uuid
 
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -17,7 +18,7 @@ from models.chat import SessionState, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
-from tests.helpers import delegate_until, read_events, waiting_reviews
+from tests.helpers import delegate_until, eventually, read_events, waiting_reviews
 from worker import build_worker
 from workflows.chat import ChatSessionWorkflow
 
@@ -238,3 +239,37 @@ async def test_reads_that_need_a_worker_say_so_while_none_runs(temporal_env, scr
             # list the tenant's reviews.
             for job_id in (review["job_id"], agent):
                 await stack.client.get_workflow_handle(job_id).terminate("test over")
+
+
+async def test_a_turn_whose_session_was_terminated_before_starting_it_reads_as_failed(temporal_env, scripted_llm,
+                                                                                      tmp_path):
+    """README asks operators not to terminate a session's workflow; one who does leaves the turns it had
+    accepted but not started without a job, and no run will start them. Such a turn reads as failed,
+    saying why, not as queued for ever; its stream ends with that failure, and an EventSource coming
+    back after it is told there is nothing more (204)."""
+    tag = uuid.uuid4().hex[:8]
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False,
+                             task_queue=f"session-ended-{tag}") as stack:  # no worker: the turn stays queued
+        chat = await stack.chat(f"Anyone at {tag}?", collection=tag)
+        other = await stack.chat(f"Anyone else at {tag}?", collection=tag)  # another session, left running
+        assert (await stack.http.get(f"/v1/jobs/{chat['job_id']}")).json()["status"] == "queued"
+        await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, chat["session_id"])).terminate(
+            "by hand, from the Web UI")
+
+        async def failed() -> dict | None:
+            job = (await stack.http.get(f"/v1/jobs/{chat['job_id']}")).json()
+            return job if job["status"] != "queued" else None
+        job = await eventually(failed, what="the stranded turn no longer queued")
+        assert job["status"] == "failed" and job["error"]["type"] == "SessionEnded", job
+        assert "terminated" in job["error"]["message"] and "send the question again" in job["error"]["message"]
+        async with stack.http.stream("GET", f"/v1/jobs/{chat['job_id']}/events") as r:
+            data = [json.loads(line[5:]) for line in [line async for line in r.aiter_lines()]
+                    if line.startswith("data:")]
+        assert [(e["type"], e["data"]["error"]) for e in data] == [("ragline.job.failed", job["error"]["message"])]
+        r = await stack.http.get(f"/v1/jobs/{chat['job_id']}/events", headers={"Last-Event-ID": "0"})
+        assert r.status_code == 204, r.text
+        # A turn whose session still runs (accepted as long ago) waits for a worker, as before.
+        assert (await stack.http.get(f"/v1/jobs/{other['job_id']}")).json()["status"] == "queued"
+        await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, other["session_id"])).terminate(
+            "test over")

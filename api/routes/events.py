@@ -31,7 +31,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.auth import CallerDep, still_valid
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep, StreamsDep
-from api.job_views import accepted_turn, failure_message, not_found, owned, wait_until_created
+from api.job_views import (
+    accepted_turn, failure_message, never_started, not_found, owned, wait_until_created,
+)
 from api.streams import JobStreams
 from api.validators import JOB_ID
 from models.tenancy import scoped
@@ -100,6 +102,8 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
         if not pending:
             raise not_found(asked) from None
     start = _start_offset(last_event_id, from_offset)
+    if pending and start > 0 and await never_started(client, caller.tenant, job_id, timeout) is not None:
+        return Response(status_code=204)  # its one event was read: an EventSource stops reconnecting
     cooldown = timedelta(seconds=settings.events_poll_cooldown)
     opened = None
     if ended and start > 0:
@@ -124,6 +128,15 @@ def _come_back(job_id: str, reason: object) -> ServerSentEvent:
     then, with Last-Event-ID, and misses nothing. (An error status would make it give up for good.)"""
     log.warning("job events unavailable", job_id=job_id, error=str(reason))
     return ServerSentEvent(comment=f"events unavailable, reconnect: {reason}"[:300], retry=RECONNECT_MS)
+
+
+def _never_started(job_id: str, reason: str, since: datetime) -> ServerSentEvent:
+    """The terminal event of a turn whose session's run ended before starting its job (no job, so no
+    stream of its own: the API says it, with offset 0, so a reconnect after it is answered 204)."""
+    return ServerSentEvent(id="0", data=json.dumps({
+        "specversion": "1.0", "id": f"{job_id}/never-started", "source": "ragline/api", "type": "ragline.job.failed",
+        "time": since.isoformat(), "subject": job_id, "datacontenttype": "application/json",
+        "data": {"error": reason}}, ensure_ascii=False))  # as a job's own failed event
 
 
 def _key_gone(job_id: str) -> ServerSentEvent:
@@ -152,6 +165,8 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
             created.cancel()
             await asyncio.gather(created, return_exceptions=True)
         if not created.result():
+            if (ended := await never_started(client, tenant, job_id, timeout)) is not None:
+                yield _never_started(job_id, *ended)  # what GET /v1/jobs/{id} says of it
             return
         # Each poll is an Update that waits in the workflow until there is something new (no busy loop
         # at any cooldown). With no pause the next poll is already waiting when the job publishes its
