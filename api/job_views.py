@@ -561,6 +561,8 @@ async def _owned_job(client: Client, tenant: str, job_id: str, rpc_timeout: time
         if exc.status != RPCStatusCode.NOT_FOUND:
             raise
         if await accepted_turn(client, tenant, job_id, rpc_timeout) is not None:
+            if (ended := await never_started(client, tenant, job_id, rpc_timeout)) is not None:
+                raise ApiError(409, "job_closed", f"turn {job_id} failed: {ended[0]}") from None
             raise ApiError(409, "job_not_started", f"turn {job_id} is accepted and its session has not started "
                                                    f"it yet (no worker has run the session): {action} it once it "
                                                    "has") from None

@@ -269,6 +269,8 @@ async def test_a_turn_whose_session_was_terminated_before_starting_it_reads_as_f
         assert [(e["type"], e["data"]["error"]) for e in data] == [("ragline.job.failed", job["error"]["message"])]
         r = await stack.http.get(f"/v1/jobs/{chat['job_id']}/events", headers={"Last-Event-ID": "0"})
         assert r.status_code == 204, r.text
+        r = await stack.http.post(f"/v1/jobs/{chat['job_id']}/cancel")  # as for any job that failed
+        assert r.status_code == 409 and r.json()["error"]["code"] == "job_closed", r.text
         # A turn whose session still runs (accepted as long ago) waits for a worker, as before.
         assert (await stack.http.get(f"/v1/jobs/{other['job_id']}")).json()["status"] == "queued"
         await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, other["session_id"])).terminate(
