@@ -7,7 +7,7 @@ import json
 import re
 import shutil
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +45,25 @@ async def eventually(probe: Callable[[], Awaitable[T]], *, timeout: float = 30, 
         if loop.time() > deadline:
             raise AssertionError(f"{what} not reached after {timeout} s (last: {found!r})")
         await asyncio.sleep(every)
+
+
+ENDED = ("completed", "failed", "cancelled")
+
+
+async def session_turns(http, session: str, *ended: str, listed: Iterable[str] = ()) -> list[dict]:  # noqa: ANN001
+    """GET /v1/chats/{session}'s turns once it lists the jobs `listed` and shows the jobs `ended` as ended. Its
+    turns come from Temporal's visibility, which lists a job a moment after its start and shows its end a moment
+    after it ended: a test that saw a job end (GET /v1/jobs/{id} reads the job itself) waits for the listing."""
+    listed = set(listed)
+
+    async def probe() -> list[dict] | None:
+        r = await http.get(f"/v1/chats/{session}")
+        assert r.status_code == 200, r.text
+        turns = r.json()["turns"]
+        status = {t["job_id"]: t["status"] for t in turns}
+        shown = listed <= status.keys() and all(status.get(job_id) in ENDED for job_id in ended)
+        return turns if shown else None
+    return await eventually(probe, what=f"session {session} listing {ended} ended and {sorted(listed)}")
 
 
 async def raw_temporal_records(client, *workflow_ids: str) -> tuple[bytes, list]:
@@ -160,9 +179,18 @@ async def assert_nothing_lost_or_doubled(stack, collection: str, ingest_jobs: li
     finally:
         index.close()
     for session in sessions:
-        answered = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+        answered = await _session_ended(stack, session, turns)
         assert [t["turn"] for t in answered] == list(range(1, turns + 1))
         assert all(t["status"] == "completed" and t["answer"] for t in answered)
+
+
+async def _session_ended(stack, session: str, turns: int) -> list[dict]:
+    """The session's turns once it lists `turns` of them, each ended: the listing (visibility) shows a turn's
+    end a moment after the job's own view does."""
+    async def probe() -> list[dict] | None:
+        answered = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+        return answered if len(answered) >= turns and all(t["status"] in ENDED for t in answered) else None
+    return await eventually(probe, what=f"session {session}'s {turns} turns listed as ended")
 
 # -- the tenant gate ---------------------------------------------------------------------------------
 

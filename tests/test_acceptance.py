@@ -92,9 +92,12 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
         finished = {s["name"]: s["finished_at"] for s in earlier["steps"] if s["finished_at"]}
         answered_at = finished.get("generate_answer") or max(finished.values())
         assert answered_at <= min(s["started_at"] for s in later["steps"] if s["started_at"])
-    listed = await stack.client.count_workflows(f"{sa.SESSION.name} = '{session}' AND {sa.JOB_KIND.name} = 'chat' "
-                                                f"AND {sa.TENANT.name} = '{stack.tenant}'")
-    assert listed.count == 4
+
+    async def counted() -> int | None:  # visibility counts a job a moment after its start
+        listed = await stack.client.count_workflows(f"{sa.SESSION.name} = '{session}' AND {sa.JOB_KIND.name} = "
+                                                    f"'chat' AND {sa.TENANT.name} = '{stack.tenant}'")
+        return listed.count if listed.count >= 4 else None
+    assert await eventually(counted, what="the session's 4 turns counted") == 4
 
 
 async def test_a_session_id_used_again_after_its_workflow_ended_answers_the_new_message(stack):
@@ -140,16 +143,20 @@ async def test_continue_as_new_carries_the_turns_still_waiting(stack):
     assert _answer_questions(stack.llm, tag) == questions
 
     # The session did continue as new with turns still waiting, and they were not lost or repeated.
-    carried = []
     session_wf = session_workflow_id(stack.tenant, session)
-    async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
-        handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
-        async for event in handle.fetch_history_events():
-            if event.HasField("workflow_execution_continued_as_new_event_attributes"):
-                payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
-                (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
-                carried.append(len(state.pending))
-    assert len(carried) >= 2 and any(carried), carried
+
+    async def continued() -> list[int] | None:  # visibility lists a run a moment after its start
+        carried = []
+        async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
+            handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
+            async for event in handle.fetch_history_events():
+                if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+                    payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
+                    (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
+                    carried.append(len(state.pending))
+        return carried if len(carried) >= 2 else None
+    carried = await eventually(continued, what="the session's runs that continued as new, listed")
+    assert any(carried), carried
 
 
 async def test_a_turn_accepted_while_its_session_runs_a_workflow_task_reads_as_queued(temporal_env, scripted_llm,

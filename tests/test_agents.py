@@ -15,7 +15,7 @@ from devtools.devserver import temporal_binary
 from devtools.scripted_llm import parse_prompt
 from tests.conftest import running_stack
 from tests.helpers import (
-    delegate_until, delegating, eventually, fresh_plan, plan_depth, plan_goal, read_events,
+    delegate_until, delegating, eventually, fresh_plan, plan_depth, plan_goal, read_events, session_turns,
     two_sub_agents_that_delegate_deeper, waiting_reviews,
 )
 from workflows.agent import MAX_TURNS
@@ -616,7 +616,7 @@ async def test_a_reviewers_answer_is_released_with_its_own_citations_not_the_mod
     assert (shown["answer"], shown["citations"], shown["written_by_reviewer"]) == \
         (replacement, result["citations"], True)
     # So does the session's list of turns.
-    [turn] = (await stack.http.get(f"/v1/chats/{result['session_id']}")).json()["turns"]
+    [turn] = await session_turns(stack.http, result["session_id"], job_id)
     assert (turn["answer"], [c["filename"] for c in turn["citations"]], turn["written_by_reviewer"]) == \
         (replacement, [LAMPS[0]], True)
 

@@ -142,6 +142,8 @@ async def test_the_sweep_deletes_what_no_job_refers_to_and_a_removed_documents_t
     extracted = await _step_refs(stack.client, doc_job)  # pages, chunks, vectors
     assert len(extracted) >= 3 and upload_ref not in extracted
     _age(store, orphan, upload_ref, *extracted)
+    # The sweep finds the jobs that refer to blobs through visibility, which lists a job a moment after its start.
+    await eventually(lambda: _listed(stack.client, body["job_id"], doc_job), what="the upload's jobs listed")
 
     # A dry run counts, and moves nothing.
     report = await blob_sweep.sweep(stack.client, store, min_age=DAY, dry_run=True)
@@ -177,6 +179,11 @@ async def test_the_sweep_deletes_what_no_job_refers_to_and_a_removed_documents_t
         "the removed document's text is still on disk"
     # The upload that brought it is kept for the retention, and names its bytes: they stay until it goes.
     assert store.exists(upload_ref)
+
+
+async def _listed(client, *workflow_ids: str) -> bool:
+    ids = ", ".join(f"'{workflow_id}'" for workflow_id in workflow_ids)
+    return {w.id async for w in client.list_workflows(f"WorkflowId IN ({ids})")} == set(workflow_ids)
 
 
 async def _first_action(handle) -> str | None:

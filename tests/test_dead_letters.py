@@ -143,12 +143,13 @@ async def test_a_turn_behind_a_parked_one_says_what_it_waits_for(stack, dlq_docs
         assert (await stack.wait_job(first["job_id"]))["status"] == "dead_lettered"
         second = await stack.chat(f"And at night? {llm.token}", session_id=session, collection="dlq")
 
-        async def waiting() -> dict | None:
+        ahead = [{"job_id": first["job_id"], "turn": 1, "status": "dead_lettered"}]
+
+        async def waiting() -> dict | None:  # `waiting_for` reads visibility: the first's status shows a moment late
             job = (await stack.http.get(f"/v1/jobs/{second['job_id']}")).json()
-            return job if job["status"] == "queued" and job["turn"] and job.get("waiting_for") else None
-        job = await eventually(waiting, what="the second turn numbered and queued behind the first")
+            return job if job["status"] == "queued" and job["turn"] and job.get("waiting_for") == ahead else None
+        job = await eventually(waiting, what="the second turn numbered and queued behind the parked first")
         assert job["turn"] == 2
-        assert job["waiting_for"] == [{"job_id": first["job_id"], "turn": 1, "status": "dead_lettered"}]
         # Cancelling the parked turn lets the session go on.
         assert (await stack.http.post(f"/v1/jobs/{first['job_id']}/cancel")).status_code == 202
         done = await stack.wait_done(second["job_id"])

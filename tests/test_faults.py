@@ -21,7 +21,7 @@ from pathlib import Path
 from devtools.devserver import DevServer
 from temporal import schedules
 from tests.conftest import FIXTURES, SHARED_CODEC_KEYS, free_server_port, running_stack
-from tests.helpers import assert_nothing_lost_or_doubled, eventually
+from tests.helpers import assert_nothing_lost_or_doubled, eventually, session_turns
 from tests.pdfgen import pdf_bytes
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -250,5 +250,5 @@ async def test_hundred_concurrent_identical_requests_run_one_chain(stack):
         for task in ("answer", "summarize", "extract_entities"):
             assert [c.question for c in llm.calls(task)].count(question) == 1, task
     assert job["turn"] == 1 and job["result"]["answer"]
-    turns = (await stack.http.get(f"/v1/chats/{session}")).json()["turns"]
+    turns = await session_turns(stack.http, session, job["job_id"], later["job_id"])
     assert [t["job_id"] for t in turns] == [job["job_id"], later["job_id"]]

@@ -10,7 +10,7 @@ import uuid
 
 from api.job_views import RecentlyAccepted
 from devtools.scripted_llm import last_user_message
-from tests.helpers import delegate_until, waiting_reviews
+from tests.helpers import delegate_until, session_turns, waiting_reviews
 
 
 def _key() -> str:
@@ -124,8 +124,8 @@ async def test_one_key_sent_many_times_at_once_is_one_turn_and_refuses_other_que
     # Whichever request came first is the turn: the same question again is its duplicate, any other refused.
     same = messages.count(job["result"]["question"])
     assert (len(accepted), len(refused)) == (same, 8 - same)
-    view = (await stack.http.get(f"/v1/chats/{first['session_id']}")).json()
-    assert [t["job_id"] for t in view["turns"]] == [first["job_id"]]
+    turns = await session_turns(stack.http, first["session_id"], first["job_id"])
+    assert [t["job_id"] for t in turns] == [first["job_id"]]
 
 
 async def test_a_review_resent_with_its_key_gets_the_first_acknowledgement(stack):

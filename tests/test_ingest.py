@@ -13,6 +13,7 @@ import pytest
 
 from ragline.blobstore import BlobStore
 from tests.conftest import shared_pdf
+from tests.helpers import eventually
 from api.validators import display_name
 from tests.pdfgen import pdf_bytes
 
@@ -116,7 +117,7 @@ async def test_same_bytes_same_collection_is_not_ingested_twice(stack):
 
     for job_id in (first["job_id"], first["documents"][0] and stack.workflow_id(f"doc-{first['documents'][0]['document_id']}"),
                    bodies[0]["job_id"]):
-        runs = [w async for w in stack.client.list_workflows(f"WorkflowId = '{job_id}'")]
+        runs = await _runs(stack, job_id)
         assert len(runs) == 1, f"{job_id} ran {len(runs)} times"
     # The same bytes under two names in one request: one document, and the response says which file
     # it stands for as well (a person counting what was accepted is not left to wonder).
@@ -139,8 +140,15 @@ async def test_a_document_shared_by_two_jobs_is_ingested_once(stack):
     assert job["status"] == "completed"
     assert {o["status"] for o in _outcomes(job).values()} == {"indexed"}
     doc_id = first["documents"][0]["document_id"]
-    runs = [w async for w in stack.client.list_workflows(f"WorkflowId = '{stack.workflow_id('doc-' + doc_id)}'")]
+    runs = await _runs(stack, stack.workflow_id(f"doc-{doc_id}"))
     assert len(runs) == 1
+
+
+async def _runs(stack, workflow_id: str) -> list:
+    """The runs of the workflow that visibility lists, once it lists one: a run is listed a moment after its start."""
+    async def listed() -> list:
+        return [w async for w in stack.client.list_workflows(f"WorkflowId = '{workflow_id}'")]
+    return await eventually(listed, what=f"{workflow_id} listed")
 
 
 async def test_encrypted_pdf_needs_the_right_password(stack):
@@ -294,7 +302,13 @@ async def test_jobs_and_documents_are_listed_from_temporal_visibility(stack):
     assert len((await stack.http.get("/v1/jobs", params={"limit": 1})).json()["jobs"]) == 1
     assert (await stack.http.get("/v1/jobs", params={"status": "bogus"})).status_code == 422
 
-    documents = (await stack.http.get("/v1/documents", params={"collection": "ingest-listing"})).json()["documents"]
+    async def documents_ended() -> list[dict] | None:  # visibility shows a job's end a moment after it
+        documents = (await stack.http.get("/v1/documents", params={"collection": "ingest-listing"})).json()["documents"]
+        shown = {d["filename"]: d["status"] for d in documents}
+        ended = [shown.get(name) not in (None, "queued", "running") for name in ("hello.pdf", "scan.pdf")]
+        return documents if all(ended) else None
+
+    documents = await eventually(documents_ended, what="both documents listed as ended")
     by_name = {d["filename"]: d for d in documents}
     assert by_name["hello.pdf"]["status"] == "indexed" and by_name["hello.pdf"]["chunks"] >= 1
     assert by_name["scan.pdf"]["status"] == "failed"

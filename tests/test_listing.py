@@ -15,6 +15,7 @@ from api import job_views
 from api.app import create_app
 from temporal import search_attributes as sa
 from tests.conftest import serving_api
+from tests.helpers import eventually, session_turns
 
 
 async def _pages(http, path: str, params: dict) -> list[list[dict]]:  # noqa: ANN001
@@ -36,7 +37,14 @@ async def test_documents_and_jobs_page_through_with_a_cursor(stack):
     body = await stack.upload(*files, collection=collection)
     assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
 
-    pages = await _pages(stack.http, "/v1/documents", {"collection": collection, "limit": 2})
+    async def indexed() -> list[list[dict]] | None:
+        pages = await _pages(stack.http, "/v1/documents", {"collection": collection, "limit": 2})
+        # Visibility shows each document's job, and its end, a moment after they happen: until then a page
+        # may miss one, or an ending one may move between pages while the test reads them.
+        shown = [d["status"] for page in pages for d in page]
+        return pages if len(shown) >= len(files) and set(shown) == {"indexed"} else None
+
+    pages = await eventually(indexed, what="every document listed as indexed")
     assert [len(p) for p in pages if p][:2] == [2, 2]
     listed = [d["filename"] for page in pages for d in page]
     assert sorted(listed) == sorted(name for name, _ in files), "every document once"
@@ -128,7 +136,6 @@ async def test_a_sessions_turns_are_read_a_few_at_a_time_and_shown_in_order(stac
         finally:
             in_flight -= 1
     monkeypatch.setattr(chats, "_turn_view", counted)
-    r = await stack.http.get(f"/v1/chats/{session}")
-    assert r.status_code == 200, r.text
-    assert [(t["turn"], t["job_id"]) for t in r.json()["turns"]] == list(enumerate(jobs, start=1))
+    turns = await session_turns(stack.http, session, *jobs)
+    assert [(t["turn"], t["job_id"]) for t in turns] == list(enumerate(jobs, start=1))
     assert peak == 2

@@ -32,6 +32,10 @@ async def _listed(stack, collection: str) -> set[str]:
     return {d["document_id"] for d in r.json()["documents"]}
 
 
+async def _has(stack, collection: str, document_id: str) -> bool:
+    return document_id in await _listed(stack, collection)
+
+
 async def test_a_removed_document_is_found_by_no_search_or_answer_and_may_be_uploaded_again(stack):
     collection = f"removal-{uuid.uuid4().hex[:8]}"
     teapot = await stack.upload(("teapot.txt", TEAPOT), collection=collection)
@@ -80,7 +84,8 @@ async def test_a_removed_document_is_found_by_no_search_or_answer_and_may_be_upl
     assert again["job_id"] == teapot["job_id"] and again["duplicate"] is False
     assert (await stack.wait_job(again["job_id"]))["status"] == "completed"
     assert doc_id in {h["document_id"] for h in await stack.search("copper spout of the teapot", collection)}
-    assert doc_id in await _listed(stack, collection)
+    # Listed again once visibility has the new run of its job (a moment after it started).
+    await eventually(lambda: _has(stack, collection, doc_id), what="the document uploaded again, listed")
 
 
 async def test_a_document_is_removed_only_by_its_own_tenant(stack):
@@ -271,7 +276,11 @@ async def test_an_upload_that_reaches_the_document_after_its_removal_was_confirm
     assert removed.removed == 0
     await ActivityEnvironment().run(JobActivities(stack.client).forget_document, ingestion)
     assert stack.index.count(stack.tenant, collection, doc_id, searchable=True) == indexed
-    [listed] = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
+
+    async def listed_as_indexed() -> list[dict] | None:  # visibility shows the new run's end a moment after it
+        documents = (await stack.http.get("/v1/documents", params={"collection": collection})).json()["documents"]
+        return documents if [d["status"] for d in documents] == ["indexed"] else None
+    [listed] = await eventually(listed_as_indexed, what="the document listed as indexed")
     assert (listed["status"], listed["chunks"]) == ("indexed", indexed), listed
 
 

@@ -215,7 +215,10 @@ async def test_a_side_step_parked_while_its_answer_waits_for_review_lends_the_sl
             held = await _ask(http, f"When is high tide? {llm.token}", collection="parked-beside",
                               require_review=True)
             assert await _wait_status(http, held, "dead_lettered") == "dead_lettered"
-            reviews = (await http.get("/v1/reviews")).json()["reviews"]
+
+            async def listed() -> list[dict]:  # from visibility, which shows the job's status a moment after it
+                return (await http.get("/v1/reviews")).json()["reviews"]
+            reviews = await eventually(listed, what="the held turn's review listed")
             assert [(r["job_id"], r["reason"]) for r in reviews] == [(held, "review requested")]
             other = await _ask(http, f"Who lights the lamp? {llm.token}", collection="parked-beside")
             assert await _wait_status(http, other, "completed", "failed") == "completed"

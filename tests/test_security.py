@@ -41,7 +41,9 @@ from temporal import codec as codec_mod
 from temporal import search_attributes as sa
 from temporal.client import connect
 from tests.conftest import SERVER_STARTUP, free_port, running_stack, serving_api
-from tests.helpers import delegate_until, eventually, raw_temporal_records, read_events, waiting_reviews
+from tests.helpers import (
+    delegate_until, eventually, raw_temporal_records, read_events, session_turns, waiting_reviews,
+)
 from tests.pdfgen import pdf_bytes
 from worker import fallback_model
 
@@ -570,9 +572,14 @@ async def test_tenants_see_only_their_own_documents_search_hits_jobs_and_chats(s
     assert (await stack.wait_job(mine["job_id"]))["status"] == "completed"
     assert (await _wait(stack.other_http, theirs["job_id"]))["status"] == "completed"
 
-    # Documents
-    docs_a = (await stack.http.get(f"/v1/documents?collection={collection}")).json()["documents"]
-    docs_b = (await stack.other_http.get(f"/v1/documents?collection={collection}")).json()["documents"]
+    # Documents (listed from visibility, a moment after their jobs start: once a tenant's own are listed, the
+    # other's would be too)
+    async def documents(http, own: dict) -> list[dict]:  # noqa: ANN001
+        docs = (await http.get(f"/v1/documents?collection={collection}")).json()["documents"]
+        return docs if {d["document_id"] for d in own["documents"]} <= {d["document_id"] for d in docs} else []
+
+    docs_a = await eventually(lambda: documents(stack.http, mine), what="acme's documents listed")
+    docs_b = await eventually(lambda: documents(stack.other_http, theirs), what="globex's documents listed")
     assert {d["document_id"] for d in docs_a} == {d["document_id"] for d in mine["documents"]}
     assert {d["document_id"] for d in docs_b} == {d["document_id"] for d in theirs["documents"]}
 
@@ -587,7 +594,11 @@ async def test_tenants_see_only_their_own_documents_search_hits_jobs_and_chats(s
     assert stack.index.count("nobody", collection) == 0
 
     # Jobs: listing, reading, events, operating another tenant's job: 404, never 403.
-    listed_b = {j["job_id"] for j in (await stack.other_http.get("/v1/jobs?limit=1000")).json()["jobs"]}
+    async def jobs_b() -> set[str]:  # once its own job is listed, acme's would be too
+        listed = {j["job_id"] for j in (await stack.other_http.get("/v1/jobs?limit=1000")).json()["jobs"]}
+        return listed if theirs["job_id"] in listed else set()
+
+    listed_b = await eventually(jobs_b, what="globex's upload listed for globex")
     assert mine["job_id"] not in listed_b and theirs["job_id"] in listed_b
     assert all(j.startswith("globex.") for j in listed_b)
     child = (await stack.http.get(f"/v1/jobs/{mine['job_id']}")).json()["result"]["documents"][0]["job_id"]
@@ -617,10 +628,10 @@ async def test_tenants_see_only_their_own_documents_search_hits_jobs_and_chats(s
     own_b = {d["document_id"] for d in theirs["documents"]}
     assert {c["document_id"] for c in turn_a["result"]["citations"]} <= own_a
     assert {c["document_id"] for c in turn_b["result"]["citations"]} <= own_b
-    view_a = (await stack.http.get(f"/v1/chats/{session}")).json()
-    view_b = (await stack.other_http.get(f"/v1/chats/{session}")).json()
-    assert [t["job_id"] for t in view_a["turns"]] == [a["job_id"]]
-    assert [t["job_id"] for t in view_b["turns"]] == [b["job_id"]]
+    view_a = await session_turns(stack.http, session, a["job_id"])
+    view_b = await session_turns(stack.other_http, session, b["job_id"])
+    assert [t["job_id"] for t in view_a] == [a["job_id"]]
+    assert [t["job_id"] for t in view_b] == [b["job_id"]]
     assert (await stack.other_http.get(f"/v1/chats/only-{tag}")).status_code == 404
 
 
