@@ -162,11 +162,14 @@ class JobActivities:
                     raise
         # The server deletes a closed run in the background, once its transfer queue has recorded how far it
         # has read (history.transferProcessorUpdateAckInterval: 30 s by default, 1 s on `make run`'s server).
-        # Until then the document is still listed.
+        # Until then the document is still listed. Its visibility record goes last: until it has, the listing
+        # would show the document indexed again once the removal has ended.
         async with heartbeating():
             for run_id in runs:
                 while await self._known(req.workflow_id, run_id):
                     await asyncio.sleep(0.5)
+            while runs & {e.run_id async for e in self.client.list_workflows(f"WorkflowId = '{req.workflow_id}'")}:
+                await asyncio.sleep(0.5)
         return ForgetDocumentOutput(runs=len(runs), attempt=activity.info().attempt)
 
     @activity.defn
