@@ -52,8 +52,8 @@ ENDED = ("completed", "failed", "cancelled")
 
 async def session_turns(http, session: str, *ended: str, listed: Iterable[str] = ()) -> list[dict]:  # noqa: ANN001
     """GET /v1/chats/{session}'s turns once it lists the jobs `listed` and shows the jobs `ended` as ended. Its
-    turns come from Temporal's visibility, which lists a job a moment after its start and shows its end a moment
-    after it ended: a test that saw a job end (GET /v1/jobs/{id} reads the job itself) waits for the listing."""
+    turns come from Temporal's visibility, which lists a job a moment after its start: a test that saw a job
+    start or end (GET /v1/jobs/{id} reads the job itself) waits for the listing."""
     listed = set(listed)
 
     async def probe() -> list[dict] | None:

@@ -18,9 +18,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from temporalio.client import WorkflowExecutionStatus
 
 from activities.gate import gate_id
+from api import job_views
 from api.app import create_app
+from api.routes.chats import _turn_view
 from devtools.scripted_llm import last_user_message, parse_prompt
 from models.chat import session_workflow_id
 from tests.conftest import serving_api
@@ -656,3 +659,24 @@ async def test_a_held_answer_nobody_reviews_fails_the_turn_after_the_review_time
     assert job["error"]["message"] == "answer rejected by system: review timed out"
     [turn] = turns
     assert (turn["job_id"], turn["status"], turn["answer"]) == (accepted["job_id"], "failed", None)
+
+
+async def test_a_session_shows_a_turn_that_ended_as_ended_while_visibility_still_lists_it_running(stack):
+    """GET /v1/chats/{session} lists turns from visibility, which records a turn's end a moment after it. A
+    turn listed as running is read from its run: once ended it shows so, with its result (who wrote the
+    answer), not as running with the answer it showed on its stream."""
+    session = f"stale-{uuid.uuid4().hex[:8]}"
+    r = await stack.http.post("/v1/chats", json={"message": "Who counts the herds?", "session_id": session,
+                                                 "collection": "chat", "require_review": True})
+    job_id = r.json()["job_id"]
+    await waiting_reviews(stack, job_id, timeout=30)
+    [stale] = await eventually(lambda: job_views.list_jobs(stack.client, f"WorkflowId = '{job_id}'", 1,
+                                                           timedelta(seconds=10)), what="the turn listed")
+    assert stale.status == WorkflowExecutionStatus.RUNNING
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+        "decision": "revise", "reviewer": "editor", "answer": "The rangers count them from the air [1]."})
+    assert r.status_code == 200, r.text
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+    turn = await _turn_view(stack.client, stale, timedelta(seconds=10))  # the record as visibility had it
+    assert (turn.status, turn.answer, turn.written_by_reviewer) == (
+        "completed", "The rangers count them from the air [1].", True), turn

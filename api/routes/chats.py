@@ -119,10 +119,14 @@ async def get_chat(session_id: SESSION_ID, client: ClientDep, caller: CallerDep,
 
 
 async def _turn_view(client: Client, execution, timeout: timedelta) -> TurnView:
+    handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
+    if execution.status == WorkflowExecutionStatus.RUNNING:
+        # Visibility records a turn's end a moment after it: the run itself says whether it still runs
+        # (read as running, an ended turn would show no error, and its answer without who wrote it).
+        execution = await handle.describe(rpc_timeout=timeout)
     memo = await execution.memo()
     status = job_views.job_status(execution)
     outcome = {"answer": None, "citations": [], "error": None}
-    handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
     if execution.status == WorkflowExecutionStatus.COMPLETED:
         result = await handle.result(rpc_timeout=timeout)
         outcome.update(answer=result["answer"], citations=result["citations"], model=result.get("model"),
