@@ -15,6 +15,7 @@ from api.cursors import CursorSigner, PasswordTags
 from api.job_views import RecentlyAccepted
 from api.limits import BodyLimit
 from api.streams import JobStreams
+from api.validators import known_query_parameters
 from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from api.routes.codec import HideCodecKey, create_codec_app
 from ragline import logs, tracing
@@ -59,7 +60,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for router in (documents.router, chats.router, agents.router, evaluations.router, jobs.router,
                    jobs.dead_letters, events.router, search.router):
-        app.include_router(router, dependencies=[Depends(authenticate)])
+        # The key first (401 before anything else), then the query's names (422 for one the route does not take).
+        app.include_router(router, dependencies=[Depends(authenticate), Depends(known_query_parameters)])
     app.include_router(health.router)
     _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))

@@ -24,6 +24,44 @@ async def test_a_multipart_body_that_does_not_parse_is_a_documented_422(stack):
         assert "multipart" in error["message"].lower(), error  # says what did not read
 
 
+@pytest.mark.parametrize("path, params", [
+    ("/v1/jobs", {"stauts": "failed"}),
+    ("/v1/documents", {"colection": "default"}),
+    ("/v1/evaluations", {"limt": "5"}),
+    ("/v1/reviews", {"status": "waiting_review"}),
+])
+async def test_a_query_parameter_the_route_does_not_take_is_refused_by_name(stack, path, params):
+    r = await stack.http.get(path, params=params)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_request"
+    name = next(iter(params))
+    assert name in error["message"] and error["problems"] == [
+        {"field": f"query.{name}", "message": "unknown query parameter"}]
+
+
+async def test_a_query_parameter_sent_twice_is_refused_and_one_sent_once_is_taken(stack):
+    r = await stack.http.get("/v1/jobs?status=running&status=completed")
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "invalid_request" and "status" in r.json()["error"]["message"]
+    r = await stack.http.get("/v1/jobs", params={"status": "completed", "kind": "chat", "limit": 1})
+    assert r.status_code == 200, r.text
+
+
+async def test_a_post_with_an_unknown_query_parameter_starts_nothing(stack):
+    before = (await stack.http.get("/v1/jobs", params={"kind": "chat", "limit": 1000})).json()["jobs"]
+    r = await stack.http.post("/v1/chats", params={"colection": "other"}, json={"message": "hello there"})
+    assert r.status_code == 422, r.text
+    assert "colection" in r.json()["error"]["message"]
+    after = (await stack.http.get("/v1/jobs", params={"kind": "chat", "limit": 1000})).json()["jobs"]
+    assert {j["job_id"] for j in after} == {j["job_id"] for j in before}
+
+
+async def test_a_key_is_checked_before_the_query(stack):
+    r = await stack.http.get("/v1/jobs", params={"stauts": "failed"}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401, r.text
+
+
 @pytest.mark.parametrize("body, says", [(b"", "no body"), (b"[]", "JSON object"), (b"null", "JSON object")])
 async def test_a_json_body_missing_or_not_an_object_is_named_body(stack, body, says):
     r = await stack.http.post("/v1/chats", content=body, headers={"content-type": "application/json"})
