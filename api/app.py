@@ -95,16 +95,22 @@ def _refine_schema(app: FastAPI, settings: Settings) -> None:
                 responses = post.get("responses")
                 if responses is None:
                     continue
-                if "413" not in responses:
-                    responses["413"] = _error_response("body_too_large")
-                elif "body_too_large" not in responses["413"]["description"]:
-                    responses["413"]["description"] += ", body_too_large"
+                _add_error_code(responses, "413", "body_too_large")
                 media = set(post.get("requestBody", {}).get("content", {}))
                 if media & {"application/json", "multipart/form-data"}:
-                    responses.setdefault("415", _error_response("unsupported_media_type"))
+                    _add_error_code(responses, "415", "unsupported_media_type")
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _add_error_code(responses: dict, status: str, code: str) -> None:
+    """Documents `code` under `status`, beside the codes the route itself declared there."""
+    if status not in responses:
+        responses[status] = _error_response(code)
+    elif code not in responses[status]["description"]:
+        described = responses[status]["description"].replace("error code: ", "error codes: ")
+        responses[status]["description"] = f"{described}, {code}"
 
 
 def _error_response(code: str) -> dict:

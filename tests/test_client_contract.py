@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import read_events
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -22,6 +24,15 @@ async def test_a_multipart_body_that_does_not_parse_is_a_documented_422(stack):
         assert error["code"] == "invalid_request"
         assert error["code"] in _documented(spec, "/v1/documents", "post", 422)
         assert "multipart" in error["message"].lower(), error  # says what did not read
+
+
+async def test_an_upload_sent_as_json_is_the_415_its_route_documents(stack):
+    r = await stack.http.post("/v1/documents", json={"files": []})
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    spec = (await stack.http.get("/openapi.json")).json()
+    described = _documented(spec, "/v1/documents", "post", 415)
+    assert "unsupported_media_type" in described and "unsupported_file_type" in described, described
 
 
 @pytest.mark.parametrize("path, params", [
@@ -70,3 +81,21 @@ async def test_a_json_body_missing_or_not_an_object_is_named_body(stack, body, s
     assert error["code"] == "invalid_request"
     assert [p["field"] for p in error["problems"]] == ["body"]
     assert error["message"].startswith("body: ") and says in error["message"], error
+
+
+async def test_the_evaluation_routes_document_what_they_answer(stack):
+    spec = (await stack.http.get("/openapi.json")).json()
+    r = await stack.http.get("/v1/evaluations", params={"limit": "ten"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+    assert "invalid_request" in _documented(spec, "/v1/evaluations", "get", 422)
+    assert _documented(spec, "/v1/evaluations", "post", 202).startswith("Accepted")
+
+
+async def test_the_documented_event_schema_names_the_traceparent_every_event_carries(stack):
+    spec = (await stack.http.get("/openapi.json")).json()
+    stream = spec["paths"]["/v1/jobs/{job_id}/events"]["get"]["responses"]["200"]["content"]["text/event-stream"]
+    documented = stream["itemSchema"]["properties"]["data"]["contentSchema"]["properties"]
+    accepted = await stack.chat("what does the contract say about events?")
+    events = [event for _, event in await read_events(stack, accepted["job_id"])]
+    assert events and all(set(event) <= set(documented) for event in events), (set(events[0]) - set(documented))
+    assert all(event["traceparent"] for event in events)
