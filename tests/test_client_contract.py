@@ -99,3 +99,11 @@ async def test_the_documented_event_schema_names_the_traceparent_every_event_car
     events = [event for _, event in await read_events(stack, accepted["job_id"])]
     assert events and all(set(event) <= set(documented) for event in events), (set(events[0]) - set(documented))
     assert all(event["traceparent"] for event in events)
+
+
+async def test_a_file_sent_under_another_field_name_is_named_as_such(stack):
+    r = await stack.http.post("/v1/documents", files=[("file", ("notes.txt", b"some text long enough to index"))])
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_request" and error["fields"] == ["file"], error
+    assert "unknown form field(s): file" in error["message"]
