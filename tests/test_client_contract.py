@@ -107,3 +107,12 @@ async def test_a_file_sent_under_another_field_name_is_named_as_such(stack):
     error = r.json()["error"]
     assert error["code"] == "invalid_request" and error["fields"] == ["file"], error
     assert "unknown form field(s): file" in error["message"]
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity"])
+async def test_an_agent_budget_that_is_no_number_is_told_so(stack, number):
+    body = '{"goal": "compare the costs", "budget": {"max_seconds": %s}}' % number
+    r = await stack.http.post("/v1/agents", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_request" and "finite number" in error["message"], error
