@@ -116,3 +116,15 @@ async def test_an_agent_budget_that_is_no_number_is_told_so(stack, number):
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "invalid_request" and "finite number" in error["message"], error
+
+
+async def test_a_stream_resumes_from_the_last_event_id_an_eventsource_polyfill_sends_in_the_query(stack):
+    # A browser sends the key in a header only through a polyfill (EventSource cannot), and the common one
+    # sends the last id as ?lastEventId= on a reconnect: taken, not refused as an unknown parameter.
+    accepted = await stack.chat("what does the contract say about reconnecting?")
+    events = await read_events(stack, accepted["job_id"])
+    assert len(events) >= 3
+    r = await stack.http.get(f"/v1/jobs/{accepted['job_id']}/events", params={"lastEventId": events[-3][0]})
+    assert r.status_code == 200, r.text
+    ids = [line[3:].strip() for line in r.text.splitlines() if line.startswith("id:")]
+    assert ids == [event_id for event_id, _ in events[-2:]]
