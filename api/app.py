@@ -15,6 +15,7 @@ from api.cursors import CursorSigner, PasswordTags
 from api.job_views import RecentlyAccepted
 from api.limits import BodyLimit
 from api.streams import JobStreams
+from api.validators import known_query_parameters
 from api.routes import agents, chats, documents, evaluations, events, health, jobs, search
 from api.routes.codec import HideCodecKey, create_codec_app
 from ragline import logs, tracing
@@ -59,7 +60,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     for router in (documents.router, chats.router, agents.router, evaluations.router, jobs.router,
                    jobs.dead_letters, events.router, search.router):
-        app.include_router(router, dependencies=[Depends(authenticate)])
+        # The key first (401 before anything else), then the query's names (422 for one the route does not take).
+        app.include_router(router, dependencies=[Depends(authenticate), Depends(known_query_parameters)])
     app.include_router(health.router)
     _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))
@@ -93,16 +95,22 @@ def _refine_schema(app: FastAPI, settings: Settings) -> None:
                 responses = post.get("responses")
                 if responses is None:
                     continue
-                if "413" not in responses:
-                    responses["413"] = _error_response("body_too_large")
-                elif "body_too_large" not in responses["413"]["description"]:
-                    responses["413"]["description"] += ", body_too_large"
+                _add_error_code(responses, "413", "body_too_large")
                 media = set(post.get("requestBody", {}).get("content", {}))
                 if media & {"application/json", "multipart/form-data"}:
-                    responses.setdefault("415", _error_response("unsupported_media_type"))
+                    _add_error_code(responses, "415", "unsupported_media_type")
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _add_error_code(responses: dict, status: str, code: str) -> None:
+    """Documents `code` under `status`, beside the codes the route itself declared there."""
+    if status not in responses:
+        responses[status] = _error_response(code)
+    elif code not in responses[status]["description"]:
+        described = responses[status]["description"].replace("error code: ", "error codes: ")
+        responses[status]["description"] = f"{described}, {code}"
 
 
 def _error_response(code: str) -> dict:

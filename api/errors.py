@@ -38,6 +38,10 @@ def _readable(error: dict) -> str:
     """Pydantic's message, or one a caller can act on where Pydantic's speaks of Python classes."""
     if "Expected UploadFile" in error["msg"]:  # a form field sent as text where a file part belongs
         return "must be a file part (curl: -F files=@path/to/file), not a text value"
+    if tuple(error["loc"]) == ("body",):  # the body as a whole: none, or JSON that is no object
+        if error["type"] == "missing":
+            return "required: send a JSON object (the request had no body)"
+        return f"must be a JSON object ({error['msg']})"
     return error["msg"]
 
 
@@ -76,7 +80,8 @@ def install(app: FastAPI) -> None:
         problems = [{"field": "body", "message": f"not valid JSON (at character {e['loc'][-1]}): "
                                                  f"{(e.get('ctx') or {}).get('error', e['msg'])}"}
                     if e["type"] == "json_invalid" else
-                    {"field": ".".join(str(p) for p in e["loc"] if p != "body"), "message": _readable(e)}
+                    # The body as a whole (none sent, or not an object) is named "body", not "".
+                    {"field": ".".join(str(p) for p in e["loc"] if p != "body") or "body", "message": _readable(e)}
                     for e in exc.errors()]
         message = "; ".join(f"{p['field']}: {p['message']}" for p in problems)
         # A bad collection name or session id keeps its own code, whichever check caught it.
@@ -89,11 +94,14 @@ def install(app: FastAPI) -> None:
         # Keeps the exception's headers; a 405's `Allow` lists every method of the path, across routes
         # (Starlette names only those of the first route whose path matched).
         headers = dict(getattr(exc, "headers", None) or {})
-        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            # FastAPI's answer to a body it cannot decode (not UTF-8, nested too deep): a bad request body
-            # like any other, and the OpenAPI documents that as 422.
-            return JSONResponse(_body("invalid_request", "the body could not be read as JSON (UTF-8) or a form",
-                                      problems=[{"field": "body", "message": "unreadable"}]), status_code=422)
+        if exc.status_code == 400:
+            # FastAPI's answer to a body it cannot decode (not UTF-8, nested too deep), or Starlette's to a
+            # multipart body it cannot parse (no boundary, a broken part): a bad request body like any other,
+            # and the OpenAPI documents that as 422. (The API's own 400s, empty_file, are ApiErrors.)
+            reason = "" if exc.detail == "There was an error parsing the body" else f": {exc.detail}"
+            message = f"the body could not be read as JSON (UTF-8) or a form{reason}"
+            return JSONResponse(_body("invalid_request", message,
+                                      problems=[{"field": "body", "message": f"unreadable{reason}"}]), status_code=422)
         if exc.status_code == 405:
             methods = {m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
                        if any(route.matches({**request.scope, "method": m})[0] == Match.FULL

@@ -336,6 +336,9 @@ class JobEvent(BaseModel):
     subject: str
     datacontenttype: Literal["application/json"]
     data: dict[str, Any]
+    traceparent: str | None = Field(None, description="The W3C trace context of the request that started the job "
+                                    "(CloudEvents distributed-tracing extension); absent on `ragline.job.running`, "
+                                    "which the API adds and is not part of the job's stream")
 
 
 # -- evaluations -------------------------------------------------------------------------------------

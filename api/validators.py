@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+import typing
 import unicodedata
 from typing import Annotated
 
-from fastapi import Path, Query
+from fastapi import Path, Query, Request
+from fastapi.dependencies.models import Dependant
 
 from api.errors import ApiError
 from models.chat import SESSION_PATTERN
@@ -51,3 +53,32 @@ def display_name(filename: str | None) -> str:
 def review_timeout_seconds(settings: Settings) -> float:
     """How long a job waits for a person's review (RAGLINE_REVIEW_TIMEOUT), handed to the job at acceptance."""
     return policies.parse_duration(settings.review_timeout).total_seconds()
+
+
+def _query_parameters(dependant: Dependant) -> dict[str, bool]:
+    """The query parameters a route takes (its dependencies' too), each with whether it may repeat (a list)."""
+    taken = {field.alias: typing.get_origin(field.field_info.annotation) in (list, set, tuple)
+             for field in dependant.query_params}
+    for sub in dependant.dependencies:
+        taken.update(_query_parameters(sub))
+    return taken
+
+
+
+async def known_query_parameters(request: Request) -> None:
+    """Strict, as JSON bodies and upload forms are: a misspelt filter (`?stauts=failed`) would otherwise list
+    every job without a word, and a filter sent twice would be read as its last value."""
+    route = request.scope.get("route")
+    if getattr(route, "dependant", None) is None or not request.query_params:
+        return
+    taken = getattr(route, "ragline_query_parameters", None)
+    if taken is None:  # once per route
+        taken = route.ragline_query_parameters = _query_parameters(route.dependant)
+    sent = request.query_params
+    if unknown := sorted(set(sent.keys()) - set(taken)):
+        accepts = f"this route takes {', '.join(sorted(taken))}" if taken else "this route takes none"
+        raise ApiError(422, "invalid_request", f"unknown query parameter(s): {', '.join(unknown)}; {accepts}",
+                       problems=[{"field": f"query.{name}", "message": "unknown query parameter"} for name in unknown])
+    if repeated := sorted(name for name in set(sent.keys()) if not taken[name] and len(sent.getlist(name)) > 1):
+        raise ApiError(422, "invalid_request", f"{', '.join(repeated)} given more than once: give each once",
+                       problems=[{"field": f"query.{name}", "message": "given more than once"} for name in repeated])

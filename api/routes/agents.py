@@ -39,7 +39,7 @@ class BudgetRequest(BaseModel):
     model_config = STRICT_INPUT
     max_llm_calls: Int = Field(50, ge=1)
     max_tokens: Int = Field(200_000, ge=1)
-    max_seconds: float = Field(3600, gt=0)
+    max_seconds: float = Field(3600, gt=0, allow_inf_nan=False)  # NaN was told "should be greater than 0"
 
 
 class AgentRequest(BaseModel):

@@ -7,7 +7,7 @@ import hashlib
 from datetime import datetime, timedelta
 from typing import Annotated, NamedTuple
 
-from fastapi import APIRouter, File, Form, Path, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Path, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import (
@@ -122,8 +122,21 @@ async def _store_upload(upload: UploadFile, name: str, kind: str, blobs: BlobSto
     return {"filename": name, "ref": ref, "sha256": sha, "size": size, "kind": kind}
 
 
+async def strict_upload_form(request: Request) -> None:
+    """Strict, as JSON bodies are: a misspelt `colection`, or `collection` sent twice, put the files in
+    `default` (or in the last one named) without a word. A dependency, so that it is told before the
+    field checks: a file sent as `file` is named as such, not only as "files: Field required"."""
+    form = await request.form()  # read (and kept) by FastAPI already
+    if unknown := sorted(set(form.keys()) - UPLOAD_FIELDS):
+        raise ApiError(422, "invalid_request", f"unknown form field(s): {', '.join(unknown)}; an upload takes "
+                       f"{', '.join(sorted(UPLOAD_FIELDS))}", fields=unknown)
+    if repeated := [name for name in ("collection", "password") if len(form.getlist(name)) > 1]:
+        raise ApiError(422, "invalid_request", f"{' and '.join(repeated)} given more than once: give each once",
+                       fields=repeated)
+
+
 @router.post("", status_code=202, summary="Upload documents; answers at once with an ingestion job",
-             response_description=ACCEPTED,
+             response_description=ACCEPTED, dependencies=[Depends(strict_upload_form)],
              responses=error_responses({400: "empty_file", 409: "document_being_removed, upload_still_running",
                                         413: "too_many_files, file_too_large",
                                         415: "unsupported_file_type", 422: f"{INVALID_REQUEST}, invalid_collection",
@@ -137,14 +150,6 @@ async def upload_documents(
     password: Annotated[str | None, Form(description="Password of encrypted PDFs")] = None,
 ) -> DocumentsAccepted:
     form = await request.form()
-    # Strict, as JSON bodies are: a misspelt `colection`, or `collection` sent twice, put the files in
-    # `default` (or in the last one named) without a word.
-    if unknown := sorted(set(form.keys()) - UPLOAD_FIELDS):
-        raise ApiError(422, "invalid_request", f"unknown form field(s): {', '.join(unknown)}; an upload takes "
-                       f"{', '.join(sorted(UPLOAD_FIELDS))}", fields=unknown)
-    if repeated := [name for name in ("collection", "password") if len(form.getlist(name)) > 1]:
-        raise ApiError(422, "invalid_request", f"{' and '.join(repeated)} given more than once: give each once",
-                       fields=repeated)
     # An empty form field reads as "not sent" (the default) to FastAPI: it is a bad name, not the default.
     if form.get("collection") == "":
         validate_collection("")

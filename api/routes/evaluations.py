@@ -17,7 +17,8 @@ from api.deps import BlobsDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, key_digest, request_digest, start_once
 from api.schemas import (
-    INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses, starting,
+    ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, EvaluationAccepted, EvaluationList, EvaluationView, error_responses,
+    starting,
 )
 from api.validators import JOB_ID, CursorDep, validate_collection
 from models.evaluation import EvaluationInput, EvaluationOutput
@@ -34,7 +35,7 @@ MAX_BODY_BYTES = 5 * 1024 * 1024
 
 
 @router.post("", status_code=202, summary="Evaluate a collection against golden questions (JSONL body)",
-             responses=error_responses({413: "body_too_large",
+             response_description=ACCEPTED, responses=error_responses({413: "body_too_large",
                                         422: f"{INVALID_REQUEST}, invalid_golden_set, invalid_collection, "
                                              "idempotency_key_reused",
                                         503: TEMPORAL_DOWN}),
@@ -77,7 +78,8 @@ async def create_evaluation(request: Request, client: ClientDep, caller: CallerD
 
 
 @router.get("", summary="Evaluation reports, newest first (from Temporal visibility)",
-            responses=error_responses({422: "invalid_collection, invalid_cursor", 503: TEMPORAL_DOWN}))
+            responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, invalid_cursor",
+                                       503: TEMPORAL_DOWN}))
 async def list_evaluations(client: ClientDep, cursors: CursorsDep, caller: CallerDep, timeout: RpcTimeoutDep,
                            collection: str | None = Query(None, pattern=COLLECTION_PATTERN),
                            limit: int = Query(20, ge=1, le=200), cursor: CursorDep = None) -> EvaluationList:

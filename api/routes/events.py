@@ -84,6 +84,10 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
                      settings: SettingsDep, accepted: AcceptedDep, streams: StreamsDep,
                      last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
                      from_offset: Annotated[int | None, Query(ge=0, description="Resume from this offset")] = None,
+                     last_event_id_query: Annotated[str | None, Query(
+                         alias="lastEventId", max_length=64,
+                         description="Last-Event-ID as EventSource polyfills that send headers (a key) send it on "
+                                     "a reconnect; the header wins")] = None,
                      ) -> Response:
     asked, job_id = job_id, scoped(caller.tenant, job_id)
     handle = client.get_workflow_handle(job_id)
@@ -101,7 +105,7 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
         pending = job_id in accepted or await accepted_turn(client, caller.tenant, job_id, timeout) is not None
         if not pending:
             raise not_found(asked) from None
-    start = _start_offset(last_event_id, from_offset)
+    start = _start_offset(last_event_id if last_event_id is not None else last_event_id_query, from_offset)
     if pending and start > 0 and await never_started(client, caller.tenant, job_id, timeout) is not None:
         return Response(status_code=204)  # its one event was read: an EventSource stops reconnecting
     cooldown = timedelta(seconds=settings.events_poll_cooldown)
