@@ -28,10 +28,15 @@ class ApiError(Exception):
         self.headers = headers
 
 
+# When a client should try again after a 503 (Temporal, or every worker, out of reach: a restart or a
+# deployment takes seconds) or a 504; HTTP clients and proxies read it from `Retry-After`.
+RETRY_AFTER = {"Retry-After": "5"}
+
+
 def temporal_unavailable(exc: Exception | None = None) -> ApiError:
     return ApiError(503, "temporal_unavailable",
                     "the workflow service (Temporal) is not reachable, so no work can be recorded; try again shortly",
-                    reason=str(exc) if exc else None)
+                    headers=RETRY_AFTER, reason=str(exc) if exc else None)
 
 
 def _readable(error: dict) -> str:
@@ -117,7 +122,7 @@ def install(app: FastAPI) -> None:
         # A lazy Temporal client that cannot connect raises a plain RuntimeError.
         if isinstance(exc, RuntimeError) and "Failed client connect" in str(exc):
             err = temporal_unavailable(exc)
-            return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503)
+            return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503, headers=err.headers)
         log.exception("unhandled error")
         return JSONResponse(_body("internal_error", "an unexpected error occurred; see the API log"),
                             status_code=500)
@@ -136,15 +141,15 @@ def install(app: FastAPI) -> None:
         return JSONResponse(_body(
             "temporal_timeout",
             "the workflow service did not confirm the request in time (Temporal slow, or no worker); send it "
-            "again, with the same Idempotency-Key to be sure it runs once"), status_code=504)
+            "again, with the same Idempotency-Key to be sure it runs once"), status_code=504, headers=RETRY_AFTER)
 
     @app.exception_handler(RPCError)
     async def _rpc(request: Request, exc: RPCError) -> JSONResponse:
         if exc.status == RPCStatusCode.UNAVAILABLE:
             err = temporal_unavailable(exc)
-            return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503)
+            return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503, headers=err.headers)
         if exc.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
-            return JSONResponse(_timed_out(request, exc), status_code=504)
+            return JSONResponse(_timed_out(request, exc), status_code=504, headers=RETRY_AFTER)
         return JSONResponse(_body("temporal_error", str(exc)), status_code=502)
 
 

@@ -32,9 +32,10 @@ async def test_api_answers_503_while_temporal_is_down(tmp_path):
             upload = await http.post("/v1/documents", files=[("files", ("a.txt", b"some text to keep"))])
             assert upload.status_code == 503
             assert upload.json()["error"]["code"] == "temporal_unavailable"
+            assert upload.headers["Retry-After"] == "5"  # a client (or a proxy) knows when to try again
 
             job = await http.get("/v1/jobs/anything")
-            assert job.status_code == 503
+            assert job.status_code == 503 and job.headers["Retry-After"] == "5"
 
 
 def test_second_worker_on_the_same_embedded_store_gets_a_clear_error(stack):

@@ -15,7 +15,7 @@ from temporalio.exceptions import ActivityError
 
 from api.auth import CallerDep
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
-from api.errors import ApiError
+from api.errors import RETRY_AFTER, ApiError
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, error_responses
 from api.validators import validate_collection
 from models.ingest import SearchInput, SearchOutput
@@ -54,8 +54,9 @@ async def search(req: SearchRequest, client: ClientDep, caller: CallerDep, setti
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.TENANT, caller.tenant)]),
             execution_timeout=timedelta(seconds=seconds), rpc_timeout=timeout), seconds)
     except asyncio.TimeoutError:
-        raise ApiError(503, "worker_unavailable",
-                       f"no worker answered the search within {seconds:g} s; is the worker running?") from None
+        raise ApiError(503, "worker_unavailable", f"no worker answered the search within {seconds:g} s; is the worker "
+                       "running?", headers=RETRY_AFTER) from None
     except WorkflowFailureError as exc:  # the store failed the search (unreachable, say): try again later
         cause = exc.cause.cause if isinstance(exc.cause, ActivityError) and exc.cause.cause else exc.cause
-        raise ApiError(503, "search_failed", f"the search failed: {getattr(cause, 'message', None) or cause}") from None
+        raise ApiError(503, "search_failed", f"the search failed: {getattr(cause, 'message', None) or cause}",
+                       headers=RETRY_AFTER) from None
