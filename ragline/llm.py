@@ -6,6 +6,7 @@ and `ragline.provider_errors` maps failures onto the project's error taxonomy.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -271,8 +272,11 @@ class ChatModel:
             try:
                 yield usage
             except BaseException as exc:
-                error_type = type(exc.__cause__ or exc).__name__
-                span.set_attribute("error.type", error_type)
+                # Stopped by our own side (the job cancelled, a sibling step failed, the worker stopping): a
+                # call, but no error of the model's (RaglineModelErrorRate reads these as the provider's).
+                if not isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                    error_type = type(exc.__cause__ or exc).__name__
+                    span.set_attribute("error.type", error_type)
                 raise
             finally:
                 span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)

@@ -387,3 +387,39 @@ def test_temporal_requires_the_client_certificate_ragline_presents(config):
         assert env.get("TEMPORAL_AUTH_ENABLED") == "true" and env.get("TEMPORAL_AUTH_PROVIDER_URL")
         assert web["tls"]["enabled"] and web["tls"]["serverName"] == frontend["serverName"]
         assert not web.get("ingress", {}).get("enabled")
+
+
+def _rule_jobs() -> set[str]:
+    """The scrape `job` labels deploy/prometheus/rules.yml selects Ragline's series by."""
+    import re
+
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
+    return {job for group in rules["groups"] for rule in group["rules"]
+            for job in re.findall(r'job="([^"]+)"', rule["expr"])}
+
+
+def test_prometheus_can_scrape_the_api_and_every_worker_as_the_rules_expect(objects):
+    """On a cluster Prometheus scrapes the pods: each worker serves its metrics on the pod's network (not
+    the 127.0.0.1 of `make run`) on a named container port, and a PodMonitor per kind selects the pods and
+    names their job as the alert rules and the dashboard expect (`ragline-api`, `ragline-worker`)."""
+    monitors = {name: doc for (kind, name), doc in objects.items() if kind == "PodMonitor"}
+    jobs: dict[str, tuple[dict, dict]] = {}
+    for name, monitor in monitors.items():
+        [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+        [job] = [r["replacement"] for r in endpoint.get("relabelings", []) if r.get("targetLabel") == "job"]
+        jobs[job] = (monitor["spec"]["selector"]["matchLabels"], endpoint)
+    assert {"ragline-api", "ragline-worker"} <= set(jobs), jobs
+    assert _rule_jobs() <= set(jobs), (_rule_jobs(), set(jobs))
+    for name, doc in _ragline_deployments(objects).items():
+        job = "ragline-api" if name == "ragline-api" else "ragline-worker"
+        selector, endpoint = jobs[job]
+        assert _selects({"matchLabels": selector}, _pod_labels(doc)), f"{name}: no PodMonitor selects its pods"
+        container = _container(doc)
+        ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+        assert endpoint["port"] in ports, f"{name}: no container port {endpoint['port']!r} to scrape"
+        assert endpoint.get("path", "/metrics") == "/metrics"
+        if job == "ragline-worker":
+            settings = _settings(_env(objects, doc))
+            assert settings.worker_metrics_port == ports[endpoint["port"]], name
+            assert settings.worker_metrics_host not in ("127.0.0.1", "localhost", "::1"), \
+                f"{name}: metrics on {settings.worker_metrics_host}: unreachable from outside the pod"

@@ -52,8 +52,47 @@ def test_promtool_accepts_the_rules_and_the_config_and_the_alerts_fire_on_their_
     for argv in (["check", "rules", str(RULES)], ["check", "config", str(CONFIG)], ["test", "rules", str(RULES_TEST)]):
         done = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 7 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
+    assert "SUCCESS: 8 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
                                                       capture_output=True, text=True).stdout
+
+
+def _panel_exprs(title: str) -> list[str]:
+    [panel] = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"] == title]
+    return [t["expr"] for t in panel["targets"]]
+
+
+def test_dashboard_panels_count_each_job_once_and_only_ragline_workers(tmp_path):
+    """Every worker process polls the server for the jobs waiting for people and reports the same count
+    (two processes here: one dead-lettered job must read 1, not 2), and the Temporal server's own workers
+    export `temporal_worker_task_slots_*` too (its system queues are no Ragline worker's slots)."""
+    worker = 'job="ragline-worker", instance="127.0.0.1:{port}"'
+    series = []
+    for port in (9464, 9465):
+        series += [{"series": f'ragline_dead_lettered_jobs{{task_queue="ragline", {worker.format(port=port)}}}',
+                    "values": "1x5"},
+                   {"series": f'ragline_reviews_waiting{{task_queue="ragline", {worker.format(port=port)}}}',
+                    "values": "2x5"}]
+    slots = ('temporal_worker_task_slots_{kind}{{namespace="default", task_queue="{queue}", '
+             'worker_type="ActivityWorker", {where}}}')
+    for kind, value in (("used", 1), ("available", 3)):
+        series.append({"series": slots.format(kind=kind, queue="ragline-cpu", where=worker.format(port=9464)),
+                       "values": f"{value}x5"})
+        series.append({"series": slots.format(kind=kind, queue="temporal_sys_per_ns_tq",
+                                              where='job="temporal", instance="127.0.0.1:7244"'),
+                       "values": "0x5" if kind == "used" else "1000x5"})
+    reviews, dead = _panel_exprs("Waiting for people")
+    [utilisation] = _panel_exprs("Worker slot utilisation")
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series,
+             "promql_expr_test": [
+                 {"expr": reviews, "eval_time": "2m", "exp_samples": [{"labels": "{}", "value": 2}]},
+                 {"expr": dead, "eval_time": "2m", "exp_samples": [{"labels": "{}", "value": 1}]},
+                 {"expr": utilisation, "eval_time": "2m",
+                  "exp_samples": [{"labels": '{task_queue="ragline-cpu"}', "value": 0.25}]}]}]}
+    path = tmp_path / "dashboard_test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    done = subprocess.run([_require("promtool"), "test", "rules", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_make_runs_prometheus_scrapes_every_worker_process_of_a_scale_out(tmp_path):

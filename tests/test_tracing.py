@@ -113,3 +113,29 @@ async def test_each_turn_of_a_session_is_the_trace_of_its_own_request(stack, spa
         assert _chain(tree, attempt)[:4] == ["RunActivity:retrieve_context", "StartActivity:retrieve_context",
                                              "StartChildWorkflow:ChatTurnWorkflow", "POST /v1/chats"]
     assert first.headers["x-trace-id"] != second.headers["x-trace-id"]
+
+
+async def test_a_job_of_a_tenant_named_like_a_scrape_path_is_traced_too(spans):
+    """Only the scrape and health endpoints themselves go untraced: a job id that merely contains
+    `metrics` or `healthz` (tenant `metrics-team`'s, say) still gets its span and its X-Trace-Id."""
+    import httpx
+    from fastapi import FastAPI
+
+    from api import observability
+
+    app = FastAPI()
+
+    @app.get("/v1/jobs/{job_id}")
+    async def job(job_id: str) -> dict:
+        return {"job_id": job_id}
+
+    observability.install(app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as http:
+        for job_id in ("metrics-team.chat-1f2e", "healthz.ingest-9a8b", "acme.chat-77aa"):
+            r = await http.get(f"/v1/jobs/{job_id}")
+            assert r.status_code == 200 and r.headers.get("X-Trace-Id"), (job_id, dict(r.headers))
+            trace_id = int(r.headers["X-Trace-Id"], 16)
+            assert any(s.context.trace_id == trace_id for s in spans.get_finished_spans()), job_id
+        for path in ("/metrics", "/healthz"):
+            r = await http.get(path)
+            assert "X-Trace-Id" not in r.headers, path
