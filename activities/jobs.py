@@ -15,7 +15,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.heartbeats import heartbeating
 
-from models.chat import FINAL_ANSWER_DETAIL, AwaitTurnInput, TurnOutcome, TurnResult
+from models.chat import FINAL_ANSWER_DETAIL, AwaitTurnInput, SessionRun, SessionRunning, TurnOutcome, TurnResult
 from models.ingest import (
     CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput,
     ForgetDocumentOutput, NewerRun, RemovalConfirmed,
@@ -171,6 +171,25 @@ class JobActivities:
             while runs & {e.run_id async for e in self.client.list_workflows(f"WorkflowId = '{req.workflow_id}'")}:
                 await asyncio.sleep(0.5)
         return ForgetDocumentOutput(runs=len(runs), attempt=activity.info().attempt)
+
+    @activity.defn
+    @translate_errors
+    async def session_still_runs(self, req: SessionRun) -> SessionRunning:
+        """Whether the session that started a waiting chat turn still runs: that run, or the runs it
+        continued as (they carry the turns still waiting). Ended otherwise (terminated by hand), or run
+        anew under its id since (a new run numbers its turns from 1), it will give the turn no go."""
+        try:
+            started = await self.client.get_workflow_handle(req.workflow_id, run_id=req.run_id).describe()
+            if started.status != WorkflowExecutionStatus.CONTINUED_AS_NEW:
+                return SessionRunning(running=started.status == WorkflowExecutionStatus.RUNNING)
+            latest = await self.client.get_workflow_handle(req.workflow_id).describe()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:  # past the retention: gone
+                raise
+            return SessionRunning(running=False)
+        first_run = started.raw_description.workflow_execution_info.first_run_id
+        return SessionRunning(running=latest.status == WorkflowExecutionStatus.RUNNING
+                              and latest.raw_description.workflow_execution_info.first_run_id == first_run)
 
     @activity.defn
     async def policy_attempts(self, req: PolicyAttemptsInput) -> PolicyAttempts:

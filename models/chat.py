@@ -74,6 +74,20 @@ class TurnInput(BaseModel):
 FINAL_ANSWER_DETAIL = "final_answer"
 
 
+class SessionRun(BaseModel):
+    """The session run that started a chat turn's job (its parent)."""
+    workflow_id: str
+    run_id: str
+
+
+class SessionRunning(BaseModel):
+    running: bool
+
+
+SESSION_ENDED = ("its session's workflow ended (terminated by hand?) before it gave this turn its go: the turn "
+                 "never ran (no model was called for it); send the question again")
+
+
 class TurnOutcome(BaseModel):
     """What the session keeps of a finished turn: its answer, or None when the turn failed or has none."""
     answer: str | None = None

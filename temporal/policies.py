@@ -124,6 +124,7 @@ class LoadedPolicies:
     activities: dict[str, ActivityPolicy]
     dead_letter_ttl: timedelta
     slot_sweep: timedelta
+    session_check: timedelta
     subscriber_grace: timedelta
     heartbeat_every: timedelta
     workflows: WorkflowPriorities
@@ -132,6 +133,7 @@ class LoadedPolicies:
 _loaded: LoadedPolicies | None = None
 DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 DEFAULT_SLOT_SWEEP = timedelta(minutes=1)
+DEFAULT_SESSION_CHECK = timedelta(minutes=1)
 DEFAULT_SUBSCRIBER_GRACE = timedelta(milliseconds=500)
 DEFAULT_HEARTBEAT_EVERY = timedelta(seconds=2)
 
@@ -148,7 +150,8 @@ def parse(text: str, activities: Iterable[str], source: str = "policies") -> dic
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PolicyError(f"{source}: not valid TOML: {exc}") from None
-    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots", "events", "heartbeats", "workflows"}
+    unknown_sections = set(raw) - {"defaults", "activities", "dead_letter", "running_slots", "sessions", "events",
+                                  "heartbeats", "workflows"}
     if unknown_sections:
         raise PolicyError(f"{source}: unknown section(s): {', '.join(sorted(unknown_sections))}")
     try:
@@ -230,6 +233,12 @@ def parse_slot_sweep(text: str, source: str = "policies") -> timedelta:
     return _positive_duration(text, source, "running_slots", "sweep", DEFAULT_SLOT_SWEEP)
 
 
+def parse_session_check(text: str, source: str = "policies") -> timedelta:
+    """[sessions].check: how soon a chat turn waiting for its session's go first checks that the session
+    still runs (then ever less often: workflows/chat.py)."""
+    return _positive_duration(text, source, "sessions", "check", DEFAULT_SESSION_CHECK)
+
+
 def parse_subscriber_grace(text: str, source: str = "policies") -> timedelta:
     """[events].subscriber_grace: how long an ending job that someone watches waits for the stream's
     next poll, so that its terminal event leaves with its last workflow task (workflows/events.py)."""
@@ -269,6 +278,7 @@ def load(path: Path | None, activities: Iterable[str], *,
     _loaded = LoadedPolicies(activities=parsed,
                              dead_letter_ttl=parse_dead_letter_ttl(text, str(path), dead_letter_ttl),
                              slot_sweep=parse_slot_sweep(text, str(path)),
+                             session_check=parse_session_check(text, str(path)),
                              subscriber_grace=parse_subscriber_grace(text, str(path)),
                              heartbeat_every=every,
                              workflows=parse_workflow_priorities(text, str(path)))
@@ -288,6 +298,10 @@ def dead_letter_ttl() -> timedelta:
 
 def slot_sweep_interval() -> timedelta:
     return loaded().slot_sweep
+
+
+def session_check() -> timedelta:
+    return loaded().session_check
 
 
 def subscriber_grace() -> timedelta:

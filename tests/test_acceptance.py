@@ -12,6 +12,7 @@ import uuid
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest, RespondWorkflowTaskFailedRequest
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError
 
 from api.job_views import RecentlyAccepted
 from models.chat import SessionState, session_workflow_id
@@ -282,3 +283,32 @@ async def test_a_turn_whose_session_was_terminated_before_starting_it_reads_as_f
         assert (await stack.http.get(f"/v1/jobs/{other['job_id']}")).json()["status"] == "queued"
         await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, other["session_id"])).terminate(
             "test over")
+
+
+async def test_a_turn_waiting_for_its_go_fails_saying_so_once_its_session_was_terminated(stack):
+    """A follow-up's job waits for its session's go while the turn before it waits for a reviewer. The
+    session terminated by hand gives no go: the follow-up looks now and then, and fails (SessionEnded)
+    rather than wait for ever; the turn before it is not touched."""
+    session = f"go-{uuid.uuid4().hex[:8]}"
+    r = await stack.http.post("/v1/chats", json={"message": "Who counts the herds?", "session_id": session,
+                                                 "collection": "chat", "require_review": True})
+    first = r.json()["job_id"]
+    await waiting_reviews(stack, first, timeout=30)
+    second = (await stack.chat("And from what?", session_id=session, collection="chat"))["job_id"]
+    try:
+        await eventually(lambda: job_exists(stack, second), what="the follow-up's job started, waiting for its go")
+        await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, session)).terminate("by hand")
+        job = await stack.wait_done(second, timeout=60)
+        assert job["status"] == "failed" and "never ran" in job["error"]["message"], job
+        assert [s["status"] for s in job["steps"]] == ["skipped"] * len(job["steps"]), job["steps"]
+        assert (await stack.http.get(f"/v1/jobs/{first}")).json()["status"] == "waiting_review"
+    finally:
+        await stack.http.post(f"/v1/jobs/{first}/cancel")
+
+
+async def job_exists(stack, job_id: str) -> bool:
+    try:
+        await stack.client.get_workflow_handle(job_id).describe()
+    except RPCError:
+        return False
+    return True

@@ -39,7 +39,8 @@ from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline.evaluation import EvaluationReport
 from models.chat import (
     AwaitTurnInput, CacheInput, CacheOutput, ChatQuestion, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
-    HistoryItem, RetrieveInput, RetrieveOutput, SessionState, SummaryOutput, TurnContext, TurnInput, TurnOutcome,
+    HistoryItem, RetrieveInput, RetrieveOutput, SessionRun, SessionRunning, SessionState, SummaryOutput,
+    TurnContext, TurnInput, TurnOutcome,
     TurnResult, Usage, session_workflow_id, turn_job_id,
 )
 from models.jobs import OperatorRequest, StepResult, StepState
@@ -102,7 +103,7 @@ class Fakes:
     index_seconds: float = 0  # how long a batch's write takes
     plan: Callable[[PlanInput], PlanOutput] | None = None
     side_step_seconds: float = 0.2
-    ended: set[str] = field(default_factory=set)  # jobs ended_jobs reports as no longer running
+    ended: set[str] = field(default_factory=set)  # jobs (and sessions) reported as no longer running
     sweeps_fail: int = 0  # how many ended_jobs calls fail (a server too busy to answer)
     removed_documents: set[str] = field(default_factory=set)  # document jobs await_document finds removed
     awaited: Callable[[AwaitDocumentInput], Awaitable[DocumentOutcome]] | None = None  # await_document's answer
@@ -287,7 +288,7 @@ class Fakes:
                 self.search_chunks, self.await_document, self.await_turn, self.retrieve_context,
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
-                self.acquire_slot, self.release_slot, self.ended_jobs, self.sweep_blobs,
+                self.acquire_slot, self.release_slot, self.ended_jobs, self.session_still_runs, self.sweep_blobs,
                 JobActivities(None).policy_attempts]  # the real one: it reads the loaded policy file
 
     @activity.defn(name="sweep_blobs")
@@ -313,6 +314,11 @@ class Fakes:
             self.sweeps_fail -= 1
             raise ApplicationError("the server is too busy", non_retryable=True)
         return JobIds(job_ids=[j for j in req.job_ids if j in self.ended])
+
+    @activity.defn(name="session_still_runs")
+    async def session_still_runs(self, req: SessionRun) -> SessionRunning:
+        self._end(self._start("session_still_runs", req))
+        return SessionRunning(running=req.workflow_id not in self.ended)
 
 
 def citation(i: int) -> Citation:

@@ -29,15 +29,18 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
-from temporalio.exceptions import ApplicationError, ChildWorkflowError, FailureError, WorkflowAlreadyStartedError
+from temporalio.exceptions import (
+    ActivityError, ApplicationError, ChildWorkflowError, FailureError, WorkflowAlreadyStartedError,
+    is_cancelled_exception,
+)
 
 with workflow.unsafe.imports_passed_through():
     from activities.chat import ChatActivities, marked_passages, quote_for
     from activities.jobs import JobActivities
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
-        FINAL_ANSWER_DETAIL, RetrieveInput, SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput,
-        TurnResult, Usage, session_workflow_id,
+        FINAL_ANSWER_DETAIL, SESSION_ENDED, RetrieveInput, SessionRun, SessionState, SummaryOutput, TurnAnswered,
+        TurnContext, TurnInput, TurnResult, Usage, session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
     from models.review import ReviewDecision, without
@@ -89,6 +92,10 @@ SIDE_STEPS_STOP_TOGETHER_PATCH = "side-steps-stop-together"
 # its session's history, as it does when a later turn asked for it before the end (its failure carries it).
 # Earlier sessions kept it only in that case. (A cancelled turn's still depends on it: its cancel carries none.)
 FAILED_TURN_ANSWER_PATCH = "failed-turn-shown-answer-in-history"
+# A turn waiting for its session's go checks now and then that the session still runs: one terminated by hand
+# gives no go, and the turn failed (SessionEnded) instead of waiting for ever. Earlier turns waited.
+GO_WATCHES_SESSION_PATCH = "turn-waiting-for-its-go-watches-its-session"
+SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
 HISTORY_ANSWER_CHARS = 600  # each kept answer is cut to this, so state stays small
@@ -144,7 +151,32 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         self.context = self.context or turn.context
         if self.context is None:
             self.events.release()  # earlier turns of the session go first: `accepted` says which turn this is
+        parent = workflow.info().parent
+        if self.context is None and parent is not None and workflow.patched(GO_WATCHES_SESSION_PATCH):
+            await self._go_while_session_runs(SessionRun(workflow_id=parent.workflow_id, run_id=parent.run_id))
         await workflow.wait_condition(lambda: self.context is not None)
+
+    async def _go_while_session_runs(self, session: SessionRun) -> None:
+        """Waits for the go, looking now and then (ever less often: a turn may wait days behind one whose
+        answer a reviewer holds) whether the session still runs to give it."""
+        every = policies.session_check()
+        while True:
+            try:
+                await workflow.wait_condition(lambda: self.context is not None, timeout=every)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                checked = await policies.execute(JobActivities.session_still_runs, session)
+            except ActivityError as exc:
+                if is_cancelled_exception(exc):  # the turn was cancelled meanwhile
+                    raise
+                # Temporal out of reach: no sign that the session ended.
+                workflow.logger.warning("could not check the session (next try later): %s", exc)
+            else:
+                if not checked.running and self.context is None:
+                    raise ApplicationError(SESSION_ENDED, type="SessionEnded", non_retryable=True)
+            every = min(every * 2, SESSION_CHECK_AT_MOST_EVERY)
 
     async def _answer(self, turn: TurnInput) -> TurnResult:
         self._answer_held = (turn.question.require_review or turn.review_unsupported) and \
