@@ -102,6 +102,7 @@ class ServerStatsPoller:
         self.reviews = meter.create_gauge(metrics.REVIEWS_WAITING, "Jobs waiting for a human review")
         self.dead = meter.create_gauge(metrics.DEAD_LETTERED_WAITING, "Dead-lettered jobs waiting for an operator")
         self.errors = meter.create_counter(metrics.POLL_ERRORS, "Failed polls of the server's statistics")
+        self.errors.add(0)  # exported from the start: an alert's increase() counts the first failure too
         sla = meter.create_gauge_float(metrics.STEP_SLA, "What one step should take; alerts fire at 2x its p95", "s")
         for step, seconds in {**metrics.DEFAULT_STEP_SLA_SECONDS, **settings.step_sla}.items():
             sla.set(float(seconds), {"activity_type": step})
