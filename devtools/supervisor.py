@@ -615,11 +615,14 @@ class Supervisor:
         except OSError as e:
             raise StartupError(f"cannot create the data folder {self.log_dir} ({e}); check RAGLINE_DATA_DIR") from e
 
+        problems = []
         for spec in self.specs:  # fail fast, before starting anything
             # in a thread: the llm's preflight may take seconds (assembling and hashing its model)
             problem = await self._unless_stopped(asyncio.to_thread(spec.preflight)) if spec.preflight else None
             if problem:
-                raise StartupError(f"{spec.name}: {problem}")
+                problems.append(f"{spec.name}: {problem}")
+        if problems:  # every one at once: ports taken by another `make run` are all taken, not the first alone
+            raise StartupError("\nERROR: ".join(problems))
 
         self._prepare_security()
         if not temporal_is_local(s.temporal_address):

@@ -288,3 +288,23 @@ async def test_make_run_refuses_a_running_server_whose_task_queue_another_stacks
         other.wait()
     # Ended: the server still lists its poller for a while, but nothing of it is left to take tasks.
     assert await other_stacks_workers(temporal_env.client, queue, ours) == []
+
+
+async def test_make_run_names_every_port_taken_at_once(tmp_path: Path) -> None:
+    """A second `make run` on the default ports finds them all taken: it named the first (the llm's) only, so
+    moving ports took a run per port. Every preflight's problem is said, each on a line, before anything starts."""
+    from devtools.supervisor import ProcessSpec, StartupError, Supervisor
+
+    def taken(setting: str):
+        return lambda: f"127.0.0.1:1 is already in use. Stop it or choose another port with {setting}=..."
+
+    specs = [ProcessSpec(name="llm", argv=["true"], preflight=taken("RAGLINE_LLM_PORT")),
+             ProcessSpec(name="worker", argv=["true"], preflight=lambda: None),
+             ProcessSpec(name="api", argv=["true"], preflight=taken("RAGLINE_API_PORT"))]
+    supervisor = Supervisor(Settings(data_dir=tmp_path), specs=specs)
+    with pytest.raises(StartupError) as refused:
+        await supervisor._startup()
+    llm, api = str(refused.value).split("\nERROR: ")
+    assert llm.startswith("llm: ") and "RAGLINE_LLM_PORT" in llm
+    assert api.startswith("api: ") and "RAGLINE_API_PORT" in api
+    assert not supervisor.managed  # nothing was started
