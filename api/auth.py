@@ -168,6 +168,20 @@ def unauthenticated(message: str) -> ApiError:
     return ApiError(401, "unauthenticated", message, headers={"WWW-Authenticate": "Bearer"})
 
 
+def key_required(headers: Mapping[str, str]) -> str:
+    """KEY_REQUIRED, saying first what was wrong when a key's header came without a key: `"Authorization: Bearer
+    $KEY"` with KEY unset (a new terminal) sends `Bearer` alone, and the bare key without `Bearer ` is a common
+    slip. The header's value is never repeated: it may be a key."""
+    authorization = headers.get("authorization")
+    if headers.get("x-api-key") is not None:
+        return f"the X-API-Key header is empty (is $KEY set?); {KEY_REQUIRED}"
+    if authorization is not None:
+        if authorization.strip().partition(" ")[0].lower() == "bearer":
+            return f"the Authorization header holds `Bearer` and no key after it (is $KEY set?); {KEY_REQUIRED}"
+        return f"the Authorization header is not `Bearer <key>`; {KEY_REQUIRED}"
+    return KEY_REQUIRED
+
+
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The API key a request carries, read as `authenticate` reads it (for a check made before FastAPI
     has parsed the request: api/limits.py)."""
@@ -188,7 +202,7 @@ async def authenticate(
                                                 "Authorization): send one", headers={"WWW-Authenticate": "Bearer"})
     key = api_key or (bearer.credentials if bearer else None)
     if not key:
-        raise unauthenticated(KEY_REQUIRED)
+        raise unauthenticated(key_required(request.headers))
     caller = await admit(request, key)
     if caller.role == "codec":
         raise codec_key_refused()

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import KEY_REQUIRED, RATE_COUNTED, UNKNOWN_KEY, Guard, codec_key_refused, presented_key, unauthenticated
+from api.auth import (RATE_COUNTED, UNKNOWN_KEY, Guard, codec_key_refused, key_required, presented_key,
+                      unauthenticated)
 from api.errors import ApiError, error_body
 from ragline.keys import TenantLimits
 
@@ -66,7 +67,7 @@ class BodyLimit:
         key = presented_key(headers)
         entry = self.guard().keys.find(key) if key is not None else None
         if entry is None:
-            await _refuse(unauthenticated(KEY_REQUIRED if key is None else UNKNOWN_KEY), scope, receive, send)
+            await _refuse(unauthenticated(key_required(headers) if key is None else UNKNOWN_KEY), scope, receive, send)
             return
         if entry.role == "codec":  # refused by every /v1 route: not worth reading a body for
             await _refuse(codec_key_refused(), scope, receive, send)

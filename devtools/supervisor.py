@@ -1,7 +1,8 @@
 """Run everything locally: `python -m devtools.supervisor` (what `make run` calls).
 
 A small supervisor:
-  * uses the Temporal server already answering at RAGLINE_TEMPORAL_ADDRESS, or starts the dev server
+  * uses the Temporal server already answering at RAGLINE_TEMPORAL_ADDRESS (unless another stack's workers, of
+    another data folder, poll its task queue: then it stops), or starts the dev server
     (SQLite file in the data folder, so a second run finds its workflows again);
   * starts the processes of `process_specs()` in order (today: the local llama.cpp server unless
     RAGLINE_LLM_BASE_URL is set, then the workers, then API), each in its own process group, waiting
@@ -24,11 +25,13 @@ import asyncio
 import functools
 import importlib.util
 import os
+import re
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +281,58 @@ def worker_specs(settings: Settings, env: Mapping[str, str] | None = None) -> li
                                      argv=[sys.executable, "worker.py", "--role", role], alive_for=2.0, env=own,
                                      preflight=metrics_port_free(port)))
     return specs
+
+
+WORKER_IDENTITY = re.compile(r"ragline-[a-z]+@(?P<host>.+):(?P<pid>\d+)")  # worker.py's client identity
+POLLER_FRESHNESS = 120  # seconds: a poller not seen for longer has gone (as /healthz counts them)
+
+
+def other_stack_worker(identity: str, data_dir: Path) -> str | None:
+    """Who a poller of our task queues is when it is a live Ragline worker of this machine that serves another
+    data folder ("pid 123, data folder /x"); None for one of this data folder (a worker started by hand for
+    this stack), one that has ended, one of another machine or one that is not a Ragline worker."""
+    import socket
+
+    m = WORKER_IDENTITY.fullmatch(identity)
+    if m is None or m["host"] != socket.gethostname():
+        return None
+    proc = Path("/proc") / m["pid"]
+    try:
+        if b"worker.py" not in (proc / "cmdline").read_bytes():
+            return None  # ended, and its pid taken by another program since
+        environ = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        cwd = Path(os.readlink(proc / "cwd"))
+    except FileNotFoundError:
+        return None  # ended
+    except OSError:
+        return f"pid {m['pid']} (another user's)"
+    theirs = (cwd / os.fsdecode(environ.get(b"RAGLINE_DATA_DIR", b"./data"))).expanduser().resolve()
+    return None if theirs == data_dir.expanduser().resolve() else f"pid {m['pid']}, data folder {theirs}"
+
+
+async def other_stacks_workers(client: Any, task_queue: str, data_dir: Path) -> list[str]:
+    """`other_stack_worker` of every poller seen lately on the task queues of `task_queue`, each named once."""
+    from datetime import datetime, timezone
+
+    from temporalio.api.enums.v1 import TaskQueueType
+    from temporalio.api.taskqueue.v1 import TaskQueue
+    from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+
+    from temporal import queues
+
+    found: list[str] = []
+    now = datetime.now(timezone.utc)
+    for kind in queues.QUEUE_KINDS:
+        for queue_type in (TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY):
+            answer = await client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+                namespace=client.namespace, task_queue=TaskQueue(name=queues.queue_name(task_queue, kind)),
+                task_queue_type=queue_type), timeout=timedelta(seconds=5))
+            for poller in answer.pollers:
+                seen = (now - poller.last_access_time.ToDatetime(tzinfo=timezone.utc)).total_seconds()
+                if seen < POLLER_FRESHNESS and (other := other_stack_worker(poller.identity, data_dir)):
+                    if other not in found:
+                        found.append(other)
+    return found
 
 
 def temporal_is_local(address: str) -> bool:
@@ -560,11 +615,14 @@ class Supervisor:
         except OSError as e:
             raise StartupError(f"cannot create the data folder {self.log_dir} ({e}); check RAGLINE_DATA_DIR") from e
 
+        problems = []
         for spec in self.specs:  # fail fast, before starting anything
             # in a thread: the llm's preflight may take seconds (assembling and hashing its model)
             problem = await self._unless_stopped(asyncio.to_thread(spec.preflight)) if spec.preflight else None
             if problem:
-                raise StartupError(f"{spec.name}: {problem}")
+                problems.append(f"{spec.name}: {problem}")
+        if problems:  # every one at once: ports taken by another `make run` are all taken, not the first alone
+            raise StartupError("\nERROR: ".join(problems))
 
         self._prepare_security()
         if not temporal_is_local(s.temporal_address):
@@ -574,6 +632,7 @@ class Supervisor:
             await self._unless_stopped(self._register_search_attributes())
         elif await temporal_reachable(s.temporal_address, timeout=2.0):
             say(f"Temporal: using the server already answering at {s.temporal_address}")
+            await self._unless_stopped(self._refuse_another_stacks_workers())
             await self._unless_stopped(self._register_search_attributes())
         else:
             say(f"Temporal: starting the dev server at {s.temporal_address} "
@@ -626,6 +685,30 @@ class Supervisor:
         api_keys.remove(path, WEBUI_CODEC_KEY)
         key = api_keys.create(path, "default", "codec", WEBUI_CODEC_KEY, requests_per_minute=100_000)
         return f"{api_base_url(s)}/codec/k/{key}"
+
+    async def _refuse_another_stacks_workers(self) -> None:
+        """A local server already answering may be another `make run`'s (another checkout, or another person's
+        stack on this machine, on the default ports): its workers poll the same task queues. Joined, each
+        stack's workers take the other's tasks, fail them on payloads encrypted with other keys (the job is
+        stuck, its history holds the foreign payload) and search another vector store. Refused, with the way
+        out, when a live worker of this machine with another data folder polls them."""
+        from temporal.client import connect
+
+        s = self.settings
+        try:
+            client = await asyncio.wait_for(connect(s, identity="ragline-run"), 10)
+            others = await other_stacks_workers(client, s.task_queue, Path(s.data_dir))
+        except Exception as e:  # noqa: BLE001 - the search-attribute registration next reports the server
+            say(f"Temporal: could not list the workers polling {s.task_queue!r} ({e!r}); going on")
+            return
+        if others:
+            raise StartupError(
+                f"the Temporal server at {s.temporal_address} already has workers of another Ragline polling "
+                f"task queue {s.task_queue!r} ({'; '.join(others)}): another `make run`? Sharing one server "
+                "and task queue, each would take the other's jobs and fail them (payloads encrypted with other "
+                "keys, another vector store). Stop it, or give this run a server of its own: "
+                "RAGLINE_TEMPORAL_ADDRESS, with RAGLINE_TEMPORAL_UI_PORT, RAGLINE_API_PORT, RAGLINE_LLM_PORT "
+                "and RAGLINE_WORKER_METRICS_PORT (README, Settings)")
 
     async def _register_search_attributes(self) -> None:
         from temporal.client import connect

@@ -42,9 +42,19 @@ def parse_jsonl(data: str) -> list[GoldenQuestion]:
         if not line.strip():
             continue
         try:
-            questions.append(GoldenQuestion.model_validate(json.loads(line)))
+            value = json.loads(line)
         except json.JSONDecodeError as exc:
+            if exc.msg == "Extra data" and line[exc.pos:].lstrip().startswith("{"):
+                # `curl -d @golden.jsonl` sends the file with its line breaks taken out: one long line.
+                raise ValueError(f"line {n} holds more than one JSON object: put one per line (`curl -d @file` "
+                                 "drops a file's line breaks: send it with `--data-binary @file`)") from None
             raise ValueError(f"line {n}: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"line {n}: nested too deeply") from None
+        if isinstance(value, list):
+            raise ValueError(f"line {n} is a JSON array: send JSONL, one question object per line")
+        try:
+            questions.append(GoldenQuestion.model_validate(value))
         except ValidationError as exc:
             first = exc.errors()[0]
             field = ".".join(str(part) for part in first["loc"])

@@ -3,6 +3,7 @@ durability of the SQLite file across a restart, and how long the namespace keeps
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -237,3 +238,73 @@ def test_one_stop_delivered_twice_at_once_stops_make_run_gracefully(tmp_path: Pa
     now[0] += 2
     supervisor._on_signal(signal.SIGINT)
     assert supervisor.forced
+
+
+async def test_make_run_refuses_a_running_server_whose_task_queue_another_stacks_worker_polls(
+        tmp_path: Path, temporal_env) -> None:
+    """A second `make run` (another checkout, another person's stack on the default ports) found the first one's
+    dev server answering at RAGLINE_TEMPORAL_ADDRESS and joined it: each stack's worker took the other's tasks,
+    and a chat turn of the first stuck for good on a payload encrypted with the second's key. A live worker of
+    this machine serving another data folder on our task queues is named, and refused; one of our own data
+    folder, one that has ended, and one of another machine are not."""
+    import socket
+    import uuid
+
+    from temporalio import activity
+    from temporalio.worker import Worker
+
+    from devtools.supervisor import other_stack_worker, other_stacks_workers
+
+    @activity.defn(name="noop")
+    async def noop() -> None:
+        return None
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    queue = f"ragline-stacks-{uuid.uuid4().hex[:8]}"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "worker.py"],
+                             env={**os.environ, "RAGLINE_DATA_DIR": str(theirs)})
+    try:
+        while b"worker.py" not in Path(f"/proc/{other.pid}/cmdline").read_bytes():  # Popen may return before exec
+            time.sleep(0.01)
+        host = socket.gethostname()
+        identity = f"ragline-all@{host}:{other.pid}"
+        assert other_stack_worker(identity, ours) == f"pid {other.pid}, data folder {theirs.resolve()}"
+        assert other_stack_worker(identity, theirs) is None                    # a worker of this very stack
+        assert other_stack_worker(f"ragline-all@elsewhere:{other.pid}", ours) is None
+        assert other_stack_worker(f"ragline-all@{host}:{os.getpid()}", ours) is None  # not a worker.py
+        assert other_stack_worker("12345@somebody", ours) is None
+
+        target = temporal_env.client.service_client.config.target_host
+        client = await Client.connect(target, identity=identity)
+        async with Worker(client, task_queue=f"{queue}-llm", activities=[noop]):
+            deadline = time.monotonic() + 30
+            while not (found := await other_stacks_workers(temporal_env.client, queue, ours)):
+                assert time.monotonic() < deadline, "the poller never showed"
+                await asyncio.sleep(0.2)
+            assert found == [f"pid {other.pid}, data folder {theirs.resolve()}"]
+            assert await other_stacks_workers(temporal_env.client, queue, theirs) == []
+    finally:
+        other.kill()
+        other.wait()
+    # Ended: the server still lists its poller for a while, but nothing of it is left to take tasks.
+    assert await other_stacks_workers(temporal_env.client, queue, ours) == []
+
+
+async def test_make_run_names_every_port_taken_at_once(tmp_path: Path) -> None:
+    """A second `make run` on the default ports finds them all taken: it named the first (the llm's) only, so
+    moving ports took a run per port. Every preflight's problem is said, each on a line, before anything starts."""
+    from devtools.supervisor import ProcessSpec, StartupError, Supervisor
+
+    def taken(setting: str):
+        return lambda: f"127.0.0.1:1 is already in use. Stop it or choose another port with {setting}=..."
+
+    specs = [ProcessSpec(name="llm", argv=["true"], preflight=taken("RAGLINE_LLM_PORT")),
+             ProcessSpec(name="worker", argv=["true"], preflight=lambda: None),
+             ProcessSpec(name="api", argv=["true"], preflight=taken("RAGLINE_API_PORT"))]
+    supervisor = Supervisor(Settings(data_dir=tmp_path), specs=specs)
+    with pytest.raises(StartupError) as refused:
+        await supervisor._startup()
+    llm, api = str(refused.value).split("\nERROR: ")
+    assert llm.startswith("llm: ") and "RAGLINE_LLM_PORT" in llm
+    assert api.startswith("api: ") and "RAGLINE_API_PORT" in api
+    assert not supervisor.managed  # nothing was started

@@ -411,6 +411,20 @@ def test_a_golden_set_an_editor_saved_with_a_bom_is_read():
     assert (q.question, q.expected_document) == ("q", None)
 
 
+def test_a_golden_set_whose_line_breaks_curl_dropped_says_how_to_send_it():
+    """`curl -d @golden.jsonl` (the usual way to send a file) strips its newlines: the API said only "line 1:
+    Extra data: line 1 column 146", which told nobody what to change."""
+    from ragline import evaluation
+
+    joined = '{"question": "a", "expected_document": null}{"question": "b", "expected_document": null}'
+    with pytest.raises(ValueError, match=r"line 1 holds more than one JSON object.*--data-binary @file"):
+        evaluation.parse_jsonl(joined)
+    with pytest.raises(ValueError, match=r"line 1 is a JSON array: send JSONL"):
+        evaluation.parse_jsonl('[{"question": "a", "expected_document": null}]')
+    with pytest.raises(ValueError, match=r"line 2: Expecting"):  # other broken JSON keeps the parser's words
+        evaluation.parse_jsonl('{"question": "a", "expected_document": null}\n{"question": "b",\n')
+
+
 async def test_an_evaluation_failing_on_an_unexpected_error_still_hands_on_the_answers_it_saved(tmp_path, monkeypatch):
     """Not one of Ragline's errors (a store client's, a bug): the step is retried as before, and its failure
     still carries the answers saved so far, for an operator's retry of the parked step."""

@@ -115,6 +115,24 @@ async def test_every_route_but_healthz_needs_a_known_key(stack):
     assert (await stack.member_http.get("/v1/jobs")).status_code == 200
 
 
+async def test_a_key_header_without_a_key_says_what_is_wrong_with_it(stack):
+    """The README's `AUTH="Authorization: Bearer $KEY"` in a terminal where KEY is not set: curl sends `Bearer` alone,
+    and `Authorization: <key>` without `Bearer ` is a common slip: both were told only that a key is required.
+    Each is named (the route before the body is read too), and nothing of the header's value is repeated."""
+    cases = [({"Authorization": "Bearer"}, "the Authorization header holds `Bearer` and no key after it"),
+             ({"Authorization": "rgl_a-key-without-bearer"}, "the Authorization header is not `Bearer <key>`"),
+             ({"X-API-Key": ""}, "the X-API-Key header is empty"),
+             ({}, "an API key is required")]
+    async with _client(stack, None) as http:
+        for headers, says in cases:
+            for method, path in (("GET", "/v1/jobs"), ("POST", "/v1/chats")):
+                r = await http.request(method, path, headers=headers, json={} if method == "POST" else None)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
+                message = r.json()["error"]["message"]
+                assert message.startswith(says) and "`Authorization: Bearer <key>`" in message, (headers, message)
+                assert "rgl_a-key" not in message
+
+
 async def test_a_flood_of_anonymous_health_probes_asks_temporal_once_per_period(stack):
     """GET /healthz needs no key and looks at Temporal with ~7 RPCs: the requests within
     RAGLINE_HEALTHZ_CACHE_SECONDS (and those that arrive while a look is under way) share one look."""
