@@ -175,21 +175,35 @@ class JobActivities:
     @activity.defn
     @translate_errors
     async def session_still_runs(self, req: SessionRun) -> SessionRunning:
-        """Whether the session that started a waiting chat turn still runs: that run, or the runs it
-        continued as (they carry the turns still waiting). Ended otherwise (terminated by hand), or run
-        anew under its id since (a new run numbers its turns from 1), it will give the turn no go."""
+        """Whether the session that started a waiting chat turn still runs: that run, or a later run of its
+        chain (continued as new, carrying the turns still waiting; or reset by an operator, which ends the run
+        it resets). Ended otherwise (terminated by hand), or run anew under its id since (a new chain numbers
+        its turns from 1), it will give the turn no go. The run that started the turn may be gone while its
+        chain runs on (continued as new longer ago than the retention): its chain is then the one an earlier
+        look found (`first_run_id`)."""
+        started = await self._described(req.workflow_id, req.run_id)
+        chain = req.first_run_id
+        if started is not None:
+            chain = started.raw_description.workflow_execution_info.first_run_id or chain
+            if started.status == WorkflowExecutionStatus.RUNNING:
+                return SessionRunning(running=True, first_run_id=chain)
+        latest = await self._described(req.workflow_id)
+        if latest is None or latest.status != WorkflowExecutionStatus.RUNNING:
+            return SessionRunning(running=False, first_run_id=chain)
+        latest_chain = latest.raw_description.workflow_execution_info.first_run_id
+        if not latest_chain:  # a server that does not say: no sign that the session ended
+            return SessionRunning(running=True, first_run_id=chain)
+        # No chain known (its first look came after the retention): the run was its chain's first, or not ours.
+        return SessionRunning(running=latest_chain == (chain or req.run_id), first_run_id=chain)
+
+    async def _described(self, workflow_id: str, run_id: str | None = None):  # noqa: ANN202
+        """The run (the latest without `run_id`), or None when the server no longer has it (the retention)."""
         try:
-            started = await self.client.get_workflow_handle(req.workflow_id, run_id=req.run_id).describe()
-            if started.status != WorkflowExecutionStatus.CONTINUED_AS_NEW:
-                return SessionRunning(running=started.status == WorkflowExecutionStatus.RUNNING)
-            latest = await self.client.get_workflow_handle(req.workflow_id).describe()
+            return await self.client.get_workflow_handle(workflow_id, run_id=run_id).describe()
         except RPCError as exc:
-            if exc.status != RPCStatusCode.NOT_FOUND:  # past the retention: gone
+            if exc.status != RPCStatusCode.NOT_FOUND:
                 raise
-            return SessionRunning(running=False)
-        first_run = started.raw_description.workflow_execution_info.first_run_id
-        return SessionRunning(running=latest.status == WorkflowExecutionStatus.RUNNING
-                              and latest.raw_description.workflow_execution_info.first_run_id == first_run)
+            return None
 
     @activity.defn
     async def policy_attempts(self, req: PolicyAttemptsInput) -> PolicyAttempts:

@@ -75,13 +75,16 @@ FINAL_ANSWER_DETAIL = "final_answer"
 
 
 class SessionRun(BaseModel):
-    """The session run that started a chat turn's job (its parent)."""
+    """The session run that started a chat turn's job (its parent), and the first run of its chain once
+    a look at the session has found it."""
     workflow_id: str
     run_id: str
+    first_run_id: str | None = None
 
 
 class SessionRunning(BaseModel):
     running: bool
+    first_run_id: str | None = None  # of the chain of the run that started the turn, when known
 
 
 SESSION_ENDED = ("its session's workflow ended (terminated by hand?) before it gave this turn its go: the turn "

@@ -9,8 +9,13 @@ import concurrent.futures
 import json
 import uuid
 
+from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest, RespondWorkflowTaskFailedRequest
+from temporalio.api.workflowservice.v1 import (
+    DeleteWorkflowExecutionRequest, PollWorkflowTaskQueueRequest, ResetWorkflowExecutionRequest,
+    RespondWorkflowTaskFailedRequest,
+)
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
 
@@ -312,3 +317,94 @@ async def job_exists(stack, job_id: str) -> bool:
     except RPCError:
         return False
     return True
+
+
+async def _session_checks(stack, job_id: str) -> int:
+    """How many times the waiting turn `job_id` has looked at its session so far (scheduled looks)."""
+    count = 0
+    async for event in stack.client.get_workflow_handle(job_id).fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes") and \
+                event.activity_task_scheduled_event_attributes.activity_type.name == "session_still_runs":
+            count += 1
+    return count
+
+
+async def _after_a_look(stack, job_id: str) -> None:
+    """Until the waiting turn has looked at its session once more, from now (a look scheduled next is
+    one the look before it ended)."""
+    before = await _session_checks(stack, job_id)
+
+    async def looked() -> bool:
+        ended = (await stack.client.get_workflow_handle(job_id).describe()).status != WorkflowExecutionStatus.RUNNING
+        return ended or await _session_checks(stack, job_id) >= before + 2
+    await eventually(looked, timeout=90, every=0.5, what=f"{job_id} looked at its session again")
+
+
+async def _approve(stack, job_id: str) -> None:
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "Ada"})
+    assert r.status_code == 200, r.text
+
+
+async def test_a_turn_waiting_for_its_go_waits_on_while_its_session_runs_on_in_a_later_run(stack):
+    """The run that started a waiting turn's job may be gone while the session runs on: it continued as
+    new long enough ago that the retention took it, or an operator reset the session (a reset ends the
+    run it resets, and a new run of the same chain goes on). The turn waits on: it gets its go."""
+    tag = uuid.uuid4().hex[:8]
+    session = f"later-{tag}"
+    session_wf = session_workflow_id(stack.tenant, session)
+    await stack.client.start_workflow(  # continues as new after each turn
+        ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, turns_per_run=1),
+        id=session_wf, task_queue=stack.settings.task_queue,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                 SearchAttributePair(sa.SESSION, session),
+                                                 SearchAttributePair(sa.TENANT, stack.tenant)]))
+
+    async def ask(message: str, review: bool) -> str:
+        r = await stack.http.post("/v1/chats", json={"message": message, "session_id": session,
+                                                     "collection": "chat", "require_review": review})
+        assert r.status_code == 202, r.text
+        return r.json()["job_id"]
+    first = await ask("Who counts the herds?", True)
+    await waiting_reviews(stack, first, timeout=30)
+    second = await ask("And from what?", True)
+    third = await ask("And how often?", False)
+    jobs = [first, second, third]
+    try:
+        for job_id in (second, third):
+            await eventually(lambda: job_exists(stack, job_id), what=f"{job_id} started, waiting for its go")
+        started_by = (await stack.client.get_workflow_handle(third).describe()).raw_description \
+            .workflow_execution_info.parent_execution.run_id
+        # An operator resets the session's run to its last workflow task: that run ends (terminated), a new
+        # run of its chain goes on.
+        last_task = [e.event_id async for e in stack.client.get_workflow_handle(
+            session_wf, run_id=started_by).fetch_history_events()
+            if e.HasField("workflow_task_completed_event_attributes")][-1]
+        await stack.client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
+            namespace=stack.client.namespace, reason="by hand",
+            workflow_execution=WorkflowExecution(workflow_id=session_wf, run_id=started_by),
+            workflow_task_finish_event_id=last_task, request_id=uuid.uuid4().hex))
+        await _after_a_look(stack, third)
+        assert (await stack.http.get(f"/v1/jobs/{third}")).json()["status"] == "queued"
+        await _approve(stack, first)  # the session continues as new, carrying the two turns still waiting
+        await waiting_reviews(stack, second, timeout=30)
+        # The run that started the third turn's job, past the retention.
+        await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+            namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=session_wf,
+                                                                                   run_id=started_by)))
+        await eventually(lambda: gone(stack, session_wf, started_by), what="the first session run deleted")
+        await _after_a_look(stack, third)
+        assert (await stack.http.get(f"/v1/jobs/{third}")).json()["status"] == "queued"
+        await _approve(stack, second)  # and the third turn gets its go
+        assert (await stack.wait_done(third, timeout=60))["status"] == "completed"
+    finally:
+        for job_id in jobs:
+            await stack.http.post(f"/v1/jobs/{job_id}/cancel")
+        await stack.client.get_workflow_handle(session_wf).terminate("test over")
+
+
+async def gone(stack, workflow_id: str, run_id: str) -> bool:
+    try:
+        await stack.client.get_workflow_handle(workflow_id, run_id=run_id).describe()
+    except RPCError:
+        return True
+    return False

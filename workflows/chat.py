@@ -176,6 +176,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             else:
                 if not checked.running and self.context is None:
                     raise ApplicationError(SESSION_ENDED, type="SessionEnded", non_retryable=True)
+                # The chain is known from now on, for when the run that started this turn is gone (the retention).
+                session = session.model_copy(update={"first_run_id": session.first_run_id or checked.first_run_id})
             every = min(every * 2, SESSION_CHECK_AT_MOST_EVERY)
 
     async def _answer(self, turn: TurnInput) -> TurnResult:
