@@ -55,7 +55,8 @@ class RecentlyAccepted:
     looked up as before."""
 
     def __init__(self, size: int = 10_000) -> None:
-        self._ids: OrderedDict[str, tuple[str | None, datetime]] = OrderedDict()
+        # job id -> (the request's digest, when accepted, the session run that took it)
+        self._ids: OrderedDict[str, tuple[str | None, datetime, str | None]] = OrderedDict()
         self._size = size
         self._claims: dict[str, tuple[asyncio.Lock, int]] = {}
 
@@ -75,8 +76,8 @@ class RecentlyAccepted:
             else:
                 self._claims[job_id] = (lock, users - 1)
 
-    def add(self, job_id: str, request: str | None, accepted_at: datetime) -> None:
-        self._ids[job_id] = (request, accepted_at)
+    def add(self, job_id: str, request: str | None, accepted_at: datetime, session_run: str | None = None) -> None:
+        self._ids[job_id] = (request, accepted_at, session_run)
         if len(self._ids) > self._size:
             self._ids.popitem(last=False)
 
@@ -85,6 +86,10 @@ class RecentlyAccepted:
 
     def accepted_at(self, job_id: str) -> datetime | None:
         return self._ids[job_id][1] if job_id in self._ids else None
+
+    def session_run(self, job_id: str) -> str | None:
+        """The run of its session that took the turn (the one its `submit` signal reached)."""
+        return self._ids[job_id][2] if job_id in self._ids else None
 
     def __contains__(self, job_id: str) -> bool:
         return job_id in self._ids
@@ -275,15 +280,31 @@ async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeo
     return True
 
 
-async def never_started(client: Client, tenant: str, job_id: str,
-                        rpc_timeout: timedelta) -> tuple[str, datetime] | None:
+async def never_started(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta,
+                        accepted_by: str | None = None) -> tuple[str, datetime] | None:
     """Why, and since when, an accepted turn's job will never run: its session's run ended (terminated by
-    hand, README) without starting it. None while the session runs, or when the job exists after all."""
+    hand, README) without starting it. None while the session runs, or when the job exists after all.
+    `accepted_by`: the session run that took the turn, when known (RecentlyAccepted): its session id may
+    have been used again since, a new chain that will not start it."""
     job_id = scoped(tenant, job_id)
-    session = await describe_or_none(client, session_workflow_id(tenant, session_of_turn(job_id)), rpc_timeout)
-    if session is None or session.status in (WorkflowExecutionStatus.RUNNING,
-                                             WorkflowExecutionStatus.CONTINUED_AS_NEW):
+    workflow_id = session_workflow_id(tenant, session_of_turn(job_id))
+    session = await describe_or_none(client, workflow_id, rpc_timeout)
+    if session is None:
         return None
+    if session.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW):
+        if accepted_by is None or session.run_id == accepted_by:
+            return None
+        try:
+            took = await client.get_workflow_handle(workflow_id, run_id=accepted_by).describe(rpc_timeout=rpc_timeout)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        chain = took.raw_description.workflow_execution_info.first_run_id
+        if took.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW) or \
+                not chain or chain == session.raw_description.workflow_execution_info.first_run_id:
+            return None  # its chain runs on (continued as new, or reset by an operator)
+        session = took
     if await exists(client, job_id, rpc_timeout):  # started just before its session's run ended
         return None
     how = session.status.name.lower().replace("canceled", "cancelled").replace("_", " ")
@@ -330,7 +351,8 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
                 at = turn.accepted_at or datetime.now(timezone.utc)  # a turn accepted before the time was kept
             # (A turn this process accepted a moment ago is not looked at: its session ran then.)
             if at is not None and datetime.now(timezone.utc) - at > QUEUED_A_MOMENT and \
-                    (ended := await never_started(client, tenant, job_id, rpc_timeout)) is not None:
+                    (ended := await never_started(client, tenant, job_id, rpc_timeout,
+                                                  accepted.session_run(job_id) if accepted else None)) is not None:
                 return JobView(job_id=job_id, kind="chat", status="failed", created_at=at, updated_at=ended[1],
                                turn=None, steps=[], result=None, error=JobError(message=ended[0], type="SessionEnded"))
             if at is not None:

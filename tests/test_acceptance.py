@@ -408,3 +408,31 @@ async def gone(stack, workflow_id: str, run_id: str) -> bool:
     except RPCError:
         return True
     return False
+
+
+async def test_a_turn_its_terminated_session_never_started_stays_failed_once_the_session_id_is_used_again(
+        temporal_env, scripted_llm, tmp_path):
+    """The session id of a terminated session, used again, is a new session: it will not start the turns
+    the terminated one left without a job. Read on the API process that accepted such a turn, it stays
+    failed (its stream ends with that failure, a reconnect after it gets 204), not queued for ever."""
+    tag = uuid.uuid4().hex[:8]
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False,
+                             task_queue=f"reused-{tag}") as stack:  # no worker: the turns stay queued
+        chat = await stack.chat(f"Anyone at {tag}?", collection=tag)
+        session_wf = session_workflow_id(stack.tenant, chat["session_id"])
+        await stack.client.get_workflow_handle(session_wf).terminate("by hand")
+        await stack.chat(f"Anyone again at {tag}?", session_id=chat["session_id"], collection=tag)
+        try:
+            async def failed() -> dict | None:
+                job = (await stack.http.get(f"/v1/jobs/{chat['job_id']}")).json()
+                return job if job["status"] != "queued" else None
+            job = await eventually(failed, what="the stranded turn no longer queued")
+            assert job["status"] == "failed" and job["error"]["type"] == "SessionEnded", job
+            async with stack.http.stream("GET", f"/v1/jobs/{chat['job_id']}/events") as r:
+                types = [json.loads(line[5:])["type"] async for line in r.aiter_lines() if line.startswith("data:")]
+            assert types == ["ragline.job.failed"]
+            r = await stack.http.get(f"/v1/jobs/{chat['job_id']}/events", headers={"Last-Event-ID": "0"})
+            assert r.status_code == 204, r.text
+        finally:
+            await stack.client.get_workflow_handle(session_wf).terminate("test over")

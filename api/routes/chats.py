@@ -78,7 +78,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                              fallback=bool(settings.fallback_llm_base_url), request=digest,
                              accepted_at=datetime.now(timezone.utc), fairness_weight=caller.fairness_weight)
             starting(request, job_id)
-            await client.start_workflow(
+            session = await client.start_workflow(
                 ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
                 id=session_workflow_id(caller.tenant, session_id),
                 task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
@@ -87,7 +87,7 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                                                          SearchAttributePair(sa.SESSION, session_id),
                                                          SearchAttributePair(sa.TENANT, caller.tenant)]),
                 rpc_timeout=timeout)
-            accepted.add(job_id, digest, turn.accepted_at)
+            accepted.add(job_id, digest, turn.accepted_at, session.result_run_id)
             observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
 

@@ -106,7 +106,8 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
         if not pending:
             raise not_found(asked) from None
     start = _start_offset(last_event_id if last_event_id is not None else last_event_id_query, from_offset)
-    if pending and start > 0 and await never_started(client, caller.tenant, job_id, timeout) is not None:
+    accepted_by = accepted.session_run(job_id)
+    if pending and start > 0 and await never_started(client, caller.tenant, job_id, timeout, accepted_by) is not None:
         return Response(status_code=204)  # its one event was read: an EventSource stops reconnecting
     cooldown = timedelta(seconds=settings.events_poll_cooldown)
     opened = None
@@ -122,7 +123,8 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
         opened = items, first
     guard = request.app.state.guard
     return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending,
-                                      opened, ended=ended, key_valid=lambda: still_valid(guard, caller)),
+                                      opened, ended=ended, key_valid=lambda: still_valid(guard, caller),
+                                      accepted_by=accepted_by),
                                ping=KEEPALIVE_SECONDS)
 
 
@@ -150,7 +152,7 @@ def _key_gone(job_id: str) -> ServerSentEvent:
 
 async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, start: int, timeout: timedelta,
                  cooldown: timedelta, pending: bool, opened: tuple | None = None, *, ended: bool = False,
-                 key_valid: Callable[[], bool]):
+                 key_valid: Callable[[], bool], accepted_by: str | None = None):
     """`opened`: the job's events already followed, and the read of the next one under way. An ended
     job's events are all there to read: a read that takes longer than an RPC may means no worker
     answers, and the client is told to come back rather than held on a silent stream. `key_valid`:
@@ -169,7 +171,7 @@ async def _relay(client: Client, streams: JobStreams, tenant: str, job_id: str, 
             created.cancel()
             await asyncio.gather(created, return_exceptions=True)
         if not created.result():
-            if (ended := await never_started(client, tenant, job_id, timeout)) is not None:
+            if (ended := await never_started(client, tenant, job_id, timeout, accepted_by)) is not None:
                 yield _never_started(job_id, *ended)  # what GET /v1/jobs/{id} says of it
             return
         # Each poll is an Update that waits in the workflow until there is something new (no busy loop
