@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Path, Query, Request
 from fastapi.dependencies.models import Dependant
+from pydantic import BaseModel
 
 from api.errors import ApiError
 from models.chat import SESSION_PATTERN
@@ -64,6 +65,17 @@ def _query_parameters(dependant: Dependant) -> dict[str, bool]:
     return taken
 
 
+def _body_fields(dependant: Dependant) -> dict[str, str]:
+    """The fields a route takes in its body, each with how it is sent ("a form field", "a JSON field")."""
+    fields = {}
+    for field in dependant.body_params:
+        model = field.field_info.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            fields.update({f.alias or name: "a JSON field" for name, f in model.model_fields.items()})
+        else:
+            fields[field.alias] = "a form field"
+    return fields
+
 
 async def known_query_parameters(request: Request) -> None:
     """Strict, as JSON bodies and upload forms are: a misspelt filter (`?stauts=failed`) would otherwise list
@@ -76,6 +88,14 @@ async def known_query_parameters(request: Request) -> None:
         taken = route.ragline_query_parameters = _query_parameters(route.dependant)
     sent = request.query_params
     if unknown := sorted(set(sent.keys()) - set(taken)):
+        body = getattr(route, "ragline_body_fields", None)
+        if body is None:
+            body = route.ragline_body_fields = _body_fields(route.dependant)
+        if misplaced := [name for name in unknown if name in body]:  # `POST /v1/documents?collection=x`
+            raise ApiError(422, "invalid_request", "; ".join(f"{name} goes in the request body ({body[name]}), not "
+                                                             "in the query" for name in misplaced),
+                           problems=[{"field": f"query.{name}", "message": f"send it as {body[name]}"}
+                                     for name in misplaced])
         accepts = f"this route takes {', '.join(sorted(taken))}" if taken else "this route takes none"
         raise ApiError(422, "invalid_request", f"unknown query parameter(s): {', '.join(unknown)}; {accepts}",
                        problems=[{"field": f"query.{name}", "message": "unknown query parameter"} for name in unknown])

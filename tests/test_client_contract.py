@@ -51,6 +51,16 @@ async def test_a_query_parameter_the_route_does_not_take_is_refused_by_name(stac
         {"field": f"query.{name}", "message": "unknown query parameter"}]
 
 
+async def test_a_body_field_sent_in_the_query_is_told_where_it_goes(stack):
+    """`POST /v1/documents?collection=x` would have put the files in `default`: the refusal says where it goes."""
+    r = await stack.http.post("/v1/documents?collection=elsewhere", files={"files": ("a.txt", b"Some text.")})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"] == "collection goes in the request body (a form field), not in the query"
+    r = await stack.http.post("/v1/chats?message=hi", json={"message": "Hello?"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["problems"] == [{"field": "query.message", "message": "send it as a JSON field"}]
+
+
 async def test_a_query_parameter_sent_twice_is_refused_and_one_sent_once_is_taken(stack):
     r = await stack.http.get("/v1/jobs?status=running&status=completed")
     assert r.status_code == 422, r.text

@@ -110,7 +110,7 @@ async def test_a_new_build_takes_new_jobs_and_open_sessions_while_a_pinned_job_f
 
             # On the old build: a document, a session whose turn waits for its review, and an
             # evaluation whose model call is under way when the new build becomes current.
-            r = await stack.http.post("/v1/documents?collection=rollout", files={"files": (
+            r = await stack.http.post("/v1/documents", data={"collection": "rollout"}, files={"files": (
                 "lighthouse.txt", f"The {uid} lighthouse is painted red and white and has 120 steps.".encode())})
             assert r.status_code == 202, r.text
             assert (await stack.wait_job(r.json()["job_id"]))["status"] == "completed"
