@@ -248,10 +248,10 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
         return None
     now = datetime.now(timezone.utc)
     running = await _running_steps(client, desc, now)
-    children = [c.workflow_id for c in desc.raw_description.pending_children][:MAX_CHILDREN_DESCRIBED]
-    for child, steps in zip(children, await asyncio.gather(*(_child_steps(client, c, now, timeout)
-                                                             for c in children))):
-        running += [{"job_id": child, **step} for step in steps]
+    children = list(desc.raw_description.pending_children)[:MAX_CHILDREN_DESCRIBED]
+    for child, steps in zip(children, await asyncio.gather(*(_child_steps(client, c.workflow_id, c.run_id, now,
+                                                                          timeout) for c in children))):
+        running += [{"job_id": child.workflow_id, **step} for step in steps]
     if not running:  # nothing runs (the job waits for a person, or for its turn): the keep-alives suffice
         return None
     return {"specversion": "1.0", "id": f"{job_id}/progress/{int(now.timestamp())}", "source": "ragline/api",
@@ -259,9 +259,10 @@ async def _progress_event(client: Client, job_id: str, timeout: timedelta) -> di
             "datacontenttype": "application/json", "data": {"running": running}}
 
 
-async def _child_steps(client: Client, workflow_id: str, now: datetime, timeout: timedelta) -> list[dict]:
-    try:
-        desc = await client.get_workflow_handle(workflow_id).describe(rpc_timeout=timeout)
+async def _child_steps(client: Client, workflow_id: str, run_id: str, now: datetime,
+                       timeout: timedelta) -> list[dict]:
+    try:  # the run this job started: a later run under the id (a document uploaded again) is not its child
+        desc = await client.get_workflow_handle(workflow_id, run_id=run_id or None).describe(rpc_timeout=timeout)
     except RPCError:  # it ended meanwhile (and was deleted), or the server is busy: progress is a courtesy
         return []
     return await _running_steps(client, desc, now)
