@@ -11,6 +11,7 @@ import pytest
 from ragline import metrics
 from ragline.llm import ChatModel
 from ragline.settings import Settings
+from tests.helpers import eventually
 
 MESSAGES = [{"role": "system", "content": "TASK: answer"}, {"role": "user", "content": "QUESTION: tides?"}]
 
@@ -23,6 +24,10 @@ def recorded(monkeypatch) -> list[dict]:
     return calls
 
 
+async def _received(llm) -> bool:
+    return bool(llm.calls)
+
+
 def _model(llm, tmp_path) -> ChatModel:
     return ChatModel(Settings(data_dir=tmp_path, llm_base_url=llm.base_url, llm_model="scripted", llm_timeout=5))
 
@@ -30,7 +35,7 @@ def _model(llm, tmp_path) -> ChatModel:
 async def test_a_call_cancelled_by_its_job_is_no_model_error(private_llm, recorded, tmp_path):
     private_llm.set_delay(3)
     call = asyncio.create_task(_model(private_llm, tmp_path).complete(MESSAGES, step="generate"))
-    await asyncio.sleep(0.5)
+    await eventually(lambda: _received(private_llm), what="the model has the call")  # under way, not yet answered
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
