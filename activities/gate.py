@@ -7,10 +7,12 @@ import asyncio
 from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from models.tenancy import GateState, JobIds, SlotRequest, workflow_id
 from ragline.keys import KeyRing
+from ragline import tracing
 from ragline.settings import Settings
 from temporal import policies, queues
 from temporal import search_attributes as sa
@@ -37,16 +39,30 @@ class GateActivities:
     @activity.defn
     @translate_errors
     async def acquire_slot(self, req: SlotRequest) -> None:
-        """Ask the tenant's gate for a running slot (signal-with-start: the tenant's first job starts
-        its gate). The answer comes back to the job as the gate's `slot_update` signal."""
+        """Ask the tenant's gate for a running slot; the tenant's first job starts its gate. The answer comes
+        back to the job as the gate's `slot_update` signal."""
         limit = self.limit(req.tenant)
-        await self.client.start_workflow(
-            GATE_WORKFLOW, GateState(tenant=req.tenant, limit=limit), id=gate_id(req.tenant, self.settings.task_queue),
-            task_queue=queues.queue_name(self.settings.task_queue, "main"),
-            start_signal="acquire", start_signal_args=[req.model_copy(update={"limit": limit})],
-            priority=policies.workflow_priority("tenant_gate"),
-            search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "tenant_gate"),
-                                                     SearchAttributePair(sa.TENANT, req.tenant)]))
+        gate = self.client.get_workflow_handle(gate_id(req.tenant, self.settings.task_queue))
+        request = req.model_copy(update={"limit": limit})
+        try:
+            await gate.signal("acquire", request)
+            return
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        # No gate runs: start one, in a trace of its own. A gate serves the tenant's jobs for as long as it
+        # runs (it continues as new): started in this job's trace, every later job's signal would land there.
+        with tracing.own_trace("tenant gate"):
+            try:
+                await self.client.start_workflow(
+                    GATE_WORKFLOW, GateState(tenant=req.tenant, limit=limit), id=gate.id,
+                    task_queue=queues.queue_name(self.settings.task_queue, "main"),
+                    priority=policies.workflow_priority("tenant_gate"),
+                    search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "tenant_gate"),
+                                                             SearchAttributePair(sa.TENANT, req.tenant)]))
+            except WorkflowAlreadyStartedError:
+                pass  # another of the tenant's jobs started it a moment ago
+        await gate.signal("acquire", request)
 
     @activity.defn
     @translate_errors

@@ -117,6 +117,17 @@ def attached(traceparent: str | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
+@contextmanager
+def own_trace(name: str) -> Iterator[None]:
+    """Run the block in a trace of its own whose root span `name` links to the current span. For starting a
+    workflow that outlives the request starting it (a tenant's gate): its run, and every signal it handles
+    for later requests, would otherwise sit in that one request's trace for as long as it runs."""
+    current = trace.get_current_span().get_span_context()
+    links = [trace.Link(current)] if current.is_valid else []
+    with trace.get_tracer(__name__).start_as_current_span(name, context=otel_context.Context(), links=links):
+        yield
+
+
 def add_trace_id(logger, method_name, event_dict):
     """structlog processor: every log line carries the trace id of the span it was written under."""
     if "trace_id" not in event_dict:

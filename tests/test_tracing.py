@@ -4,11 +4,15 @@ every CloudEvent and log line of the job."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import uuid
 
+import httpx
 import structlog
 from opentelemetry.trace import SpanKind, StatusCode
 
+from ragline import keys as api_keys
 from ragline.tracing import add_trace_id
 from tests.helpers import read_events
 from tests.pdfgen import pdf_bytes
@@ -113,6 +117,61 @@ async def test_each_turn_of_a_session_is_the_trace_of_its_own_request(stack, spa
         assert _chain(tree, attempt)[:4] == ["RunActivity:retrieve_context", "StartActivity:retrieve_context",
                                              "StartChildWorkflow:ChatTurnWorkflow", "POST /v1/chats"]
     assert first.headers["x-trace-id"] != second.headers["x-trace-id"]
+
+
+async def test_what_a_tenants_gate_and_a_session_do_for_a_later_job_stays_out_of_the_first_jobs_trace(stack, spans):
+    """A tenant's gate serves every job of the tenant, and a session every turn, for as long as they run. What
+    they do for a later turn is traced in that turn's request (or the gate's own trace), not in the first's:
+    else the first job's trace would grow with every job the tenant ever runs."""
+    tenant = f"traced-{uuid.uuid4().hex[:8]}"  # a tenant of its own: the test starts its gate
+    key = api_keys.create(stack.settings.effective_api_keys_file, tenant, "reviewer", f"{tenant}-reviewer")
+    release = asyncio.Event()
+
+    async def held_back(_request: dict) -> dict:
+        await release.wait()
+        return {"content": "The harbour opens at dawn [1]."}
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"}) as http:
+        tenants = dataclasses.replace(stack, http=http)
+        up = await tenants.upload(("harbour.pdf", pdf_bytes(["The harbour opens at dawn and closes at dusk."])),
+                                  collection="trace-later")
+        upload_trace = (await tenants.wait_done(up["job_id"]))["trace_id"]  # the tenant's first job: starts its gate
+        with stack.llm.scope() as holding:
+            holding.script_fn("answer", held_back)
+            first = await http.post("/v1/chats", json={"message": f"Is the harbour open? {holding.token}",
+                                                        "collection": "trace-later"})
+            assert first.status_code == 202, first.text
+            await holding.wait_for_calls(1, "answer", timeout=60)
+            # Accepted while the first turn runs: the session gives it its go by a signal once the first ends.
+            second = await http.post("/v1/chats", json={"message": "And tomorrow?", "collection": "trace-later",
+                                                         "session_id": first.json()["session_id"]})
+            assert second.status_code == 202, second.text
+            release.set()
+            for r in (first, second):
+                job = await tenants.wait_done(r.json()["job_id"])
+                assert job["status"] == "completed", job
+    first_trace, second_trace = first.headers["x-trace-id"], second.headers["x-trace-id"]
+    first_tree, second_tree = _trace(spans, first_trace), _trace(spans, second_trace)
+
+    def linked_to(span, trace_id: str) -> bool:
+        return any(format(link.context.trace_id, "032x") == trace_id for link in span.links)
+
+    # The session runs in its first request's trace: its handler of a later turn's submit is there (a span
+    # linked to the later turn's trace, the interceptor's way for a signal). What it sends for that turn is not.
+    assert [s.name for s in first_tree.values() if linked_to(s, second_trace)] == ["HandleSignal:submit"]
+    gate_spans = {"RunWorkflow:TenantGateWorkflow", "HandleSignal:acquire", "SignalExternalWorkflow:slot_update"}
+    for tree in (_trace(spans, upload_trace), first_tree):
+        assert not gate_spans & {s.name for s in tree.values()}, sorted(s.name for s in tree.values())
+    for tree in (first_tree, second_tree):  # each turn asked the gate, in its own trace
+        _one(tree, "SignalWorkflow:acquire", SpanKind.CLIENT)
+    proceed = _one(second_tree, "SignalChildWorkflow:proceed")
+    assert "POST /v1/chats" in _chain(second_tree, proceed)
+    # The gate runs in a trace of its own, linked to the job that started it; it links each ask to its job.
+    [gate_root] = [s for s in spans.get_finished_spans() if s.name == "tenant gate" and linked_to(s, upload_trace)]
+    gate_tree = _trace(spans, format(gate_root.context.trace_id, "032x"))
+    _one(gate_tree, "RunWorkflow:TenantGateWorkflow")
+    assert [s for s in gate_tree.values() if s.name == "HandleSignal:acquire" and linked_to(s, second_trace)]
 
 
 async def test_a_job_of_a_tenant_named_like_a_scrape_path_is_traced_too(spans):

@@ -517,7 +517,12 @@ class ChatSessionWorkflow:
             self.turns_this_run += 1
 
     async def _run_turn(self, head: TurnInput) -> str | None:
-        """Give the turn its go and wait for it; the answer, or None when the turn failed."""
+        """Give the turn its go and wait for it; the answer, or None when the turn failed. What the session
+        sends for the turn (its go, a follow-up's wait) is traced in the turn's request, not the session's first."""
+        with tracing.attached(head.traceparent):
+            return await self._run_turn_traced(head)
+
+    async def _run_turn_traced(self, head: TurnInput) -> str | None:
         context = TurnContext(history=self.state.history[-HISTORY_TURNS:])
         start = self.starts.pop(head.job_id, None)
         child = await start if start is not None else None
