@@ -9,10 +9,15 @@ workflow code (README: "Running on a cluster"); never to make a failing replay p
 Scenarios: an ingestion (two documents: the batch and its children), a document removed, a chat session
 with several turns that continues as new, an agent tree whose depth guard waits for a review that approves
 it (with an extension), two sub-agents of which a rejection of one stops the other, an agent whose broken
-tool call gets a corrective plan, a turn whose passages overflow the model's context (the
-summary first), a chat turn dead-lettered by a failing model and retried by an operator, a held answer whose
-summary is discarded while its review waits, an evaluation, a search, a blob sweep, and a tenant
-capped at one running job whose second turn waits for its slot (the gate's history too).
+tool call gets a corrective plan, an agent tree whose depth guard's review is revised (it extends too), an
+agent whose plan names one sub-goal twice and then again once answered, a turn whose passages overflow the
+model's context (the summary first), a follow-up whose job waits for its go while the turn before it waits
+for a reviewer (looking whether its session still runs meanwhile), a chat turn dead-lettered by a failing
+model and retried by an operator, a held answer whose summary is discarded while its review waits, one
+whose reviewer rejects it while its summary is parked, a turn that fails after its answer was shown (its
+summary discarded), a held refusal, an answer cut as it looped, a reply of markers only, an evaluation, a
+search, a blob sweep, and a tenant capped at one running job whose second turn waits for its slot (the
+gate's history too).
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
@@ -27,6 +32,7 @@ import uuid
 from pathlib import Path
 
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from devtools.devserver import dynamic_config_flags, temporal_binary
@@ -36,7 +42,8 @@ from models.chat import SessionState, session_workflow_id
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
-from tests.helpers import delegate_until, read_events, two_sub_agents_that_delegate_deeper, waiting_reviews
+from tests.helpers import (delegate_until, eventually, fresh_plan, plan_depth, read_events,
+                           two_sub_agents_that_delegate_deeper, waiting_reviews)
 from workflows.chat import ChatSessionWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
@@ -68,6 +75,19 @@ async def _wait(stack, job_id: str, headers: dict) -> None:
             return
         await asyncio.sleep(0.1)
     raise AssertionError(f"{job_id} did not complete: {r.json()}")
+
+
+async def _session_looks(client, job_id: str, count: int) -> bool:
+    """Whether the waiting turn `job_id` has scheduled `count` looks at its session (session_still_runs)."""
+    looks = 0
+    try:
+        async for event in client.get_workflow_handle(job_id).fetch_history_events():
+            if event.HasField("activity_task_scheduled_event_attributes") and \
+                    event.activity_task_scheduled_event_attributes.activity_type.name == "session_still_runs":
+                looks += 1
+    except RPCError:
+        return False  # the session has not started its job yet
+    return looks >= count
 
 
 async def record() -> list[Path]:
@@ -141,6 +161,28 @@ async def record() -> list[Path]:
             await asyncio.sleep(1)
             saved += await _save(client, "chat-review", f"WorkflowId = '{reviewed_id}'")
 
+            # A follow-up sent while the turn before it waits for a reviewer: the session starts its job, which
+            # waits for its go and looks now and then whether the session still runs (session_still_runs,
+            # every 1 s at first in fast_policies.toml); released, the turn before gives it the go.
+            session = f"go-{uuid.uuid4().hex[:6]}"
+            r = await stack.http.post("/v1/chats", json={"message": "Question: when are the lamps lit?",
+                                                         "session_id": session, "collection": "record",
+                                                         "require_review": True})
+            held_id = r.json()["job_id"]
+            await waiting_reviews(stack, held_id)
+            follow_up = (await stack.chat("And who lights them?", session_id=session, collection="record"))["job_id"]
+            await eventually(lambda: _session_looks(client, follow_up, 2), timeout=60, every=0.5,
+                             what="the follow-up looked at its session (one look ended, the next scheduled)")
+            assert (await stack.http.get(f"/v1/jobs/{follow_up}")).json()["status"] == "queued"
+            await stack.http.post(f"/v1/jobs/{held_id}/review", json={"decision": "approve", "reviewer": "rec"})
+            for job_id in (held_id, follow_up):
+                assert (await stack.wait_done(job_id))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "follow-up-waits-for-go", f"WorkflowId = '{follow_up}'")
+            saved += await _save(client, "follow-up-waits-for-go",
+                                 f"WorkflowId = '{session_workflow_id(stack.tenant, session)}'")
+            saved += await _save(client, "follow-up-held-turn", f"WorkflowId = '{held_id}'")
+
             # An agent tree: the depth guard waits for a review, which approves one level more.
             stack.llm.script_fn("agent", delegate_until(leaf_depth=2))
             r = await stack.http.post("/v1/agents", json={"goal": "Map the harbour records", "collection": "record",
@@ -174,6 +216,40 @@ async def record() -> list[Path]:
             assert (await stack.wait_done(replanned))["status"] == "completed"
             await asyncio.sleep(1)
             saved += await _save(client, "agent-replan", f"WorkflowId = '{replanned}'")
+
+            # The depth guard's review revised (with instructions) rather than approved: it extends as well.
+            stack.llm.script_fn("agent", delegate_until(leaf_depth=2))
+            r = await stack.http.post("/v1/agents", json={"goal": "List the harbour's ships", "collection": "record",
+                                                          "max_depth": 1})
+            revised = r.json()["job_id"]
+            [review] = await waiting_reviews(stack, revised)
+            r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review", json={
+                "decision": "revise", "reviewer": "rec", "instructions": "Keep to the harbour records.",
+                "extra_depth": 1})
+            assert r.status_code == 200, r.text
+            assert (await stack.wait_done(revised))["status"] == "completed"
+            stack.llm.script_fn("agent", None)
+            await asyncio.sleep(1)
+            saved += await _save(client, "agent-revise", f"WorkflowId STARTS_WITH '{revised}'")
+
+            # A plan that names one sub-goal twice (one sub-agent runs), then names it again once answered
+            # (told so, not delegated again).
+            def twice_then_again(body: dict) -> dict:
+                goal = "Count the ships at the piers"
+                if plan_depth(body) == 0 and fresh_plan(body):
+                    return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": goal}},
+                                           {"name": "delegate", "arguments": {"subgoal": goal}}]}
+                if plan_depth(body) == 0 and "already answered" not in body["messages"][-1]["content"]:
+                    return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": goal}}]}
+                return {"tool_calls": [{"name": "finish", "arguments": {"answer": "Two ships."}}]}
+            stack.llm.script_fn("agent", twice_then_again)
+            r = await stack.http.post("/v1/agents", json={"goal": "How many ships are in the harbour?",
+                                                          "collection": "record", "max_depth": 1})
+            counted = r.json()["job_id"]
+            assert (await stack.wait_done(counted))["status"] == "completed"
+            stack.llm.script_fn("agent", None)
+            await asyncio.sleep(1)
+            saved += await _save(client, "agent-same-sub-goal", f"WorkflowId STARTS_WITH '{counted}'")
 
             # A watched turn whose passages overflow the model's context: the summary runs first, its steps
             # shown while it runs.
@@ -211,6 +287,54 @@ async def record() -> list[Path]:
             assert (await stack.wait_done(held_id))["status"] == "failed"
             await asyncio.sleep(1)
             saved += await _save(client, "chat-review-discarded", f"WorkflowId = '{held_id}'")
+
+            # A held answer whose summary parks while the review waits, and which the reviewer rejects: the
+            # parked summary is stopped (no longer listed as parked).
+            stack.llm.script("summarize", ["503"] * ATTEMPTS)
+            held = await stack.http.post("/v1/chats", json={
+                "message": "Question: who logs the ships?", "collection": "record", "require_review": True})
+            held_id = held.json()["job_id"]
+            assert (await stack.wait_job(held_id, until=("dead_lettered",)))["status"] == "dead_lettered"
+            await waiting_reviews(stack, held_id)
+            r = await stack.http.post(f"/v1/jobs/{held_id}/review", json={"decision": "reject", "reviewer": "rec"})
+            assert r.status_code == 200, r.text
+            await stack.wait_done(held_id)
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-review-rejected-parked", f"WorkflowId = '{held_id}'")
+
+            # A turn whose answer was shown and whose summary then failed for good (parked, discarded): the
+            # turn fails, and its session keeps the shown answer in its history.
+            stack.llm.script("summarize", ["503"] * ATTEMPTS)
+            shown = await stack.chat("Question: what do the keepers log?", collection="record")
+            assert (await stack.wait_job(shown["job_id"], until=("dead_lettered",)))["status"] == "dead_lettered"
+            await stack.http.post(f"/v1/jobs/{shown['job_id']}/discard", json={"operator": "rec", "reason": "down"})
+            assert (await stack.wait_done(shown["job_id"]))["status"] == "failed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-failed-after-answer", f"WorkflowId = '{shown['job_id']}'")
+            saved += await _save(client, "chat-failed-after-answer",
+                                 f"WorkflowId = '{session_workflow_id(stack.tenant, shown['session_id'])}'")
+
+            # A held turn whose collection holds no document: the refusal waits for the reviewer (not cached).
+            r = await stack.http.post("/v1/chats", json={"message": "Question: when are the lamps lit?",
+                                                         "collection": "record-empty", "require_review": True})
+            refused = r.json()["job_id"]
+            await waiting_reviews(stack, refused)
+            await stack.http.post(f"/v1/jobs/{refused}/review", json={"decision": "approve", "reviewer": "rec"})
+            assert (await stack.wait_done(refused))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-held-refusal", f"WorkflowId = '{refused}'")
+
+            # A grounded answer that loops, cut by the stream (warned: not cached); a reply of markers only (no
+            # answer, not called unverified).
+            loop = "The lighthouse of Ostra is painted red, and its keeper lights it at dusk [1]. " * 12
+            stack.llm.script("answer", ["The lighthouse is red [1]. " + loop, "[1] [2]"])
+            looped = await stack.chat("Question: what colour is the lighthouse of Ostra?", collection="record")
+            assert (await stack.wait_job(looped["job_id"]))["status"] == "completed"
+            wordless = await stack.chat("Question: how many piers has the harbour?", collection="record")
+            assert (await stack.wait_job(wordless["job_id"]))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-answer-looped", f"WorkflowId = '{looped['job_id']}'")
+            saved += await _save(client, "chat-no-answer", f"WorkflowId = '{wordless['job_id']}'")
 
             # An evaluation of the collection against two golden questions.
             golden = (b'{"question": "What colour is the lighthouse?", "expected_document": "a.txt"}\n'

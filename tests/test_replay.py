@@ -54,7 +54,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     types = {p.stem.split("--")[1] for p in FILES}
     assert types == {cls.__name__ for cls in worker.WORKFLOWS}
     scenarios = {p.stem.split("--")[0] for p in FILES}
-    assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry", "running-slots"}
+    assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry", "running-slots",
+                         "follow-up-waits-for-go"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -64,6 +65,9 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert "\"follow_up_waits\"" in first_turn and "\"turn_answered\"" in first_turn
     agents = "".join(p.read_text() for p in FILES if p.stem.startswith("agent-review--"))
     assert '"review"' in agents  # the review update reached the tree
+    # A follow-up waiting for its go behind a held turn looked whether its session still runs, then went on.
+    waited = next(p for p in FILES if p.stem.startswith("follow-up-waits-for-go--ChatTurnWorkflow")).read_text()
+    assert '"session_still_runs"' in waited and "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED" in waited
     parked = next(p for p in FILES if p.stem.startswith("dead-letter-retry--")).read_text()
     assert '"retry"' in parked
 
