@@ -160,7 +160,16 @@ async def list_page(client: Client, cursors: CursorSigner, query: str, limit: in
             raise invalid_cursor() from None
         raise
     token = pages.next_page_token
+    if token and not await _more_after(client, query, token, rpc_timeout):
+        token = None  # the page ended the listing exactly: no cursor to an empty page
     return _latest_runs(pages.current_page or []), cursors.encode(query, token) if token else None
+
+
+async def _more_after(client: Client, query: str, token: bytes, rpc_timeout: timedelta) -> bool:
+    """Whether anything is listed after `token`: a store hands one over with every full page, the last too."""
+    peek = client.list_workflows(query, page_size=1, next_page_token=token, rpc_timeout=rpc_timeout)
+    await peek.fetch_next_page()
+    return bool(peek.current_page)
 
 
 # Reads a listing makes per job (a result, a failure, a query a worker answers), at most this many at once:

@@ -84,6 +84,34 @@ async def test_documents_and_jobs_page_through_with_a_cursor(stack):
     assert all(j.startswith(f"{stack.tenant}.") for j in jobs)
 
 
+async def test_the_last_page_has_no_cursor_even_when_it_is_full(stack):
+    """A listing that ends exactly at a page's end says so (next_cursor null), not with a cursor to an
+    empty page."""
+    collection = f"full-{uuid.uuid4().hex[:6]}"
+    body = await stack.upload(*[(f"buoy-{i}.txt", f"Buoy {i} marks the channel.".encode()) for i in range(2)],
+                              collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+
+    async def listed(limit: int, cursor: str | None = None) -> dict | None:
+        r = await stack.http.get("/v1/documents", params={"collection": collection, "limit": limit,
+                                                          **({"cursor": cursor} if cursor else {})})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def both_listed() -> dict | None:
+        page = await listed(2)
+        return page if len(page["documents"]) == 2 else None
+
+    whole = await eventually(both_listed, what="both documents listed")
+    assert whole["next_cursor"] is None, whole
+    first = await listed(1)
+    assert len(first["documents"]) == 1 and first["next_cursor"], first
+    last = await listed(1, first["next_cursor"])
+    assert len(last["documents"]) == 1 and last["next_cursor"] is None, last
+    assert {d["document_id"] for d in first["documents"] + last["documents"]} == \
+        {d["document_id"] for d in whole["documents"]}
+
+
 def _unbase64(cursor: str) -> bytes:
     return base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
 
