@@ -388,7 +388,8 @@ async def main(argv: list[str] | None = None) -> int:
         except RPCError as exc:  # e.g. a namespace where this key may not manage schedules: jobs still run
             log.warning("cannot keep the blob sweep's schedule: run `python -m ragline.blob_sweep` instead",
                         error=str(exc))
-    poller = asyncio.create_task(ServerStatsPoller(client, settings, runtime).run()) if address else None
+    reads_stats = address and ServerStatsPoller.wanted(role)
+    poller = asyncio.create_task(ServerStatsPoller(client, settings, runtime).run()) if reads_stats else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -107,6 +107,13 @@ class ServerStatsPoller:
         for step, seconds in {**metrics.DEFAULT_STEP_SLA_SECONDS, **settings.step_sla}.items():
             sla.set(float(seconds), {"activity_type": step})
 
+    @staticmethod
+    def wanted(role: str) -> bool:
+        """The statistics are the deployment's, the same whoever asks: the processes that run workflows read
+        them (a deployment has a few), not every activity worker besides (a fleet of llm workers would each
+        ask the server 7 times a poll, visibility counts included)."""
+        return "main" in queues.ROLES[role]
+
     def queues(self) -> Iterable[str]:
         return [queues.queue_name(self.settings.task_queue, kind) for kind in queues.QUEUE_KINDS]
 

@@ -20,6 +20,7 @@ from ragline.settings import Settings
 from ragline.vectorstore import open_index
 from temporal import policies, queues
 from temporal.client import connect, connect_options
+from temporal.telemetry import ServerStatsPoller
 from tests.conftest import FIXTURES
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
@@ -178,6 +179,9 @@ async def test_role_workers_poll_their_own_queues_with_their_own_slots(temporal_
     [main] = configs["workflows"]
     assert "SearchWorkflow" not in {w.__name__ for w in main["workflows"]} and len(main["workflows"]) == 9
     assert main["activity_task_poller_behavior"].maximum == 4
+    # The server's statistics (backlog, reviews and dead letters waiting) are read by the roles running
+    # the jobs' workflows only: a fleet of activity workers would ask the same over and over.
+    assert [role for role in queues.ROLES if ServerStatsPoller.wanted(role)] == ["all", "workflows"]
 
 
 def test_resource_based_slots_for_the_cpu_role(tmp_path):
