@@ -971,6 +971,45 @@ async def test_an_answer_shown_before_its_turn_failed_is_in_the_next_turns_histo
     assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
 
 
+@dataclass
+class FirstTurnsSummaryRunsOn(Fakes):
+    """The first question's summary runs until it is cancelled (heartbeating, as the model steps do)."""
+
+    @activity.defn(name="summarize_context")
+    async def summarize_context(self, req: ContextInput) -> SummaryOutput:
+        if not req.question.startswith("First"):
+            return await super().summarize_context(req)
+        self._start("summarize_context", req)
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("sent", ["while the first turn runs", "once it was cancelled"])
+async def test_an_answer_shown_before_its_turn_was_cancelled_is_in_the_next_turns_history(env, sent):
+    """The person saw the first answer, then cancelled its turn while the summary ran: the next question is
+    asked with that answer, whether it was sent before the cancel (it asked for the answer as soon as it was
+    shown) or after (the cancelled turn told its session on its way out)."""
+    fakes = FirstTurnsSummaryRunsOn(side_step_seconds=0)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        handle = await start_session(env, queue, first)
+        if sent == "while the first turn runs":
+            await handle.signal(ChatSessionWorkflow.submit, second)
+        await eventually(lambda: _asyncify(fakes.named("summarize_context")), timeout=20, what="the first summary")
+        await env.client.get_workflow_handle(first.job_id).cancel()
+        with pytest.raises(WorkflowFailureError) as ended:
+            await turn_result(env, first.job_id)
+        assert isinstance(ended.value.cause, CancelledError), ended.value.cause
+        if sent == "once it was cancelled":
+            await handle.signal(ChatSessionWorkflow.submit, second)
+        await turn_result(env, second.job_id)
+        await handle.terminate("test over")
+    asked = next(c.arg for c in fakes.named("generate_answer") if c.arg.question == "Second question?")
+    assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
+
+
 # -- the tenant gate (running slots) ------------------------------------------------------------------
 
 async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended_jobs(env):

@@ -95,6 +95,11 @@ FAILED_TURN_ANSWER_PATCH = "failed-turn-shown-answer-in-history"
 # A turn waiting for its session's go checks now and then that the session still runs: one terminated by hand
 # gives no go, and the turn failed (SessionEnded) instead of waiting for ever. Earlier turns waited.
 GO_WATCHES_SESSION_PATCH = "turn-waiting-for-its-go-watches-its-session"
+# A turn cancelled once its answer was shown (during its summary and entities) tells its session that answer,
+# which the next turn is asked with. Earlier turns told it only when a later turn had asked; otherwise the
+# session saw a cancelled job and dropped the answer from the history. Both workflow types check it (the turn
+# before it tells, the session before it reads what it was told at the turn's end): retire it in both together.
+CANCELLED_TURN_ANSWER_PATCH = "cancelled-turn-tells-its-shown-answer"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -123,6 +128,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         self.reviews.revise_needs_answer = True  # a chat turn is revised by giving the text to release
         self._follow_up_waits = False
         self._final_answer: str | None = None
+        self._session_told = False  # the session has this turn's final answer
+        self._turn: TurnInput | None = None
         self._shown: dict | None = None  # `ragline.answer.completed`'s data, once emitted
 
     @workflow.signal
@@ -136,6 +143,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
     @workflow.run
     async def run(self, turn: TurnInput) -> TurnResult:
+        self._turn = turn
         return await self.run_job(lambda: self._answer(turn),
                                   accepted={"session_id": turn.session_id, "turn": turn.turn},
                                   ready=lambda: self._go(turn))
@@ -362,6 +370,10 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             return
         # Read by a later turn's `waiting_for`: this one holds nothing any more.
         workflow.upsert_memo({ANSWERED_MEMO: True})
+        await self._send_session_the_answer(turn)
+
+    async def _send_session_the_answer(self, turn: TurnInput) -> None:
+        self._session_told = True
         session = workflow.get_external_workflow_handle(session_workflow_id(turn.tenant, turn.session_id))
         try:
             await session.signal(ChatSessionWorkflow.turn_answered,
@@ -369,6 +381,13 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                               answer=(self._final_answer or "")[:HISTORY_ANSWER_CHARS]))
         except FailureError:
             pass  # the session has moved on: it read the answer from this job's end
+
+    async def _cancelled(self) -> None:
+        await super()._cancelled()
+        # The person saw the answer: the next question of the session is asked with it. A cancel carries no
+        # details for the session to read it from, so it is told before the job ends.
+        if self._final_answer and not self._session_told and workflow.patched(CANCELLED_TURN_ANSWER_PATCH):
+            await self._send_session_the_answer(self._turn)
 
     @staticmethod
     def _gave_no_answer(answer: GenerateOutput) -> bool:
@@ -541,7 +560,14 @@ class ChatSessionWorkflow:
         except FailureError:
             pass  # it has ended already; its outcome is all that is left to read
         outcome = await policies.execute(JobActivities.await_turn, AwaitTurnInput(workflow_id=head.job_id))
-        return outcome.answer
+        return self._told_at_the_end(head, outcome.answer)
+
+    def _told_at_the_end(self, head: TurnInput, outcome: str | None) -> str | None:
+        """The turn's answer from its end, or, when the end had none to carry (a cancel), what it told."""
+        told = self.answered.pop(head.job_id, None)
+        if outcome is None and told and workflow.patched(CANCELLED_TURN_ANSWER_PATCH):
+            return told
+        return outcome
 
     async def _answer_of(self, head: TurnInput, child: workflow.ChildWorkflowHandle) -> str | None:
         """The turn's answer as soon as it is final, if a later turn waits for it (the job is asked, then tells
@@ -553,8 +579,7 @@ class ChatSessionWorkflow:
             await workflow.wait_condition(
                 lambda: outcome.done() or head.job_id in self.answered or (not asked and len(self.queue) > 1))
             if outcome.done():
-                self.answered.pop(head.job_id, None)
-                return outcome.result()
+                return self._told_at_the_end(head, outcome.result())
             if head.job_id in self.answered:
                 return self.answered.pop(head.job_id) or None  # "": no answer, nothing for history
             asked = True
