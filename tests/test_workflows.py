@@ -950,27 +950,6 @@ class FirstTurnsEntitiesFail(Fakes):
         return EntitiesOutput(entities=[], usage=Usage())
 
 
-@pytest.mark.parametrize("sent", ["while the first turn runs", "once it has failed"])
-async def test_an_answer_shown_before_its_turn_failed_is_in_the_next_turns_history(env, sent):
-    """Whether the next question was sent before the first turn failed (it then asked for the answer as soon
-    as it was shown) or after, the answer the person saw is the history it is asked in."""
-    fakes = FirstTurnsEntitiesFail(side_step_seconds=0.5)
-    session = f"s-{uuid.uuid4().hex[:8]}"
-    first, second = turn(session, "First question?"), turn(session, "Second question?")
-    async with fake_worker(env, fakes) as queue:
-        handle = await start_session(env, queue, first)
-        if sent == "while the first turn runs":
-            await handle.signal(ChatSessionWorkflow.submit, second)
-        with pytest.raises(WorkflowFailureError):
-            await turn_result(env, first.job_id)
-        if sent == "once it has failed":
-            await handle.signal(ChatSessionWorkflow.submit, second)
-        await turn_result(env, second.job_id)
-        await handle.terminate("test over")
-    asked = next(c.arg for c in fakes.named("generate_answer") if c.arg.question == "Second question?")
-    assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
-
-
 @dataclass
 class FirstTurnsSummaryRunsOn(Fakes):
     """The first question's summary runs until it is cancelled (heartbeating, as the model steps do)."""
@@ -985,24 +964,27 @@ class FirstTurnsSummaryRunsOn(Fakes):
             await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("sent", ["while the first turn runs", "once it was cancelled"])
-async def test_an_answer_shown_before_its_turn_was_cancelled_is_in_the_next_turns_history(env, sent):
-    """The person saw the first answer, then cancelled its turn while the summary ran: the next question is
-    asked with that answer, whether it was sent before the cancel (it asked for the answer as soon as it was
-    shown) or after (the cancelled turn told its session on its way out)."""
-    fakes = FirstTurnsSummaryRunsOn(side_step_seconds=0)
+@pytest.mark.parametrize("ends", ["fails", "is cancelled"])
+@pytest.mark.parametrize("sent", ["while the first turn runs", "once it has ended"])
+async def test_an_answer_shown_before_its_turn_ended_is_in_the_next_turns_history(env, ends, sent):
+    """The first turn shows its answer, then fails (its entities fail for good) or is cancelled by the person
+    while its summary runs. Whether the next question was sent before (it then asked for the answer as soon as
+    it was shown) or after (the failure carries the answer; a cancelled turn tells its session on its way out),
+    the answer the person saw is the history it is asked in."""
+    fakes = FirstTurnsEntitiesFail(side_step_seconds=0.5) if ends == "fails" else FirstTurnsSummaryRunsOn()
     session = f"s-{uuid.uuid4().hex[:8]}"
     first, second = turn(session, "First question?"), turn(session, "Second question?")
     async with fake_worker(env, fakes) as queue:
         handle = await start_session(env, queue, first)
         if sent == "while the first turn runs":
             await handle.signal(ChatSessionWorkflow.submit, second)
-        await eventually(lambda: _asyncify(fakes.named("summarize_context")), timeout=20, what="the first summary")
-        await env.client.get_workflow_handle(first.job_id).cancel()
+        if ends == "is cancelled":
+            await eventually(lambda: _asyncify(fakes.named("summarize_context")), timeout=20, what="the summary")
+            await env.client.get_workflow_handle(first.job_id).cancel()
         with pytest.raises(WorkflowFailureError) as ended:
             await turn_result(env, first.job_id)
-        assert isinstance(ended.value.cause, CancelledError), ended.value.cause
-        if sent == "once it was cancelled":
+        assert isinstance(ended.value.cause, CancelledError) == (ends == "is cancelled"), ended.value.cause
+        if sent == "once it has ended":
             await handle.signal(ChatSessionWorkflow.submit, second)
         await turn_result(env, second.job_id)
         await handle.terminate("test over")
