@@ -11,8 +11,8 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from models.tenancy import GateState, JobIds, SlotRequest, workflow_id
-from ragline.keys import KeyRing
 from ragline import tracing
+from ragline.keys import KeyRing
 from ragline.settings import Settings
 from temporal import policies, queues
 from temporal import search_attributes as sa
