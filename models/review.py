@@ -62,9 +62,12 @@ class RejectedInput(BaseModel):
     at: datetime
 
     def shown_to_all(self, withheld: list[str]) -> RejectedInput:
-        """Without what only reviewers may read (a reviewer's revised answer, sent malformed)."""
-        if not withheld or not isinstance(self.payload, dict):
+        """Without what only reviewers may read (a reviewer's revised answer, sent malformed). A payload that is
+        not an object (a decision quoted once too often arrives as a string) may hold it anywhere: none of it."""
+        if not withheld:
             return self
+        if not isinstance(self.payload, dict):
+            return self.model_copy(update={"payload": None})
         return self.model_copy(update={"payload": without(self.payload, withheld)})
 
 

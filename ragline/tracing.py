@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import CarrierT, Getter, default_getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _configured = False
@@ -56,7 +57,30 @@ def configure(service_name: str = "ragline", exporter=None) -> None:
     else:
         provider = TracerProvider(resource=resource, sampler=ALWAYS_OFF)
     trace.set_tracer_provider(provider)
+    propagate.set_global_textmap(TraceParentOnly())
     HTTPXClientInstrumentor().instrument()
+
+
+class _Without(Getter):
+    """A carrier's fields, but for `hidden`."""
+
+    def __init__(self, getter: Getter, *hidden: str) -> None:
+        self._getter, self._hidden = getter, hidden
+
+    def get(self, carrier, key: str) -> list[str] | None:  # noqa: ANN001
+        return None if key.lower() in self._hidden else self._getter.get(carrier, key)
+
+    def keys(self, carrier) -> list[str]:  # noqa: ANN001
+        return [k for k in self._getter.keys(carrier) if k.lower() not in self._hidden]
+
+
+class TraceParentOnly(TraceContextTextMapPropagator):
+    """What a request's headers (and a model call's) carry of the trace: its `traceparent` alone. A caller's
+    `baggage` and `tracestate` are free text, which would ride in every job's Temporal header (`_tracer-data`,
+    which the codec does not encrypt) and in every activity's after it, and go on to the model's server."""
+
+    def extract(self, carrier: CarrierT, context=None, getter: Getter = default_getter):  # noqa: ANN001, ANN201
+        return super().extract(carrier, context, _Without(getter, "tracestate"))
 
 
 # FastAPI traces every request natively too (and every dependency, with no path excluded): the

@@ -564,6 +564,32 @@ async def test_a_reviewers_malformed_revision_of_a_held_answer_stays_with_review
     assert secret not in json.dumps(events, ensure_ascii=False)
 
 
+async def test_a_held_answers_revision_sent_as_a_json_string_stays_with_reviewers(stack):
+    """A revision quoted once too often (`--input '"{\\"decision\\": ...}"'`) reaches the job as a string, not an
+    object: no key can be left out of it, so a member key reads none of it, in the review and in the events."""
+    seed = await stack.upload(TIDES, collection="reviewed-string-signal")
+    await stack.wait_job(seed["job_id"])
+    with stack.llm.scope() as llm:
+        job_id, _ = await _held_answer(stack, llm, "When is high tide at Vell?", "reviewed-string-signal")
+    secret = "High tide at Vell is at noon, says the harbour master [1]."
+    await _cli(stack, "workflow", "signal", "-w", job_id, "--name", "review", "--input",
+               json.dumps(json.dumps({"decision": "revise", "reviewer": "dee", "answer": secret})))
+
+    async def rejected(http) -> list[dict]:  # noqa: ANN001
+        reviews = [r for r in (await http.get("/v1/reviews")).json()["reviews"] if r["job_id"] == job_id]
+        return reviews[0]["rejected_inputs"] if reviews else []
+    [as_reviewer] = await eventually(lambda: rejected(stack.http), timeout=10, what="the bad signal recorded")
+    assert secret in as_reviewer["payload"]
+    [as_member] = await rejected(stack.member_http)
+    assert secret not in json.dumps(as_member) and as_member["error"] == as_reviewer["error"]
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "dee"})
+    assert r.status_code == 200, r.text
+    await stack.wait_done(job_id)
+    events = await read_events(stack, job_id)  # what every key of the tenant reads
+    assert [e for _, e in events if e["type"] == "ragline.review.rejected_input"]
+    assert secret not in json.dumps(events, ensure_ascii=False)
+
+
 async def test_two_reviewers_deciding_at_once_get_one_decision_taken_and_one_refused(stack):
     """Two decisions sent at the same moment may reach the job in one workflow task: the first is taken,
     the second refused (409), never both acknowledged with one silently dropped."""

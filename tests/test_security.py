@@ -953,6 +953,23 @@ async def test_failure_messages_are_encrypted_and_the_api_shows_them(stack):
     assert await failure_message(stack.client, ended) == f"answer rejected by editor: {comment}"
 
 
+async def test_a_callers_baggage_and_tracestate_stay_out_of_temporal(stack):
+    """The tracing header of a job's history is not encrypted: it carries the request's trace, and nothing a
+    caller adds to it (W3C `baggage` and `tracestate` are free text, an OpenTelemetry client's user id say)."""
+    tag = uuid.uuid4().hex[:8]
+    r = await stack.http.post("/v1/chats", json={"message": "Who counts the herds?", "collection": f"bag-{tag}"},
+                              headers={"baggage": f"user.email=ana-{tag}@example.com", "tracestate": f"vendor=t{tag}"})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    job = await stack.wait_job(body["job_id"])
+    assert job["status"] == "completed" and job["trace_id"], job
+    raw, _ = await raw_temporal_records(stack.client, body["job_id"],
+                                        session_workflow_id(stack.tenant, body["session_id"]))
+    assert job["trace_id"].encode() in raw  # the request's trace goes on in the job
+    carried = tag.encode() in raw.replace(f"bag-{tag}".encode(), b"")  # the collection is a search attribute
+    assert not carried, "a caller's baggage or tracestate is in the job's history, unencrypted"
+
+
 async def test_codec_endpoint_contract_cors_and_roles(stack, spans):
     origin = f"http://127.0.0.1:{stack.settings.temporal_ui_port}"
     payload = {"metadata": {"encoding": base64.b64encode(b"json/plain").decode()},
