@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "`X-API-Key`) and sees only its tenant's documents and jobs.")
     app.state.guard = guard
     app.state.accepted = RecentlyAccepted()
-    app.state.streams = JobStreams()
+    app.state.streams = JobStreams(settings.max_streams_per_key)
     app.state.temporal_health = health.SharedCheck(settings.healthz_cache_seconds)
     errors.install(app)
     for router in (documents.router, chats.router, agents.router, evaluations.router, jobs.router,

@@ -8,6 +8,7 @@ Here the first client of a job starts its subscription and the others read what 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -62,10 +63,27 @@ class _Shared:
 
 
 class JobStreams:
-    """The shared subscriptions of one API process (app.state.streams)."""
+    """The shared subscriptions of one API process (app.state.streams), and the streams each key holds open."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_per_key: int = 100) -> None:
         self._by_job: dict[str, _Shared] = {}
+        self.max_per_key = max_per_key
+        self._open: Counter[str] = Counter()
+
+    def full_for(self, key: str) -> bool:
+        """Whether the key (its sha256) holds as many streams open as it may."""
+        return self._open[key] >= self.max_per_key
+
+    async def held_open(self, key: str, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """`stream`, counted against the key's open streams until it ends or its client goes."""
+        self._open[key] += 1
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self._open[key] -= 1
+            if not self._open[key]:
+                del self._open[key]
 
     async def follow(self, client: Client, job_id: str, start: int, cooldown: timedelta) -> AsyncIterator[Any]:
         """The job's events from offset `start` on; ends after the stream does."""

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     # 0: the next poll is waiting in the workflow at once, so every event (the terminal one too) leaves
     # in the workflow task that publishes it; a pause batches events at the price of that much latency.
     events_poll_cooldown: float = Field(0.0, ge=0)
+    # Event streams one API key may hold open at once, per API process (a stream of a running job holds a
+    # long poll on Temporal for as long as it is open; a person follows a few, a dashboard a few dozen).
+    max_streams_per_key: int = Field(100, ge=1)
 
     qdrant_url: str | None = None
     qdrant_api_key: str | None = None

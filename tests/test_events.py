@@ -417,3 +417,54 @@ async def test_a_cancel_that_comes_as_a_job_ends_leaves_it_as_it_ended(temporal_
         await handle.cancel()
         assert await handle.result() == "completed"
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+
+
+async def _first_event(lines) -> dict:  # noqa: ANN001
+    """The first event on a stream's lines (`response.aiter_lines()`, kept by the caller: an iterator left
+    behind would be closed when collected, and with it the stream)."""
+    async for line in lines:
+        if line.startswith("data:"):
+            return json.loads(line[len("data:"):])
+    raise AssertionError("the stream ended without an event")
+
+
+async def test_a_key_holds_a_bounded_number_of_event_streams_open(stack):
+    """An open stream of a running job holds a long poll on Temporal for as long as it is open: a key may
+    hold RAGLINE_MAX_STREAMS_PER_KEY of them on an API process, one more is 429 `too_many_streams` until one
+    ends, and other keys are not held back."""
+    from api.app import create_app
+    from tests.conftest import serving_api
+
+    def waiting(http: httpx.AsyncClient) -> asyncio.Future:  # a turn that waits for its reviewer
+        return asyncio.ensure_future(http.post("/v1/chats", json={
+            "message": "Is the harbour open?", "collection": f"streams-{uuid.uuid4().hex[:6]}",
+            "require_review": True}))
+
+    mine = [r.json()["job_id"] for r in await asyncio.gather(*(waiting(stack.http) for _ in range(3)))]
+    theirs = (await waiting(stack.other_http)).json()["job_id"]
+    settings = stack.settings.model_copy(update={"max_streams_per_key": 2})
+    try:
+        async with serving_api(create_app(settings)) as url, \
+                httpx.AsyncClient(base_url=url, headers=stack.http.headers, timeout=60) as http, \
+                httpx.AsyncClient(base_url=url, headers=stack.other_http.headers, timeout=60) as other:
+            async with http.stream("GET", f"/v1/jobs/{mine[0]}/events") as first, \
+                    http.stream("GET", f"/v1/jobs/{mine[1]}/events") as second:
+                held = [first.aiter_lines(), second.aiter_lines()]  # read, and kept open
+                assert [(await _first_event(lines))["type"] for lines in held] == ["ragline.job.accepted"] * 2
+                r = await http.get(f"/v1/jobs/{mine[2]}/events", timeout=30)
+                assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_streams", r.text
+                assert r.headers["Retry-After"]
+                async with other.stream("GET", f"/v1/jobs/{theirs}/events") as another_key:
+                    assert (await _first_event(another_key.aiter_lines()))["type"] == "ragline.job.accepted"
+            # Both closed by their client: the key may open streams again.
+
+            async def opens() -> bool:
+                async with http.stream("GET", f"/v1/jobs/{mine[2]}/events") as third:
+                    return third.status_code == 200 and \
+                        (await _first_event(third.aiter_lines()))["type"] == "ragline.job.accepted"
+
+            assert await eventually(opens, what="a stream once the others closed")
+    finally:
+        for job_id in mine:
+            await stack.http.post(f"/v1/jobs/{job_id}/cancel")
+        await stack.other_http.post(f"/v1/jobs/{theirs}/cancel")

@@ -31,6 +31,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from api.auth import CallerDep, still_valid
 from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep, StreamsDep
+from api.errors import RETRY_AFTER, ApiError
 from api.job_views import (
     accepted_turn, failure_message, never_started, not_found, owned, wait_until_created,
 )
@@ -74,7 +75,8 @@ STREAM_RESPONSES = {
                              "retry": {"type": "integer", "minimum": 0}}}}}},
     204: {"description": "Resumed (Last-Event-ID) after the last event of a job that has ended: nothing more "
                          "will come, and a browser's EventSource stops reconnecting"},
-    **error_responses({404: "job_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}),
+    **error_responses({404: "job_not_found", 422: INVALID_REQUEST, 429: "rate_limited, too_many_streams",
+                       503: TEMPORAL_DOWN}),
 }
 
 
@@ -90,6 +92,10 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
                                      "a reconnect; the header wins")] = None,
                      ) -> Response:
     asked, job_id = job_id, scoped(caller.tenant, job_id)
+    if streams.full_for(caller.sha256):
+        raise ApiError(429, "too_many_streams", f"this key holds {streams.max_per_key} event streams open on this "
+                       "API process (RAGLINE_MAX_STREAMS_PER_KEY); close one (a job's stream ends with the job)",
+                       headers=RETRY_AFTER)
     handle = client.get_workflow_handle(job_id)
     pending = ended = False
     try:
@@ -122,10 +128,9 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
             return Response(status_code=204)
         opened = items, first
     guard = request.app.state.guard
-    return EventSourceResponse(_relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending,
-                                      opened, ended=ended, key_valid=lambda: still_valid(guard, caller),
-                                      accepted_by=accepted_by),
-                               ping=KEEPALIVE_SECONDS)
+    relay = _relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending, opened, ended=ended,
+                   key_valid=lambda: still_valid(guard, caller), accepted_by=accepted_by)
+    return EventSourceResponse(streams.held_open(caller.sha256, relay), ping=KEEPALIVE_SECONDS)
 
 
 def _come_back(job_id: str, reason: object) -> ServerSentEvent:
