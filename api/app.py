@@ -8,6 +8,8 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
 
 from api import errors, observability
 from api.auth import Guard, authenticate
@@ -50,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
 
     app = FastAPI(title="Ragline", version="0.1.0", lifespan=lifespan, telemetry=tracing.FASTAPI_NATIVE_TELEMETRY_OFF,
+                  docs_url=None,  # ours, below: FastAPI's stays blank where its CDN is out of reach
                   description="Durable GenAI pipelines on Temporal: every request answers 202 with a job. "
                               "Every /v1 route needs an API key (`Authorization: Bearer <key>` or "
                               "`X-API-Key`) and sees only its tenant's documents and jobs.")
@@ -63,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The key first (401 before anything else), then the query's names (422 for one the route does not take).
         app.include_router(router, dependencies=[Depends(authenticate), Depends(known_query_parameters)])
     app.include_router(health.router)
+    app.add_api_route("/docs", functools.partial(_docs_page, app), include_in_schema=False)
     _refine_schema(app, settings)
     app.mount("/codec", create_codec_app(settings, guard, lambda: getattr(app.state, "codec", None)))
     # An upload's bound is the key's tenant's (its max_upload_mb), known once BodyLimit has found the key.
@@ -72,6 +76,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Outside the body limit: its refusals are counted, traced and carry X-Trace-Id like any answer.
     observability.install(app)
     return app
+
+
+SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"  # FastAPI's default
+# Shown in place of Swagger UI when its script does not load (no internet: the script comes from a CDN).
+SWAGGER_UNREACHABLE = ("Swagger UI could not be loaded from its CDN (this page needs the internet; Ragline "
+                       "does not). The API is described in <a href=\\'/openapi.json\\'>/openapi.json</a>, which "
+                       "any OpenAPI viewer reads, and in the README.")
+
+
+async def _docs_page(app: FastAPI) -> HTMLResponse:
+    """FastAPI's Swagger UI page, which tells the reader where to look when its script cannot load: before,
+    a browser without the internet showed a blank page."""
+    page = get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+                               swagger_js_url=SWAGGER_JS)
+    html = page.body.decode()
+    script = f'<script src="{SWAGGER_JS}"'
+    fallback = f"document.getElementById('swagger-ui').innerHTML = '<p>{SWAGGER_UNREACHABLE}</p>'"
+    return HTMLResponse(html.replace(script, f'{script} onerror="{fallback}"', 1))
 
 
 def _refine_schema(app: FastAPI, settings: Settings) -> None:

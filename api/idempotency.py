@@ -40,9 +40,10 @@ def request_digest(*parts: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
-def ensure_same_request(key: str, recorded: str | None, digest: str) -> None:
-    """A job recorded before digests were kept (`recorded` None) is taken as the same request."""
-    if recorded is not None and recorded != digest:
+def ensure_same_request(key: str, recorded: str | None, digest: str, same: tuple[str, ...] = ()) -> None:
+    """A job recorded before digests were kept (`recorded` None) is taken as the same request, and so is one
+    recorded under a digest in `same` (the request spelt another way, as an earlier version digested it)."""
+    if recorded is not None and recorded != digest and recorded not in same:
         raise ApiError(422, "idempotency_key_reused",
                        f"the Idempotency-Key {key!r} was sent before with a different request; its job answers "
                        "that request only: use a new key for a new request")
@@ -69,7 +70,7 @@ async def recorded_request(client: Client, job_id: str, rpc_timeout: timedelta) 
 
 
 async def start_once(client: Client, workflow: Any, arg: Any, *, id: str, key: str | None, digest: str,
-                     rpc_timeout: timedelta, **options: Any) -> bool:
+                     rpc_timeout: timedelta, same: tuple[str, ...] = (), **options: Any) -> bool:
     """Start the job; True when a keyed request was sent before (its job, under the same id, answers it).
 
     With a key the id is never reused, not even after the job ended: the resend gets the first outcome."""
@@ -83,5 +84,5 @@ async def start_once(client: Client, workflow: Any, arg: Any, *, id: str, key: s
         return False
     except WorkflowAlreadyStartedError:
         _, recorded = await recorded_request(client, id, rpc_timeout)
-        ensure_same_request(key, recorded, digest)
+        ensure_same_request(key, recorded, digest, same)
         return True

@@ -303,6 +303,46 @@ async def test_a_revise_on_a_spent_budget_brings_its_extra_budget(stack):
     assert json.dumps(decision["extra_budget"]) == '{"max_llm_calls": 2}'  # a count, as sent (it read 2.0)
 
 
+async def test_seconds_granted_on_a_spent_time_budget_count_from_the_decision(stack):
+    """An agent out of time waits for a review; the reviewer, some seconds later, grants 2 s more: the agent
+    searches once more and finishes. Before, the seconds were added to the deadline that had passed, so the
+    wait for the person ate them: after the one plan the decision let through, the agent asked again ("time
+    budget used up"), whatever a reviewer granted short of the time the review had waited (24 h at most); a
+    sub-agent it delegated to was out of time from its start."""
+    def plan(body: dict) -> dict:
+        observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
+        searches = observed.count("\n- ") + observed.startswith("- ")
+        if searches < 2:  # the first slow enough that the second plan finds the 1 s budget spent
+            return {"tool_calls": [{"name": "search_documents", "arguments": {
+                "query": ("tide tables", "lamp schedule")[searches]}}], "delay": 1.5 if searches == 0 else 0}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "the lamps follow the tides"}}]}
+
+    with stack.llm.scope() as llm:
+        llm.script_fn("agent", plan)
+        job_id = await _start(stack, f"Relate the lamps to the tides {llm.token}",
+                              budget={"max_llm_calls": 10, "max_tokens": 100000, "max_seconds": 1})
+        [review] = await waiting_reviews(stack, job_id)
+        assert review["reason"] == "budget" and "time budget used up" in review["detail"], review
+        # The person takes longer to decide than the seconds they grant (as anyone does who grants a minute
+        # after an hour): the review has waited 3 s past its request when the 2 s come.
+        waited = datetime.fromisoformat(review["requested_at"]) + timedelta(seconds=3)
+        await asyncio.sleep(max(0.0, (waited - datetime.now(waited.tzinfo)).total_seconds()))
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "approve", "reviewer": "ed", "extra_budget": {"max_seconds": 2},
+            "requested_at": review["requested_at"]})
+        assert r.status_code == 200, r.text
+
+        async def ended_or_asked_again() -> dict | None:
+            job = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
+            again = [x for x in await _tree_reviews(stack, job_id) if x["requested_at"] != review["requested_at"]]
+            return job if job["status"] in ("completed", "failed") else {"asked again": again} if again else None
+        job = await eventually(ended_or_asked_again, what="the agent's end, or a second review")
+    assert job.get("status") == "completed", job
+    result = job["result"]
+    assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the lamps follow the tides", 3)
+    assert len(result["decisions"]) == 1
+
+
 async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack):
     """The root (3 model calls) hands its sub-agent the 2 it has left after its first plan; the sub-agent
     searches twice, asks for more and is granted 2, and finishes. The root, which pays for the 3 calls

@@ -86,6 +86,28 @@ async def test_an_agent_resent_with_its_key_is_one_job_even_after_it_ended(stack
         assert r.status_code == 200 and r.json()["status"] in ("queued", "running", "completed")
 
 
+async def test_an_agent_resent_with_its_budget_written_another_way_is_the_same_request(stack):
+    """The budget left out, written out with its defaults (as the README's example does), or its seconds as
+    3600 or 3600.0: one request, as a client that fills in the defaults on a retry sends it again."""
+    with stack.llm.scope() as llm:
+        llm.script_fn("agent", delegate_until(leaf_depth=0, token=llm.token))
+        body = {"goal": f"Count the ledgers {llm.token}", "collection": "idempotency", "max_depth": 0}
+        written_out = {"max_llm_calls": 50, "max_tokens": 200_000, "max_seconds": 3600}
+        spellings = [body, {**body, "budget": written_out}, {**body, "budget": {"max_seconds": 3600.0}}]
+        for first_body in (spellings[0], spellings[1]):
+            key = _key()
+            first = await stack.http.post("/v1/agents", json=first_body, headers={"Idempotency-Key": key})
+            assert first.status_code == 202 and first.json()["duplicate"] is False, first.text
+            for resent_body in spellings:
+                resent = await stack.http.post("/v1/agents", json=resent_body, headers={"Idempotency-Key": key})
+                assert resent.status_code == 202, (first_body, resent_body, resent.text)
+                assert resent.json() == {**first.json(), "duplicate": True}
+            # Another number of seconds is another request.
+            assert _reused(await stack.http.post("/v1/agents", json={**body, "budget": {"max_seconds": 60}},
+                                                 headers={"Idempotency-Key": key}))
+            assert (await stack.wait_done(first.json()["job_id"]))["status"] == "completed"
+
+
 async def test_an_evaluation_resent_with_its_key_is_one_job(stack):
     key = _key()
     golden = json.dumps({"question": "Who wrote the ledger?", "expected_document": None}).encode()

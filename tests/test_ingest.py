@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import threading
 import time
 import uuid
@@ -337,6 +338,20 @@ async def test_job_contract_and_unknown_ids(stack):
     assert health.status_code == 200
     assert health.json()["components"]["temporal"]["status"] == "up"
     assert health.json()["components"]["worker"]["status"] == "up"
+
+async def test_the_api_docs_page_says_where_the_api_is_described_when_swagger_ui_cannot_load(stack):
+    """/docs draws Swagger UI from a CDN, which an offline machine (this one; README: "after the first install
+    it works offline") cannot reach: the page stayed blank. Now a script that fails to load says so, and
+    points at /openapi.json, which the API serves itself."""
+    page = await stack.http.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    [bundle] = re.findall(r'<script src="([^"]+swagger-ui-bundle\.js)"([^>]*)>', html)
+    assert bundle[0].startswith("https://"), bundle  # not served by Ragline: it needs the internet
+    assert "onerror=" in bundle[1] and "/openapi.json" in html.split(bundle[0], 1)[1], html
+    # What the message points at is there without the internet.
+    assert (await stack.http.get("/openapi.json")).status_code == 200
+
 
 
 async def test_search_an_empty_or_unknown_collection(stack):

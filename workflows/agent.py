@@ -82,6 +82,10 @@ UNANSWERED_PLAN_ATTEMPTS_PATCH = "agent-counts-attempts-of-an-unanswered-plan"
 # The same sub-goal twice in one plan (as `normalise_goal` reads them) runs one sub-agent. Earlier agents ran
 # one for each, on half the budget each.
 ONE_CHILD_PER_SUBGOAL_PATCH = "agent-one-sub-agent-per-sub-goal-of-a-plan"
+# Seconds a reviewer grants are seconds of work from the decision: a deadline that passed while the review
+# waited moves to the decision first. Earlier agents added them to the passed deadline, so the wait for the
+# person ate them, and the agent (or the sub-agent it delegated to) asked again after one more plan.
+SECONDS_FROM_DECISION_PATCH = "agent-granted-seconds-count-from-the-decision"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -466,6 +470,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             self.granted.add(grant)
             if extra.get("max_seconds"):
                 self.budget.max_seconds += extra["max_seconds"]
+                if workflow.patched(SECONDS_FROM_DECISION_PATCH):
+                    self.deadline = max(self.deadline, workflow.now())
                 self.deadline += timedelta(seconds=extra["max_seconds"])
         return decision
 

@@ -50,6 +50,19 @@ class AgentRequest(BaseModel):
     budget: BudgetRequest = BudgetRequest()
 
 
+def _digests(req: AgentRequest) -> tuple[str, tuple[str, ...]]:
+    """The digest of the request, and those of its other spellings. Its seconds are digested as sent 3600 and
+    left out alike (the default is the int 3600, while a sent number is validated into the float 3600.0): the
+    budget written out with its defaults is the request without it. Jobs recorded before digested a sent
+    number as the float, and still answer it."""
+    sent = req.model_dump()
+    seconds = float(sent["budget"]["max_seconds"])
+    spelt = [{**sent, "budget": {**sent["budget"], "max_seconds": number}}
+             for number in ((int(seconds), seconds) if seconds.is_integer() else (seconds,))]
+    digest, *same = (request_digest("agent", spelling) for spelling in spelt)
+    return digest, tuple(same)
+
+
 def _shown(number: float) -> str:
     # An int of any size as it was sent: ":g" would make it a float, which overflows past ~1e308.
     return f"{number:g}" if isinstance(number, float) else str(number)
@@ -74,11 +87,12 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
     name = key_digest(idempotency_key) if idempotency_key is not None else uuid.uuid4().hex[:16]
     job_id = workflow_id(caller.tenant, f"agent-{name}")
     starting(request, job_id)
+    digest, same = _digests(req)
     duplicate = await start_once(
         client, AgentWorkflow.run,
         AgentInput(tenant=caller.tenant, goal=req.goal, collection=req.collection, max_depth=req.max_depth,
                    budget=Budget(**req.budget.model_dump()), review_timeout_seconds=review_timeout_seconds(settings)),
-        id=job_id, key=idempotency_key, digest=request_digest("agent", req.model_dump()), rpc_timeout=timeout,
+        id=job_id, key=idempotency_key, digest=digest, same=same, rpc_timeout=timeout,
         task_queue=settings.task_queue, priority=caller.priority,
         search_attributes=TypedSearchAttributes([
             SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
