@@ -992,6 +992,33 @@ async def test_an_answer_shown_before_its_turn_ended_is_in_the_next_turns_histor
     assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
 
 
+
+async def test_a_cancel_that_comes_with_the_next_questions_ask_waits_for_the_answer_it_sends(stack):
+    """The first turn has shown its answer and runs its summary. No workflow worker runs while the session's
+    ask for that answer (the next question came) and a person's cancel reach the turn: both in one workflow
+    task. The answer the ask sends must land before the job ends (the server drops a signal its closed sender
+    had not yet delivered), and the next question is asked with it. (On the real dev server, which drops it.)"""
+    env = _on_the_dev_server(stack)
+    fakes = FirstTurnsSummaryRunsOn()
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes, runs="activities") as queue:
+        async with fake_worker(env, fakes, queue, sticky=False, runs="workflows"):
+            handle = await start_session(env, queue, first)
+            await eventually(lambda: _asyncify(fakes.named("summarize_context")), timeout=20, what="the summary")
+        job = env.client.get_workflow_handle(first.job_id)
+        await job.signal(ChatTurnWorkflow.follow_up_waits)  # what the session sends once `second` is queued
+        await job.cancel()
+        async with fake_worker(env, fakes, queue, runs="workflows"):
+            with pytest.raises(WorkflowFailureError) as ended:
+                await job.result()
+            assert isinstance(ended.value.cause, CancelledError), ended.value.cause
+            await handle.signal(ChatSessionWorkflow.submit, second)
+            await turn_result(env, second.job_id)
+            await handle.terminate("test over")
+    asked = next(c.arg for c in fakes.named("generate_answer") if c.arg.question == "Second question?")
+    assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
+
 # -- the tenant gate (running slots) ------------------------------------------------------------------
 
 async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended_jobs(env):

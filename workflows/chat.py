@@ -128,7 +128,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         self.reviews.revise_needs_answer = True  # a chat turn is revised by giving the text to release
         self._follow_up_waits = False
         self._final_answer: str | None = None
-        self._session_told = False  # the session has this turn's final answer
+        # The signal that gives the session this turn's final answer: sent, and settled (delivered, or the
+        # session gone). A cancel waits for a sent one to settle: the server drops what a closed workflow had
+        # not yet delivered.
+        self._session_told = False
+        self._telling_settled = False
         self._turn: TurnInput | None = None
         self._shown: dict | None = None  # `ragline.answer.completed`'s data, once emitted
 
@@ -381,13 +385,18 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                               answer=(self._final_answer or "")[:HISTORY_ANSWER_CHARS]))
         except FailureError:
             pass  # the session has moved on: it read the answer from this job's end
+        finally:
+            self._telling_settled = True
 
     async def _cancelled(self) -> None:
         await super()._cancelled()
         # The person saw the answer: the next question of the session is asked with it. A cancel carries no
-        # details for the session to read it from, so it is told before the job ends.
-        if self._final_answer and not self._session_told and workflow.patched(CANCELLED_TURN_ANSWER_PATCH):
-            await self._send_session_the_answer(self._turn)
+        # details for the session to read it from, so it is told before the job ends (or, if a later turn's
+        # ask came with the cancel, the send it started is awaited: the job must not end while it is on its way).
+        if self._final_answer and workflow.patched(CANCELLED_TURN_ANSWER_PATCH):
+            if not self._session_told:
+                await self._send_session_the_answer(self._turn)
+            await workflow.wait_condition(lambda: self._telling_settled)
 
     @staticmethod
     def _gave_no_answer(answer: GenerateOutput) -> bool:
