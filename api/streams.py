@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from datetime import timedelta
 from typing import Any
 
+from sse_starlette import EventSourceResponse
+from starlette.types import Receive, Scope, Send
 from temporalio.client import Client
 from temporalio.contrib.workflow_streams import WorkflowStreamClient
 
@@ -62,6 +65,50 @@ class _Shared:
         self._task.cancel()
 
 
+class StreamSlot:
+    """One open stream of a key, from the request's check until its response ends. A route holds it with
+    `with slot:`, which gives it back unless a response took it over (`handed_on`); released once."""
+
+    def __init__(self, give_back: Callable[[], None]) -> None:
+        self._give_back: Callable[[], None] | None = give_back
+        self.handed_on = False
+
+    def release(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
+
+    def __enter__(self) -> StreamSlot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.handed_on:
+            self.release()
+
+
+class HeldEventSource(EventSourceResponse):
+    """An event stream that holds its key's slot until the response ends, however it ends (the client goes,
+    the stream ends, a HEAD request never iterates it); the stream is closed then, not when it is collected."""
+
+    def __init__(self, stream: AsyncIterator[Any], slot: StreamSlot, **kwargs: Any) -> None:
+        super().__init__(_closed_after(stream), **kwargs)
+        slot.handed_on = True
+        self._slot = slot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+
+
+async def _closed_after(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`stream`'s items; it is closed when this is (its cleanup, a relay's unsubscribing, runs at once)."""
+    async with aclosing(stream):
+        async for item in stream:
+            yield item
+
+
 class JobStreams:
     """The shared subscriptions of one API process (app.state.streams), and the streams each key holds open."""
 
@@ -70,20 +117,18 @@ class JobStreams:
         self.max_per_key = max_per_key
         self._open: Counter[str] = Counter()
 
-    def full_for(self, key: str) -> bool:
-        """Whether the key (its sha256) holds as many streams open as it may."""
-        return self._open[key] >= self.max_per_key
-
-    async def held_open(self, key: str, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """`stream`, counted against the key's open streams until it ends or its client goes."""
+    def reserve(self, key: str) -> StreamSlot | None:
+        """One of the open streams the key (its sha256) may hold, taken at once so that a burst of opens
+        cannot pass the bound; None when it holds them all. The slot is given back by its release."""
+        if self._open[key] >= self.max_per_key:
+            return None
         self._open[key] += 1
-        try:
-            async for item in stream:
-                yield item
-        finally:
-            self._open[key] -= 1
-            if not self._open[key]:
-                del self._open[key]
+        return StreamSlot(lambda: self._give_back(key))
+
+    def _give_back(self, key: str) -> None:
+        self._open[key] -= 1
+        if not self._open[key]:
+            del self._open[key]
 
     async def follow(self, client: Client, job_id: str, start: int, cooldown: timedelta) -> AsyncIterator[Any]:
         """The job's events from offset `start` on; ends after the stream does."""

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import uuid
 
+from contextlib import AsyncExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -447,13 +448,19 @@ async def test_a_key_holds_a_bounded_number_of_event_streams_open(stack):
         async with serving_api(create_app(settings)) as url, \
                 httpx.AsyncClient(base_url=url, headers=stack.http.headers, timeout=60) as http, \
                 httpx.AsyncClient(base_url=url, headers=stack.other_http.headers, timeout=60) as other:
-            async with http.stream("GET", f"/v1/jobs/{mine[0]}/events") as first, \
-                    http.stream("GET", f"/v1/jobs/{mine[1]}/events") as second:
-                held = [first.aiter_lines(), second.aiter_lines()]  # read, and kept open
-                assert [(await _first_event(lines))["type"] for lines in held] == ["ragline.job.accepted"] * 2
-                r = await http.get(f"/v1/jobs/{mine[2]}/events", timeout=30)
-                assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_streams", r.text
-                assert r.headers["Retry-After"]
+            for _ in range(3):  # a request refused before its stream opened gives its slot back
+                assert (await http.get("/v1/jobs/no-such-job/events")).status_code == 404
+            async with AsyncExitStack() as held:
+                # A burst of opens: two take the key's slots, the others are refused (a slot is taken as the
+                # request is checked, not once its stream starts).
+                burst = await asyncio.gather(*(
+                    held.enter_async_context(http.stream("GET", f"/v1/jobs/{mine[n % 3]}/events")) for n in range(5)))
+                assert sorted(r.status_code for r in burst) == [200, 200, 429, 429, 429]
+                for refused in (r for r in burst if r.status_code == 429):
+                    assert json.loads(await refused.aread())["error"]["code"] == "too_many_streams"
+                    assert refused.headers["Retry-After"]
+                opened = [r.aiter_lines() for r in burst if r.status_code == 200]  # read, and kept open
+                assert [(await _first_event(lines))["type"] for lines in opened] == ["ragline.job.accepted"] * 2
                 async with other.stream("GET", f"/v1/jobs/{theirs}/events") as another_key:
                     assert (await _first_event(another_key.aiter_lines()))["type"] == "ragline.job.accepted"
             # Both closed by their client: the key may open streams again.

@@ -35,7 +35,7 @@ from api.errors import RETRY_AFTER, ApiError
 from api.job_views import (
     accepted_turn, failure_message, never_started, not_found, owned, wait_until_created,
 )
-from api.streams import JobStreams
+from api.streams import HeldEventSource, JobStreams
 from api.validators import JOB_ID
 from models.tenancy import scoped
 from api.schemas import INVALID_REQUEST, TEMPORAL_DOWN, JobEvent, error_responses
@@ -91,46 +91,49 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
                          description="Last-Event-ID as EventSource polyfills that send headers (a key) send it on "
                                      "a reconnect; the header wins")] = None,
                      ) -> Response:
-    asked, job_id = job_id, scoped(caller.tenant, job_id)
-    if streams.full_for(caller.sha256):
+    slot = streams.reserve(caller.sha256)
+    if slot is None:
         raise ApiError(429, "too_many_streams", f"this key holds {streams.max_per_key} event streams open on this "
                        "API process (RAGLINE_MAX_STREAMS_PER_KEY); close one (a job's stream ends with the job)",
                        headers=RETRY_AFTER)
-    handle = client.get_workflow_handle(job_id)
-    pending = ended = False
-    try:
-        desc = await handle.describe(rpc_timeout=timeout)
-        if not owned(desc, caller.tenant):
-            raise not_found(asked)
-        ended = desc.status != WorkflowExecutionStatus.RUNNING
-    except RPCError as exc:
-        if exc.status != RPCStatusCode.NOT_FOUND:
-            raise
-        # An accepted chat turn whose job its session has not started yet: the stream opens now
-        # and its events follow once the job exists.
-        pending = job_id in accepted or await accepted_turn(client, caller.tenant, job_id, timeout) is not None
-        if not pending:
-            raise not_found(asked) from None
-    start = _start_offset(last_event_id if last_event_id is not None else last_event_id_query, from_offset)
-    accepted_by = accepted.session_run(job_id)
-    if pending and start > 0 and await never_started(client, caller.tenant, job_id, timeout, accepted_by) is not None:
-        return Response(status_code=204)  # its one event was read: an EventSource stops reconnecting
-    cooldown = timedelta(seconds=settings.events_poll_cooldown)
-    opened = None
-    if ended and start > 0:
-        # Resumed after the end? Read the first event left (the relay goes on from it: one read).
-        items = streams.follow(client, job_id, start, cooldown).__aiter__()
-        first = asyncio.ensure_future(items.__anext__())
-        await asyncio.wait({first}, timeout=timeout.total_seconds())
-        if first.done() and isinstance(first.exception(), StopAsyncIteration):
-            await items.aclose()
-            # An empty 200 would end the stream, and an EventSource reconnects after every end, for ever.
-            return Response(status_code=204)
-        opened = items, first
-    guard = request.app.state.guard
-    relay = _relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending, opened, ended=ended,
-                   key_valid=lambda: still_valid(guard, caller), accepted_by=accepted_by)
-    return EventSourceResponse(streams.held_open(caller.sha256, relay), ping=KEEPALIVE_SECONDS)
+    with slot:  # given back on the way out, unless the stream's response holds it
+        asked, job_id = job_id, scoped(caller.tenant, job_id)
+        handle = client.get_workflow_handle(job_id)
+        pending = ended = False
+        try:
+            desc = await handle.describe(rpc_timeout=timeout)
+            if not owned(desc, caller.tenant):
+                raise not_found(asked)
+            ended = desc.status != WorkflowExecutionStatus.RUNNING
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            # An accepted chat turn whose job its session has not started yet: the stream opens now
+            # and its events follow once the job exists.
+            pending = job_id in accepted or await accepted_turn(client, caller.tenant, job_id, timeout) is not None
+            if not pending:
+                raise not_found(asked) from None
+        start = _start_offset(last_event_id if last_event_id is not None else last_event_id_query, from_offset)
+        accepted_by = accepted.session_run(job_id)
+        if pending and start > 0 and \
+                await never_started(client, caller.tenant, job_id, timeout, accepted_by) is not None:
+            return Response(status_code=204)  # its one event was read: an EventSource stops reconnecting
+        cooldown = timedelta(seconds=settings.events_poll_cooldown)
+        opened = None
+        if ended and start > 0:
+            # Resumed after the end? Read the first event left (the relay goes on from it: one read).
+            items = streams.follow(client, job_id, start, cooldown).__aiter__()
+            first = asyncio.ensure_future(items.__anext__())
+            await asyncio.wait({first}, timeout=timeout.total_seconds())
+            if first.done() and isinstance(first.exception(), StopAsyncIteration):
+                await items.aclose()
+                # An empty 200 would end the stream, and an EventSource reconnects after every end, for ever.
+                return Response(status_code=204)
+            opened = items, first
+        guard = request.app.state.guard
+        relay = _relay(client, streams, caller.tenant, job_id, start, timeout, cooldown, pending, opened, ended=ended,
+                       key_valid=lambda: still_valid(guard, caller), accepted_by=accepted_by)
+        return HeldEventSource(relay, slot, ping=KEEPALIVE_SECONDS)
 
 
 def _come_back(job_id: str, reason: object) -> ServerSentEvent:
