@@ -110,7 +110,7 @@ class ChatActivities:
         # No cache (RAGLINE_ANSWER_CACHE_SIZE=0): no key either, so the turn runs no cache_answer step.
         if req.use_cache and self.cache.size > 0:
             key = answer_cache.cache_key(req.tenant, req.collection, self.index.version(req.tenant, req.collection),
-                                         req.question)
+                                         req.question, req.top_k)
             hit = self.cache.get(key)
             answer_cache.record_lookup(hit is not None, req.collection)
             if hit is not None:

@@ -38,9 +38,11 @@ def normalise_question(question: str) -> str:
     return text.rstrip("?？!！.。 ")
 
 
-def cache_key(tenant: str, collection: str, version: int, question: str) -> str:
-    """Scoped to the tenant: two tenants' collections of one name never share an answer."""
-    digest = hashlib.sha256(f"{tenant}\n{collection}\n{version}\n{normalise_question(question)}".encode()).hexdigest()
+def cache_key(tenant: str, collection: str, version: int, question: str, top_k: int) -> str:
+    """Scoped to the tenant: two tenants' collections of one name never share an answer. `top_k` is part of
+    the question: asked again with more passages, it gets an answer made from them, not the cached one."""
+    asked = f"{tenant}\n{collection}\n{version}\n{top_k}\n{normalise_question(question)}"
+    digest = hashlib.sha256(asked.encode()).hexdigest()
     return f"{tenant}:{collection}:{version}:{digest[:32]}"
 
 

@@ -231,14 +231,18 @@ async def test_repeat_question_is_served_from_the_cache_until_the_collection_cha
     assert hit["result"]["citations"] == miss["result"]["citations"] and hit["result"]["citations"]
     assert trusted.llm.count("answer") == answers + 1  # no model call
     assert {s["name"]: s["status"] for s in hit["steps"]}["generate_answer"] == "skipped"
+    # Asked with another number of passages (top_k), it is answered from them, not from the cache.
+    fewer = await trusted.wait_job((await trusted.chat(question, collection="cache", top_k=1))["job_id"])
+    assert fewer["status"] == "completed" and fewer["result"]["cached"] is False, fewer
+    assert trusted.llm.count("answer") == answers + 2
     # An upload into the collection makes a new version: the next ask is a miss again.
     body = await trusted.upload(("more.txt", b"Incident 4712 was a full disk on the build server."), collection="cache")
     assert (await trusted.wait_job(body["job_id"]))["status"] == "completed"
     again = await ask(trusted, question, collection="cache")
-    assert again["result"]["cached"] is False and trusted.llm.count("answer") == answers + 2
-    # Operators see the same on the worker's metrics: two misses and a hit.
+    assert again["result"]["cached"] is False and trusted.llm.count("answer") == answers + 3
+    # Operators see the same on the worker's metrics: three misses and a hit.
     after = await _cache_lookups(trusted)
-    assert (after["hit"] - lookups["hit"], after["miss"] - lookups["miss"]) == (1, 2)
+    assert (after["hit"] - lookups["hit"], after["miss"] - lookups["miss"]) == (1, 3)
 
 
 async def test_a_cached_answer_goes_with_the_document_it_cites(trusted):
