@@ -167,3 +167,14 @@ async def test_a_sessions_turns_are_read_a_few_at_a_time_and_shown_in_order(stac
     turns = await session_turns(stack.http, session, *jobs)
     assert [(t["turn"], t["job_id"]) for t in turns] == list(enumerate(jobs, start=1))
     assert peak == 2
+    # Page by page, the latest turns first: each page in turn order, every turn once, no cursor after the last.
+    pages, cursor = [], None
+    while True:
+        r = await stack.http.get(f"/v1/chats/{session}", params={"limit": 2, **({"cursor": cursor} if cursor else {})})
+        assert r.status_code == 200, r.text
+        page, cursor = [t["turn"] for t in r.json()["turns"]], r.json()["next_cursor"]
+        assert page == sorted(page) and len(page) <= 2
+        pages.append(page)
+        if cursor is None:
+            break
+    assert pages == [[4, 5], [2, 3], [1]]

@@ -10,22 +10,23 @@ from __future__ import annotations
 import contextlib
 import uuid
 from datetime import datetime, timedelta, timezone
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import Field
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from api import job_views, observability
 from api.auth import CallerDep
-from api.deps import AcceptedDep, ClientDep, RpcTimeoutDep, SettingsDep
+from api.deps import AcceptedDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
 from api.errors import ApiError
 from api.idempotency import IdempotencyKeyDep, ensure_same_request, recorded_request, request_digest
 from api.job_views import RecentlyAccepted
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, ChatAccepted, SessionView, TurnView, error_responses, starting,
 )
-from api.validators import SESSION_ID, review_timeout_seconds, validate_collection, validate_session_id
+from api.validators import SESSION_ID, CursorDep, review_timeout_seconds, validate_collection, validate_session_id
 from models.chat import (
     MESSAGE_MAX_CHARS, SESSION_PATTERN, ChatQuestion, SessionState, TurnInput, keyed_session_id,
     session_workflow_id, turn_job_id,
@@ -108,14 +109,20 @@ async def _sent_before(client: Client, accepted: RecentlyAccepted, job_id: str, 
 
 
 @router.get("/{session_id}", summary="A session's turns with their answers, citations and status",
-            responses=error_responses({404: "session_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
-async def get_chat(session_id: SESSION_ID, client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep) -> SessionView:
+            responses=error_responses({404: "session_not_found", 422: f"{INVALID_REQUEST}, invalid_cursor",
+                                       503: TEMPORAL_DOWN}))
+async def get_chat(session_id: SESSION_ID, client: ClientDep, cursors: CursorsDep, caller: CallerDep,
+                   timeout: RpcTimeoutDep, cursor: CursorDep = None,
+                   limit: Annotated[int, Query(ge=1, le=1000, description="At most this many turns, the latest "
+                                               "first; `next_cursor` pages back to earlier ones")] = 100,
+                   ) -> SessionView:
     if not await job_views.exists(client, session_workflow_id(caller.tenant, session_id), timeout):
         raise ApiError(404, "session_not_found", f"no chat session {session_id!r}")
     query = job_views.list_query(caller.tenant, kind="chat", extra={sa.SESSION.name: session_id})
-    executions = await job_views.list_jobs(client, query, 1000, timeout)
+    executions, next_cursor = await job_views.list_page(client, cursors, query, limit, cursor, timeout)
     turns = await job_views.gather_reads(_turn_view(client, e, timeout) for e in executions)
-    return SessionView(session_id=session_id, turns=sorted(turns, key=lambda t: (t.turn or 0, t.created_at)))
+    return SessionView(session_id=session_id, turns=sorted(turns, key=lambda t: (t.turn or 0, t.created_at)),
+                       next_cursor=next_cursor)
 
 
 async def _turn_view(client: Client, execution, timeout: timedelta) -> TurnView:
