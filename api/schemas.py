@@ -245,6 +245,9 @@ class ReviewList(BaseModel):
     unreadable: list[str] = Field(default_factory=list, description=(
         "Jobs waiting for a review whose request could not be read just now (no worker answered the "
         "query in time): they still wait; ask again"))
+    more: bool = Field(False, description="More jobs wait for a review than this list holds (500 of each kind: "
+                                          "waiting for review, and chat turns parked while their review waits); "
+                                          "decide some and ask again")
 
 
 # -- documents, chats, health --------------------------------------------------------------------

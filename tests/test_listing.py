@@ -178,3 +178,23 @@ async def test_a_sessions_turns_are_read_a_few_at_a_time_and_shown_in_order(stac
         if cursor is None:
             break
     assert pages == [[4, 5], [2, 3], [1]]
+
+
+async def test_a_review_list_cut_short_says_so(stack, monkeypatch):
+    """GET /v1/reviews reads each waiting job once, so it lists a bounded number; when more wait, it says so."""
+    from api.routes import agents
+
+    collection = f"reviews-{uuid.uuid4().hex[:6]}"
+    jobs = [(await stack.http.post("/v1/chats", json={"message": f"Question {n}?", "collection": collection,
+                                                       "require_review": True})).json()["job_id"] for n in range(2)]
+    try:
+        async def both_listed() -> bool:
+            body = (await stack.http.get("/v1/reviews")).json()
+            return set(jobs) <= {r["job_id"] for r in body["reviews"]} and not body["more"]
+        assert await eventually(both_listed, what="both turns waiting for review")
+        monkeypatch.setattr(agents, "REVIEWS_LISTED", 1)
+        body = (await stack.http.get("/v1/reviews")).json()
+        assert len(body["reviews"]) <= 1 and body["more"] is True, body
+    finally:
+        for job_id in jobs:
+            await stack.http.post(f"/v1/jobs/{job_id}/cancel")

@@ -102,13 +102,21 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
     return AgentAccepted.for_job(request, job_id, duplicate=duplicate)
 
 
+# Jobs waiting for a review, and chat turns parked while their review waits, listed at most (each read once).
+REVIEWS_LISTED = 500
+
+
 @router.get("/v1/reviews", summary="Everything waiting for a human review",
             responses=error_responses({503: TEMPORAL_DOWN}))
 async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeoutDep) -> ReviewList:
+    # One more than shown of each listing: whether more wait than the list shows.
     waiting, parked = await asyncio.gather(
-        job_views.list_jobs(client, job_views.list_query(caller.tenant, status="waiting_review"), 500, timeout),
-        job_views.list_jobs(client, job_views.list_query(caller.tenant, status="dead_lettered", kind="chat"), 500,
-                            timeout))
+        job_views.list_jobs(client, job_views.list_query(caller.tenant, status="waiting_review"),
+                            REVIEWS_LISTED + 1, timeout),
+        job_views.list_jobs(client, job_views.list_query(caller.tenant, status="dead_lettered", kind="chat"),
+                            REVIEWS_LISTED + 1, timeout))
+    more = len(waiting) > REVIEWS_LISTED or len(parked) > REVIEWS_LISTED
+    waiting, parked = waiting[:REVIEWS_LISTED], parked[:REVIEWS_LISTED]
     # A chat turn's review can be pending while the summary run beside it waits for an operator: the job then
     # shows as dead_lettered, and its memo says a review waits (read from the listing, no query per job).
     executions = waiting + [e for e in parked if await _review_pending(e)]
@@ -132,7 +140,7 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
         return item if caller.is_reviewer else item.model_copy(update=item.as_a_member_sees())
 
     reviews = [i for i in await job_views.gather_reads(item(e) for e in executions) if i]
-    return ReviewList(reviews=reviews, unreadable=sorted(unreadable))
+    return ReviewList(reviews=reviews, unreadable=sorted(unreadable), more=more)
 
 
 async def _review_pending(execution) -> bool:  # noqa: ANN001 - a listed WorkflowExecution
