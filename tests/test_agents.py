@@ -341,6 +341,8 @@ async def test_seconds_granted_on_a_spent_time_budget_count_from_the_decision(st
     result = job["result"]
     assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the lamps follow the tides", 3)
     assert len(result["decisions"]) == 1
+    # What the result calls granted is how far the deadline moved (README): the 2 s and the 3 s waited past it.
+    assert result["granted"]["seconds"] > 2 + 3, result["granted"]
 
 
 async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack):
