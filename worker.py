@@ -47,7 +47,7 @@ from ragline.settings import Settings, get_settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import policies, queues
 from temporal.client import connect
-from temporal.telemetry import ServerStatsPoller, StepTelemetry, worker_runtime
+from temporal.telemetry import ServerStatsPoller, StepTelemetry, export_step_sla, worker_runtime
 from temporal.schedules import ensure_blob_sweep
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
@@ -379,6 +379,7 @@ async def main(argv: list[str] | None = None) -> int:
         return 4
     if address:
         log.info("worker metrics", url=f"http://{address}/metrics")
+        export_step_sla(runtime, settings)
     client = await connect(settings, identity=f"ragline-{role}@{socket.gethostname()}:{os.getpid()}",
                            runtime=runtime)
     if role in ("all", "workflows"):

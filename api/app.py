@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import logging
 from contextlib import asynccontextmanager
+from html import escape
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 
@@ -81,19 +83,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"  # FastAPI's default
 # Shown in place of Swagger UI when its script does not load (no internet: the script comes from a CDN).
 SWAGGER_UNREACHABLE = ("Swagger UI could not be loaded from its CDN (this page needs the internet; Ragline "
-                       "does not). The API is described in <a href=\\'/openapi.json\\'>/openapi.json</a>, which "
-                       "any OpenAPI viewer reads, and in the README.")
+                       "does not). The API is described in <a href=\"{url}\">{url}</a>, which any OpenAPI "
+                       "viewer reads, and in the README.")
 
 
-async def _docs_page(app: FastAPI) -> HTMLResponse:
+async def _docs_page(app: FastAPI, request: Request) -> HTMLResponse:
     """FastAPI's Swagger UI page, which tells the reader where to look when its script cannot load: before,
-    a browser without the internet showed a blank page."""
-    page = get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+    a browser without the internet showed a blank page. Behind a proxy serving the API under a prefix
+    (`root_path`), the schema is at <prefix>/openapi.json, as FastAPI's own page has it."""
+    openapi_url = request.scope.get("root_path", "").rstrip("/") + app.openapi_url
+    page = get_swagger_ui_html(openapi_url=openapi_url, title=f"{app.title} - Swagger UI",
                                swagger_js_url=SWAGGER_JS)
     html = page.body.decode()
     script = f'<script src="{SWAGGER_JS}"'
-    fallback = f"document.getElementById('swagger-ui').innerHTML = '<p>{SWAGGER_UNREACHABLE}</p>'"
-    return HTMLResponse(html.replace(script, f'{script} onerror="{fallback}"', 1))
+    # A JS string in an HTML attribute: quoted for each, whatever the prefix holds.
+    message = f"<p>{SWAGGER_UNREACHABLE.format(url=escape(openapi_url))}</p>"
+    fallback = f"document.getElementById('swagger-ui').innerHTML = {json.dumps(message)}"
+    return HTMLResponse(html.replace(script, f'{script} onerror="{escape(fallback)}"', 1))
 
 
 def _refine_schema(app: FastAPI, settings: Settings) -> None:

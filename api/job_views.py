@@ -166,9 +166,14 @@ async def list_page(client: Client, cursors: CursorSigner, query: str, limit: in
 
 
 async def _more_after(client: Client, query: str, token: bytes, rpc_timeout: timedelta) -> bool:
-    """Whether anything is listed after `token`: a store hands one over with every full page, the last too."""
+    """Whether anything is listed after `token`: a store hands one over with every full page, the last too.
+    A peek that fails says yes: the page already read is still the caller's, and its cursor at worst leads
+    to an empty page."""
     peek = client.list_workflows(query, page_size=1, next_page_token=token, rpc_timeout=rpc_timeout)
-    await peek.fetch_next_page()
+    try:
+        await peek.fetch_next_page()
+    except RPCError:
+        return True
     return bool(peek.current_page)
 
 

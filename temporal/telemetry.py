@@ -90,6 +90,15 @@ def _outcome(exc: BaseException) -> str:
     return "retryable_error"
 
 
+def export_step_sla(runtime: Runtime, settings: Settings) -> None:
+    """Each step's SLA (ragline_step_sla_seconds), from every worker whatever its role: the latency alert
+    compares a step's p95 with it, and the steps run on activity roles, which run no ServerStatsPoller."""
+    sla = runtime.metric_meter.create_gauge_float(
+        metrics.STEP_SLA, "What one step should take; alerts fire at 2x its p95", "s")
+    for step, seconds in {**metrics.DEFAULT_STEP_SLA_SECONDS, **settings.step_sla}.items():
+        sla.set(float(seconds), {"activity_type": step})
+
+
 class ServerStatsPoller:
     """Sets, every `interval` seconds, the gauges only the server can answer: each task queue's
     approximate backlog, and the jobs on this worker's queue waiting for a review or an operator."""
@@ -103,9 +112,6 @@ class ServerStatsPoller:
         self.dead = meter.create_gauge(metrics.DEAD_LETTERED_WAITING, "Dead-lettered jobs waiting for an operator")
         self.errors = meter.create_counter(metrics.POLL_ERRORS, "Failed polls of the server's statistics")
         self.errors.add(0)  # exported from the start: an alert's increase() counts the first failure too
-        sla = meter.create_gauge_float(metrics.STEP_SLA, "What one step should take; alerts fire at 2x its p95", "s")
-        for step, seconds in {**metrics.DEFAULT_STEP_SLA_SECONDS, **settings.step_sla}.items():
-            sla.set(float(seconds), {"activity_type": step})
 
     @staticmethod
     def wanted(role: str) -> bool:

@@ -134,6 +134,19 @@ def always_delegate(token: str):
     return plan
 
 
+def search_twice_then_finish(answer: str, first_delay: float = 0.0):
+    """A model that searches the tide tables, then the lamp schedule, then finishes with `answer`; the plan
+    proposing the first search is `first_delay` seconds slow."""
+    def plan(body: dict) -> dict:
+        observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
+        searches = observed.count("\n- ") + observed.startswith("- ")
+        if searches < 2:
+            return {"tool_calls": [{"name": "search_documents", "arguments": {
+                "query": ("tide tables", "lamp schedule")[searches]}}], "delay": first_delay if searches == 0 else 0}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": answer}}]}
+    return plan
+
+
 async def test_a_rejected_delegation_is_not_proposed_again(stack):
     with stack.llm.scope() as llm:
         llm.script_fn("agent", always_delegate(llm.token))
@@ -277,16 +290,8 @@ async def test_a_revise_on_a_spent_budget_brings_its_extra_budget(stack):
     """A reviewer tells an agent that spent its budget what to do instead, and gives it two more model calls
     for that: the agent uses them (it searched once more, then finished). Before, a revise dropped its
     extension: the agent planned one call over its budget and asked for a review again."""
-    def plan(body: dict) -> dict:
-        observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
-        searches = observed.count("\n- ") + observed.startswith("- ")
-        if searches < 2:
-            query = ("tide tables", "lamp schedule")[searches]
-            return {"tool_calls": [{"name": "search_documents", "arguments": {"query": query}}]}
-        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "the lamps follow the tides"}}]}
-
     with stack.llm.scope() as llm:
-        llm.script_fn("agent", plan)
+        llm.script_fn("agent", search_twice_then_finish("the lamps follow the tides"))
         job_id = await _start(stack, f"Relate the lamps to the tides {llm.token}",
                               budget={"max_llm_calls": 1, "max_tokens": 100000, "max_seconds": 600})
         [review] = await waiting_reviews(stack, job_id)
@@ -309,16 +314,9 @@ async def test_seconds_granted_on_a_spent_time_budget_count_from_the_decision(st
     wait for the person ate them: after the one plan the decision let through, the agent asked again ("time
     budget used up"), whatever a reviewer granted short of the time the review had waited (24 h at most); a
     sub-agent it delegated to was out of time from its start."""
-    def plan(body: dict) -> dict:
-        observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
-        searches = observed.count("\n- ") + observed.startswith("- ")
-        if searches < 2:  # the first slow enough that the second plan finds the 1 s budget spent
-            return {"tool_calls": [{"name": "search_documents", "arguments": {
-                "query": ("tide tables", "lamp schedule")[searches]}}], "delay": 1.5 if searches == 0 else 0}
-        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "the lamps follow the tides"}}]}
-
     with stack.llm.scope() as llm:
-        llm.script_fn("agent", plan)
+        # The first plan slow enough that the second finds the 1 s budget spent.
+        llm.script_fn("agent", search_twice_then_finish("the lamps follow the tides", first_delay=1.5))
         job_id = await _start(stack, f"Relate the lamps to the tides {llm.token}",
                               budget={"max_llm_calls": 10, "max_tokens": 100000, "max_seconds": 1})
         [review] = await waiting_reviews(stack, job_id)
@@ -341,6 +339,8 @@ async def test_seconds_granted_on_a_spent_time_budget_count_from_the_decision(st
     result = job["result"]
     assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the lamps follow the tides", 3)
     assert len(result["decisions"]) == 1
+    # What the result calls granted is how far the deadline moved (README): the 2 s and the 3 s waited past it.
+    assert result["granted"]["seconds"] > 2 + 3, result["granted"]
 
 
 async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack):
@@ -348,17 +348,14 @@ async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack
     searches twice, asks for more and is granted 2, and finishes. The root, which pays for the 3 calls
     below it, plans its answer without asking a reviewer again: the extension was granted for that spend.
     Before, each ancestor's budget guard tripped in turn (4 of 3)."""
+    sub_agent = search_twice_then_finish("twelve lamps")
+
     def plan(body: dict) -> dict:
-        if plan_depth(body) == 0:
-            if fresh_plan(body):
-                return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"count the lamps {token}"}}]}
-            return {"tool_calls": [{"name": "finish", "arguments": {"answer": "the root's answer"}}]}
-        observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
-        searches = observed.count("\n- ") + observed.startswith("- ")
-        if searches < 2:
-            return {"tool_calls": [{"name": "search_documents",
-                                    "arguments": {"query": ("tide tables", "lamp schedule")[searches]}}]}
-        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "twelve lamps"}}]}
+        if plan_depth(body) > 0:
+            return sub_agent(body)
+        if fresh_plan(body):
+            return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": f"count the lamps {token}"}}]}
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "the root's answer"}}]}
 
     with stack.llm.scope() as llm:
         token = llm.token

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import html
 import re
 import threading
 import time
 import uuid
 
+import httpx
 import pytest
 
 
+from api.app import create_app
 from ragline.blobstore import BlobStore
+from ragline.settings import Settings
 from tests.conftest import shared_pdf
 from tests.helpers import eventually
 from api.validators import display_name
@@ -351,6 +355,20 @@ async def test_the_api_docs_page_says_where_the_api_is_described_when_swagger_ui
     assert "onerror=" in bundle[1] and "/openapi.json" in html.split(bundle[0], 1)[1], html
     # What the message points at is there without the internet.
     assert (await stack.http.get("/openapi.json")).status_code == 200
+
+
+async def test_the_api_docs_page_behind_a_proxy_prefix_points_at_the_prefixed_schema(tmp_path):
+    """Served under a prefix (uvicorn --root-path /ragline behind a proxy), /docs loaded /openapi.json, outside
+    the prefix, and its offline message pointed there: Swagger UI showed a fetch error. Both now carry it."""
+    app = create_app(Settings(data_dir=tmp_path))
+    transport = httpx.ASGITransport(app=app, root_path="/ragline")
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as http:
+        page = await http.get("/ragline/docs")
+        assert page.status_code == 200, page.text
+        assert "url: '/ragline/openapi.json'" in page.text, page.text
+        onerror = html.unescape(re.search(r'<script src="[^"]+" onerror="([^"]*)"', page.text)[1])
+        assert '<a href=\\"/ragline/openapi.json\\">/ragline/openapi.json</a>' in onerror, onerror
+        assert (await http.get("/ragline/openapi.json")).status_code == 200
 
 
 

@@ -10,6 +10,7 @@ import os
 import uuid
 
 import httpx
+from temporalio.service import RPCError, RPCStatusCode
 
 from api import job_views
 from api.app import create_app
@@ -111,6 +112,43 @@ async def test_the_last_page_has_no_cursor_even_when_it_is_full(stack):
     assert {d["document_id"] for d in first["documents"] + last["documents"]} == \
         {d["document_id"] for d in whole["documents"]}
 
+
+async def test_a_page_read_is_answered_with_a_cursor_when_the_look_past_it_fails(stack, monkeypatch):
+    """After a full page the API asks Temporal whether anything follows (to leave a last page's cursor out).
+    When only that look failed, the page already read was lost to a 503; now it is answered, with a cursor."""
+    collection = f"peek-{uuid.uuid4().hex[:6]}"
+    body = await stack.upload(*[(f"reef-{i}.txt", f"Reef {i} lies off the point.".encode()) for i in range(2)],
+                              collection=collection)
+    assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+    params = {"collection": collection, "limit": 2}
+
+    async def both_listed() -> dict | None:
+        r = await stack.http.get("/v1/documents", params=params)
+        return r.json() if r.status_code == 200 and len(r.json()["documents"]) == 2 else None
+
+    whole = await eventually(both_listed, what="both documents listed")
+    assert whole["next_cursor"] is None, whole
+    client, list_workflows = stack.app.state.client, stack.app.state.client.list_workflows
+
+    class Unavailable:
+        async def fetch_next_page(self) -> None:
+            raise RPCError("Temporal went away", RPCStatusCode.UNAVAILABLE, b"")
+
+    def failing_peek(query: str, *, page_size: int, next_page_token: bytes | None = None,
+                     **kwargs):  # noqa: ANN003, ANN202
+        if next_page_token and page_size == 1:  # the look past the page (a page of this listing asks for 2)
+            return Unavailable()
+        return list_workflows(query, page_size=page_size, next_page_token=next_page_token, **kwargs)
+
+    monkeypatch.setattr(client, "list_workflows", failing_peek)
+    r = await stack.http.get("/v1/documents", params=params)
+    assert r.status_code == 200, r.text
+    assert [d["document_id"] for d in r.json()["documents"]] == [d["document_id"] for d in whole["documents"]]
+    assert r.json()["next_cursor"], r.json()
+    monkeypatch.undo()
+    after = await stack.http.get("/v1/documents", params={**params, "cursor": r.json()["next_cursor"]})
+    assert after.status_code == 200 and after.json()["documents"] == [], after.text
+    assert after.json()["next_cursor"] is None, after.json()
 
 def _unbase64(cursor: str) -> bytes:
     return base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))

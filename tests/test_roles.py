@@ -7,21 +7,25 @@ import socket
 
 import concurrent.futures
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from temporalio.service import TLSConfig
 
 import worker
 from devtools.supervisor import temporal_is_local, worker_specs
+from ragline import metrics
 from ragline.settings import Settings
 from ragline.vectorstore import open_index
 from temporal import policies, queues
 from temporal.client import connect, connect_options
 from temporal.telemetry import ServerStatsPoller
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, free_port
+from tests.helpers import eventually
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
 pytestmark = pytest.mark.usefixtures("restore_policies")
@@ -182,6 +186,36 @@ async def test_role_workers_poll_their_own_queues_with_their_own_slots(temporal_
     # The server's statistics (backlog, reviews and dead letters waiting) are read by the roles running
     # the jobs' workflows only: a fleet of activity workers would ask the same over and over.
     assert [role for role in queues.ROLES if ServerStatsPoller.wanted(role)] == ["all", "workflows"]
+
+
+async def test_an_activity_role_exports_the_step_slas_its_latency_alert_compares_with(temporal_env, tmp_path):
+    """The steps run on activity roles; their SLA gauge was set by the server-statistics poller only, which
+    runs on the workflow roles, so RaglineStepLatencyOverSLA had no SLA to compare an llm worker's p95 with."""
+    port = free_port()
+    env = {**os.environ, "RAGLINE_DATA_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1",
+           "RAGLINE_TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
+           "RAGLINE_TASK_QUEUE": "sla-role", "RAGLINE_POLICIES": str(FAST),
+           "RAGLINE_LLM_BASE_URL": "http://127.0.0.1:1/v1", "RAGLINE_WORKER_METRICS_PORT": str(port),
+           "RAGLINE_STEP_SLA": '{"generate_answer": 90}'}
+    proc = subprocess.Popen([sys.executable, "worker.py", "--role", "llm"], cwd=PROJECT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = re.compile(r'^ragline_step_sla_seconds\{.*activity_type="(\w+)".*\} (\S+)$', re.M)
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            async def slas() -> dict[str, float] | None:
+                assert proc.poll() is None, proc.communicate()[0]
+                try:
+                    text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                except httpx.TransportError:  # not serving yet
+                    return None
+                return {step: float(value) for step, value in line.findall(text)} or None
+
+            found = await eventually(slas, timeout=60, every=0.5, what="ragline_step_sla_seconds from the llm role")
+        assert found["generate_answer"] == 90.0
+        assert found["agent_plan"] == metrics.DEFAULT_STEP_SLA_SECONDS["agent_plan"]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
 
 
 def test_resource_based_slots_for_the_cpu_role(tmp_path):

@@ -4,9 +4,10 @@ One long-lived workflow per tenant (id `<tenant>.gate.<task queue>`, kind `tenan
 as a job) holds who runs and who waits. Everything it hears and says is a signal, so a burst of a
 tenant's jobs costs it a few workflow tasks, however many jobs there are:
 
-  acquire (from the job's acquire_slot activity, as signal-with-start, so a tenant's first job starts
-           its gate): the job runs at once while fewer than `limit` run and nobody waits, otherwise
-           it joins the back of the line; either way the job hears its standing (`slot_update`)
+  acquire (from the job's acquire_slot activity, which starts the gate, in a trace of its own, only
+           when its signal finds none: a tenant's first job): the job runs at once while fewer than
+           `limit` run and nobody waits, otherwise it joins the back of the line; either way the job
+           hears its standing (`slot_update`)
   release the job ended, or waits for a person: the next in line hears it may run
   sweep   while anyone waits and every slot is taken: drop holders that ended without releasing
           (terminated by hand), found through the worker's client, every `[running_slots] sweep`
