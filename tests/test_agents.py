@@ -343,6 +343,41 @@ async def test_seconds_granted_on_a_spent_time_budget_count_from_the_decision(st
     assert result["granted"]["seconds"] > 2 + 3, result["granted"]
 
 
+
+async def test_the_wait_for_a_reviewer_is_not_charged_to_the_agents_time(stack):
+    """An agent past its max_depth asks to delegate; the reviewer approves one more level after its whole
+    time budget has gone by in the wait. The sub-agent runs and the agent finishes on the time it had left.
+    Before, the wait was charged: the sub-agent started out of time and asked for a review of its own
+    ("time budget used up"), and the reviewer had to decide twice."""
+    def plan(body: dict) -> dict:
+        if plan_depth(body) == 0 and fresh_plan(body):
+            return delegating(f"count the boats {token}")
+        return {"tool_calls": [{"name": "finish", "arguments": {"answer": "twelve boats"}}]}
+
+    with stack.llm.scope() as llm:
+        token = llm.token
+        llm.script_fn("agent", plan)
+        job_id = await _start(stack, f"Survey the harbour {token}", max_depth=0,
+                              budget={"max_llm_calls": 10, "max_tokens": 100000, "max_seconds": 4})
+        [review] = await waiting_reviews(stack, job_id)
+        assert review["reason"] == "depth", review
+        waited = datetime.fromisoformat(review["requested_at"]) + timedelta(seconds=5)  # past the 4 s budget
+        await asyncio.sleep(max(0.0, (waited - datetime.now(waited.tzinfo)).total_seconds()))
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "approve", "reviewer": "ed", "extra_depth": 1, "requested_at": review["requested_at"]})
+        assert r.status_code == 200, r.text
+
+        async def ended_or_asked_again() -> dict | None:
+            job = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
+            again = [x for x in await _tree_reviews(stack, job_id) if x["requested_at"] != review["requested_at"]]
+            return job if job["status"] in ("completed", "failed") else {"asked again": again} if again else None
+        job = await eventually(ended_or_asked_again, what="the agent's end, or a second review")
+    assert job.get("status") == "completed", job
+    result = job["result"]
+    assert (result["status"], result["answer"]) == ("finished", "twelve boats"), result
+    assert [c["answer"] for c in result["tree"]["children"]] == ["twelve boats"], result["tree"]
+    assert len(result["decisions"]) == 1
+
 async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack):
     """The root (3 model calls) hands its sub-agent the 2 it has left after its first plan; the sub-agent
     searches twice, asks for more and is granted 2, and finishes. The root, which pays for the 3 calls

@@ -86,6 +86,10 @@ ONE_CHILD_PER_SUBGOAL_PATCH = "agent-one-sub-agent-per-sub-goal-of-a-plan"
 # waited moves to the decision first. Earlier agents added them to the passed deadline, so the wait for the
 # person ate them, and the agent (or the sub-agent it delegated to) asked again after one more plan.
 SECONDS_FROM_DECISION_PATCH = "agent-granted-seconds-count-from-the-decision"
+# The time a review waits for its person is not the agent's: a decision to go on moves the deadline on by
+# it. Earlier agents were charged for it, so one approved (a depth, a loop) after its time had run out in
+# the wait asked again at once, "time budget used up", and the reviewer had to decide twice.
+REVIEW_WAIT_NOT_CHARGED_PATCH = "agent-review-wait-not-charged"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -453,6 +457,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.deadline = max(self.deadline, deadline_given + timedelta(seconds=granted.seconds))
 
     async def _review(self, reason: str, detail: str, proposed: dict) -> ReviewDecision:
+        asked_at = workflow.now()
         try:
             decision = await self.reviews.ask(
                 reason=reason, detail=detail, proposed_action=proposed, goal=self.inp.goal, depth=self.inp.depth,
@@ -468,6 +473,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             self.budget.max_llm_calls += grant.llm_calls
             self.budget.max_tokens += grant.tokens
             self.granted.add(grant)
+            if workflow.patched(REVIEW_WAIT_NOT_CHARGED_PATCH):
+                self.deadline += workflow.now() - asked_at
             if extra.get("max_seconds"):
                 self.budget.max_seconds += extra["max_seconds"]
                 if workflow.patched(SECONDS_FROM_DECISION_PATCH):
