@@ -406,7 +406,8 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
                   updated_at=max([view.updated_at, *_aware(step_times)]), turn=turn, steps=steps,
                   result=result, answer=progress.answer if progress and result is None else None,
                   error=error, operator_decisions=progress.decisions if progress else [],
-                  trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links, waiting_for=ahead)
+                  trace_id=await trace_id(client, job_id, run_id, rpc_timeout), links=links, waiting_for=ahead,
+                  progress_unreadable=started and progress is None)
     if ended and (progress is not None or not started):  # whole: its steps came from the workflow
         _ENDED_VIEWS[(job_id, run_id)] = job
         if len(_ENDED_VIEWS) > ENDED_VIEWS_KEPT:

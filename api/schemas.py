@@ -204,10 +204,16 @@ class JobView(BaseModel):
                         "which answer first (one whose summary and entities still run is not listed: it holds "
                         "nothing). One that is dead-lettered or waits for a review holds the later ones until "
                         "it is decided, retried, discarded or cancelled")
+    progress_unreadable: bool = Field(
+        False, description="Only when true: no worker answered for the job just now (none runs, or all are busy), "
+                           "so `steps`, `answer` and `operator_decisions` hold only what the Temporal server "
+                           "knows (its pending steps), not the job's whole log; ask again")
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler):
         data = handler(self)
+        if not self.progress_unreadable:
+            data.pop("progress_unreadable", None)
         if self.kind != "chat":
             data.pop("turn", None)
         if not self.waiting_for:

@@ -235,6 +235,10 @@ async def test_reads_that_need_a_worker_say_so_while_none_runs(temporal_env, scr
         # The worker is gone. A finished job still reads whole: its view was kept by the API when it ended.
         r = await stack.http.get(f"/v1/jobs/{chat['job_id']}")
         assert r.status_code == 200 and r.json() == finished, r.text
+        # A running one says that what it shows is only the server's part, not that it has no steps.
+        r = await stack.http.get(f"/v1/jobs/{agent}")
+        assert r.status_code == 200 and r.json()["status"] == "running", r.text  # its sub-agent waits for review
+        assert r.json()["progress_unreadable"] is True, r.text
         for headers in ({}, {"Last-Event-ID": events[0][0]}):
             async with stack.http.stream("GET", f"/v1/jobs/{chat['job_id']}/events", headers=headers) as r:
                 assert r.status_code == 200
