@@ -32,6 +32,16 @@ async def _tree_reviews(stack, job_id: str) -> list[dict]:
     return [r for r in reviews if r["job_id"] == job_id or r["job_id"].startswith(f"{job_id}.")]
 
 
+async def _ended_or_asked_again(stack, job_id: str, review: dict) -> dict:
+    """The agent's job once it ended, or `{"asked again": [...]}` once its tree asked a review other than
+    `review`: whichever comes first."""
+    async def probe() -> dict | None:
+        job = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
+        again = [x for x in await _tree_reviews(stack, job_id) if x["requested_at"] != review["requested_at"]]
+        return job if job["status"] in ("completed", "failed") else {"asked again": again} if again else None
+    return await eventually(probe, what="the agent's end, or a second review")
+
+
 async def _cli(stack, *args: str) -> str:
     proc = await asyncio.create_subprocess_exec(
         temporal_binary(), *args, "--address", stack.settings.temporal_address,
@@ -329,12 +339,7 @@ async def test_seconds_granted_on_a_spent_time_budget_count_from_the_decision(st
             "decision": "approve", "reviewer": "ed", "extra_budget": {"max_seconds": 2},
             "requested_at": review["requested_at"]})
         assert r.status_code == 200, r.text
-
-        async def ended_or_asked_again() -> dict | None:
-            job = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
-            again = [x for x in await _tree_reviews(stack, job_id) if x["requested_at"] != review["requested_at"]]
-            return job if job["status"] in ("completed", "failed") else {"asked again": again} if again else None
-        job = await eventually(ended_or_asked_again, what="the agent's end, or a second review")
+        job = await _ended_or_asked_again(stack, job_id, review)
     assert job.get("status") == "completed", job
     result = job["result"]
     assert (result["status"], result["answer"], result["llm_calls"]) == ("finished", "the lamps follow the tides", 3)
@@ -366,12 +371,7 @@ async def test_the_wait_for_a_reviewer_is_not_charged_to_the_agents_time(stack):
         r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
             "decision": "approve", "reviewer": "ed", "extra_depth": 1, "requested_at": review["requested_at"]})
         assert r.status_code == 200, r.text
-
-        async def ended_or_asked_again() -> dict | None:
-            job = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
-            again = [x for x in await _tree_reviews(stack, job_id) if x["requested_at"] != review["requested_at"]]
-            return job if job["status"] in ("completed", "failed") else {"asked again": again} if again else None
-        job = await eventually(ended_or_asked_again, what="the agent's end, or a second review")
+        job = await _ended_or_asked_again(stack, job_id, review)
     assert job.get("status") == "completed", job
     result = job["result"]
     assert (result["status"], result["answer"]) == ("finished", "twelve boats"), result
