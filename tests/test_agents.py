@@ -378,6 +378,7 @@ async def test_the_wait_for_a_reviewer_is_not_charged_to_the_agents_time(stack):
     assert [c["answer"] for c in result["tree"]["children"]] == ["twelve boats"], result["tree"]
     assert len(result["decisions"]) == 1
 
+
 async def test_an_extension_granted_below_extends_the_ancestors_budget_too(stack):
     """The root (3 model calls) hands its sub-agent the 2 it has left after its first plan; the sub-agent
     searches twice, asks for more and is granted 2, and finishes. The root, which pays for the 3 calls
