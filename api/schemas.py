@@ -123,6 +123,9 @@ class AcceptedDocument(BaseModel):
     sha256: str
     same_content: list[str] = Field([], description="Other files of the request with the very same bytes: one "
                                                     "document, listed under the first file's name")
+    indexed_as: str | None = Field(None, description="A duplicate upload only: the file name the document is "
+                                                     "already indexed under, when it is not this one (citations, "
+                                                     "search hits and listings show that name)")
 
 
 class DocumentsAccepted(Accepted):

@@ -114,6 +114,10 @@ async def test_same_bytes_same_collection_is_not_ingested_twice(stack):
     again = await stack.upload(("renamed.pdf", data), collection="ingest-idem")
     assert again["job_id"] == first["job_id"] and again["duplicate"] is True
     assert again["documents"][0]["document_id"] == first["documents"][0]["document_id"]
+    # Sent under another name: the response says which name the document stays under.
+    assert (again["documents"][0]["filename"], again["documents"][0]["indexed_as"]) == ("renamed.pdf", "outline.pdf")
+    same_name = await stack.upload(("outline.pdf", data), collection="ingest-idem")
+    assert same_name["duplicate"] is True and same_name["documents"][0]["indexed_as"] is None
     # Concurrent duplicates while nothing exists yet still make one job.
     fresh = shared_pdf("toy.pdf").read_bytes()
     bodies = await asyncio.gather(*(stack.upload(("toy.pdf", fresh), collection="ingest-idem") for _ in range(5)))

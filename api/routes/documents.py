@@ -177,6 +177,7 @@ async def upload_documents(
     job_id = ingest_job_id(caller.tenant, collection, list(documents),
                            request.app.state.password_tags.tag(password or None))
     duplicate = await _already_done_or_running(client, job_id, caller.tenant, list(documents), timeout)
+    indexed_as = await _indexed_names(client, caller.tenant, documents, timeout) if duplicate else {}
     if not duplicate:
         starting(request, job_id)
         await client.start_workflow(
@@ -196,7 +197,7 @@ async def upload_documents(
         observability.job_accepted("ingest")
     return DocumentsAccepted.for_job(request, job_id, duplicate=duplicate, documents=[
         AcceptedDocument(document_id=d.document_id, filename=d.filename, sha256=d.sha256,
-                         same_content=same_content.get(d.document_id, []))
+                         same_content=same_content.get(d.document_id, []), indexed_as=indexed_as.get(d.document_id))
         for d in documents.values()])
 
 
@@ -215,6 +216,16 @@ async def _refuse_documents_being_removed(client: Client, tenant: str, documents
             raise ApiError(409, "document_being_removed", f"{doc.filename}: the same document is being removed by "
                            f"job {removal}; upload it again once that job has ended", file=doc.filename,
                            job_id=removal)
+
+
+async def _indexed_names(client: Client, tenant: str, documents: dict[str, DocumentInput],
+                         timeout: timedelta) -> dict[str, str]:
+    """Of a duplicate upload's documents, those indexed (or being indexed) under another file name: that one
+    is what citations, search hits and listings show."""
+    descs = await asyncio.gather(*(job_views.describe_or_none(client, document_workflow_id(tenant, d), timeout)
+                                   for d in documents))
+    names = {d: desc.typed_search_attributes.get(sa.FILENAME) for d, desc in zip(documents, descs) if desc}
+    return {d: name for d, name in names.items() if name and name != documents[d].filename}
 
 
 async def _ingestion_of(client: Client, ingestion: str, tenant: str, timeout: timedelta):  # noqa: ANN202
