@@ -15,9 +15,13 @@ model's context (the summary first), a follow-up whose job waits for its go whil
 for a reviewer (looking whether its session still runs meanwhile), a chat turn dead-lettered by a failing
 model and retried by an operator, a held answer whose summary is discarded while its review waits, one
 whose reviewer rejects it while its summary is parked, a turn that fails after its answer was shown (its
-summary discarded), a held refusal, an answer cut as it looped, a reply of markers only, an evaluation, a
-search, a blob sweep, and a tenant capped at one running job whose second turn waits for its slot (the
-gate's history too).
+summary discarded), a turn of a session that continues as new after each turn cancelled while its summary
+runs (its answer shown: it tells its session, which reads it at the turn's end) and the question sent after
+it, an agent out of time granted seconds by a reviewer (counted from the decision), a held refusal, an
+answer cut as it looped, a reply of markers only, an evaluation, a search, a blob sweep, a tenant capped at
+one running job whose second turn waits for its slot (the gate's history too), and a turn whose cancel comes
+in one workflow task with its session's ask for the answer (real workflows on fake activities: the workflow
+worker stopped meanwhile), which awaits the answer the ask sends before it ends.
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
@@ -29,22 +33,27 @@ import os
 import sys
 import tempfile
 import uuid
+from datetime import datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
+from temporalio.client import WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from devtools.devserver import dynamic_config_flags, temporal_binary
-from devtools.scripted_llm import ScriptedLLM
+from devtools.scripted_llm import ScriptedLLM, last_user_message
 from models.blobs import SweepInput
-from models.chat import SessionState, session_workflow_id
+from models.chat import HistoryItem, SessionState, session_workflow_id
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
 from tests.helpers import (delegate_until, eventually, fresh_plan, plan_depth, read_events,
                            two_sub_agents_that_delegate_deeper, waiting_reviews)
-from workflows.chat import ChatSessionWorkflow
+from tests.test_workflows import FirstTurnsSummaryRunsOn, fake_worker, start_session, turn, turn_result
+from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
@@ -251,6 +260,34 @@ async def record() -> list[Path]:
             await asyncio.sleep(1)
             saved += await _save(client, "agent-same-sub-goal", f"WorkflowId STARTS_WITH '{counted}'")
 
+            # An agent out of time (its first search slow) asks for a review; the reviewer decides 3 s after the
+            # ask and grants 2 s more, which count from the decision: it searches once more and finishes.
+            def slow_first_search(body: dict) -> dict:
+                observed = body["messages"][-1]["content"].split("OBSERVATIONS SO FAR:\n", 1)[1].split("\n\n", 1)[0]
+                searches = observed.count("\n- ") + observed.startswith("- ")
+                if searches < 2:
+                    return {"tool_calls": [{"name": "search_documents", "arguments": {
+                        "query": ("lamp keepers", "ship log")[searches]}}], "delay": 1.5 if searches == 0 else 0}
+                return {"tool_calls": [{"name": "finish", "arguments": {"answer": "The keepers log the ships."}}]}
+            with stack.llm.scope() as mine:
+                mine.script_fn("agent", slow_first_search)
+                r = await stack.http.post("/v1/agents", json={
+                    "goal": f"Relate the lamps to the ships {mine.token}", "collection": "record",
+                    "budget": {"max_llm_calls": 10, "max_tokens": 100000, "max_seconds": 1}})
+                timed = r.json()["job_id"]
+                [review] = await waiting_reviews(stack, timed)
+                assert review["reason"] == "budget" and "time budget used up" in review["detail"], review
+                waited = datetime.fromisoformat(review["requested_at"]) + timedelta(seconds=3)
+                await asyncio.sleep(max(0.0, (waited - datetime.now(waited.tzinfo)).total_seconds()))
+                r = await stack.http.post(f"/v1/jobs/{timed}/review", json={
+                    "decision": "approve", "reviewer": "rec", "extra_budget": {"max_seconds": 2},
+                    "requested_at": review["requested_at"]})
+                assert r.status_code == 200, r.text
+                job = await stack.wait_done(timed)
+            assert job["status"] == "completed" and len(job["result"]["decisions"]) == 1, job
+            await asyncio.sleep(1)
+            saved += await _save(client, "agent-seconds-granted", f"WorkflowId = '{timed}'")
+
             # A watched turn whose passages overflow the model's context: the summary runs first, its steps
             # shown while it runs.
             log = " ".join(f"Log entry {n}: the keeper of pier {n % 7} lit lamp {n} at dusk and logged ship {n * 3}."
@@ -313,6 +350,45 @@ async def record() -> list[Path]:
             saved += await _save(client, "chat-failed-after-answer", f"WorkflowId = '{shown['job_id']}'")
             saved += await _save(client, "chat-failed-after-answer",
                                  f"WorkflowId = '{session_workflow_id(stack.tenant, shown['session_id'])}'")
+
+            # A session that continues as new after each turn. Its second turn (started by the first run, so
+            # carried over) is cancelled while its summary runs, its answer shown: on its way out it tells its
+            # session that answer, which the session reads at the turn's end (a cancel carries none). The
+            # question sent once it has ended is asked with it.
+            session = f"cancel-{uuid.uuid4().hex[:6]}"
+            await client.start_workflow(
+                ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, turns_per_run=1),
+                id=session_workflow_id(stack.tenant, session), task_queue=stack.settings.task_queue,
+                search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                         SearchAttributePair(sa.SESSION, session),
+                                                         SearchAttributePair(sa.TENANT, stack.tenant)]))
+
+            def summary_hangs(body: dict) -> dict | None:
+                return {"content": "Never read.", "delay": 60} if "And when?" in last_user_message(
+                    body["messages"]) else None
+            with stack.llm.scope(delay=1.0) as slow, stack.llm.scope() as mine:
+                mine.script_fn("summarize", summary_hangs)
+                # The first turn answers slowly: the second is sent (and its job started) while it runs.
+                await stack.chat(f"Question: who lights the lamps? {slow.token}", session_id=session,
+                                 collection="record")
+                cancelled = await stack.chat(f"And when? {mine.token}", session_id=session, collection="record")
+                await mine.wait_for_calls(1, "summarize")
+                r = await stack.http.post(f"/v1/jobs/{cancelled['job_id']}/cancel")
+                assert r.status_code == 202, r.text
+                assert (await stack.wait_done(cancelled["job_id"]))["status"] == "cancelled"
+                after = await stack.chat(f"And who logs the ships? {mine.token}", session_id=session,
+                                         collection="record")
+                assert (await stack.wait_job(after["job_id"]))["status"] == "completed"
+                shown = next(c for c in mine.calls("answer") if c.question.startswith("And when?")).reply.strip()
+                asked = next(c for c in mine.calls("answer") if c.question.startswith("And who logs"))
+                assert f"A: {shown}" in asked.user_message, asked.user_message
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-cancelled-after-answer", f"WorkflowId = '{cancelled['job_id']}'")
+            runs = await _save(client, "chat-cancelled-after-answer",
+                               f"WorkflowId = '{session_workflow_id(stack.tenant, session)}'")
+            # A run for each turn (the cancelled one carried over) and the one waiting after the last.
+            assert len(runs) == 4, runs
+            saved += runs
 
             # A held turn whose collection holds no document: the refusal waits for the reviewer (not cached).
             r = await stack.http.post("/v1/chats", json={"message": "Question: when are the lamps lit?",
@@ -385,6 +461,39 @@ async def record() -> list[Path]:
             await asyncio.sleep(1)
             saved += await _save(client, "running-slots", f"WorkflowId = '{second.json()['job_id']}'")
             saved += await _save(client, "running-slots", "WorkflowType = 'TenantGateWorkflow' AND RaglineTenant = 'capped'")
+
+            # The first turn of a session has shown its answer and runs its summary. No workflow worker runs
+            # while the session's ask for that answer (the next question came) and a person's cancel reach the
+            # turn, both in one workflow task: the cancelled turn awaits the answer the ask sends before it ends.
+            # As tests/test_workflows.py does it: the real workflows, its fakes for the activities, on a task
+            # queue of their own (last: its workers load the test policies for the fakes' names).
+            on_server = SimpleNamespace(client=client)  # what fake_worker takes
+            fakes = FirstTurnsSummaryRunsOn()
+            session = f"ask-{uuid.uuid4().hex[:6]}"
+            first, second = turn(session, "First question?"), turn(session, "Second question?")
+
+            async def summary_runs() -> bool:
+                return bool(fakes.named("summarize_context"))
+            async with fake_worker(on_server, fakes, runs="activities") as queue:
+                async with fake_worker(on_server, fakes, queue, sticky=False, runs="workflows"):
+                    handle = await start_session(on_server, queue, first)
+                    await eventually(summary_runs, timeout=20, what="the first turn's summary")
+                job = client.get_workflow_handle(first.job_id)
+                await job.signal(ChatTurnWorkflow.follow_up_waits)  # what the session sends once `second` is queued
+                await job.cancel()
+                async with fake_worker(on_server, fakes, queue, runs="workflows"):
+                    try:
+                        await job.result()
+                        raise AssertionError("the first turn was not cancelled")
+                    except WorkflowFailureError as exc:
+                        assert isinstance(exc.cause, CancelledError), exc.cause
+                    await handle.signal(ChatSessionWorkflow.submit, second)
+                    await turn_result(on_server, second.job_id)
+            asked = next(c.arg for c in fakes.named("generate_answer") if c.arg.question == "Second question?")
+            assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-cancel-with-ask", f"WorkflowId = '{first.job_id}'")
+            saved += await _save(client, "chat-cancel-with-ask", f"WorkflowId = '{handle.id}'")
     finally:
         await llm.stop()
         await env.shutdown()

@@ -4,6 +4,7 @@ change that would break a running chat session or agent (both AUTO_UPGRADE to a 
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from pathlib import Path
@@ -18,7 +19,8 @@ from ragline.settings import Settings
 from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
-from workflows.chat import ChatTurnWorkflow
+from workflows.agent import SECONDS_FROM_DECISION_PATCH
+from workflows.chat import CANCELLED_TURN_ANSWER_PATCH, ChatTurnWorkflow
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
 pytestmark = pytest.mark.usefixtures("restore_policies")
@@ -28,6 +30,18 @@ FILES = sorted(HISTORIES.glob("*--*.json"))
 # Histories recorded by earlier code and kept: jobs in flight during a deploy must go on replaying
 # (a change guarded by `workflow.patched`, like running slots, keeps them valid).
 EARLIER = sorted(HISTORIES.glob("before-*/*--*.json"))
+
+
+def _patches(prefix: str) -> set[str]:
+    """The patch ids the recorded histories whose names start with `prefix` carry (their markers' payloads)."""
+    ids = set()
+    for path in (p for p in FILES if p.name.startswith(prefix)):
+        for event in json.loads(path.read_text())["events"]:
+            marker = event.get("markerRecordedEventAttributes", {})
+            if marker.get("markerName") == "core_patch":
+                ids |= {json.loads(base64.b64decode(payload["data"]))["id"]
+                        for payload in marker["details"]["patch-data"]["payloads"]}
+    return ids
 
 
 def _history(path: Path) -> WorkflowHistory:
@@ -55,7 +69,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert types == {cls.__name__ for cls in worker.WORKFLOWS}
     scenarios = {p.stem.split("--")[0] for p in FILES}
     assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry", "running-slots",
-                         "follow-up-waits-for-go"}
+                         "follow-up-waits-for-go", "chat-cancelled-after-answer", "chat-cancel-with-ask",
+                         "agent-seconds-granted"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -70,6 +85,15 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert '"session_still_runs"' in waited and "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED" in waited
     parked = next(p for p in FILES if p.stem.startswith("dead-letter-retry--")).read_text()
     assert '"retry"' in parked
+    # A turn cancelled after its answer was shown told its session (carried over a continue-as-new, the
+    # session read it at the turn's end); one whose cancel came with the session's ask awaited that send.
+    assert CANCELLED_TURN_ANSWER_PATCH in _patches("chat-cancelled-after-answer--ChatTurnWorkflow")
+    assert CANCELLED_TURN_ANSWER_PATCH in _patches("chat-cancelled-after-answer--ChatSessionWorkflow")
+    assert CANCELLED_TURN_ANSWER_PATCH in _patches("chat-cancel-with-ask--ChatTurnWorkflow")
+    asked = next(p for p in FILES if p.stem.startswith("chat-cancel-with-ask--ChatTurnWorkflow")).read_text()
+    assert '"follow_up_waits"' in asked and "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED" in asked
+    # Seconds a reviewer granted an agent out of time counted from the decision.
+    assert SECONDS_FROM_DECISION_PATCH in _patches("agent-seconds-granted--")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])

@@ -375,15 +375,19 @@ async def fake_worker(env: WorkflowEnvironment, fakes: Fakes, queue: str | None 
     back) and its -cpu, -llm and -vector queues, as the worker runs them, under the test policy file loaded
     for the fakes' names. `sticky=False`: no workflow is cached, so no task waits for this worker once it
     has gone (the test server never hands a sticky task on to another worker). `runs`: "workflows" or
-    "activities" for one part alone (the fakes go on while no workflow runs, say); one queue takes one of each."""
+    "activities" for one part alone (the fakes go on while no workflow runs, say); one queue takes one of each.
+    A worker of workflows alone still runs their local activities (a job's end gives its running slot back in
+    one), as the main queue's worker does: without them the end fails the activity and records no marker, and
+    its history would not replay."""
     queue = queue or f"wf-{uuid.uuid4().hex[:8]}"
     activities = fakes.all()
     policies.load(FAST_POLICIES, [policies.activity_name(a) for a in activities])
     async with AsyncExitStack() as stack:
         cache = {} if sticky else {"max_cached_workflows": 0}
         parts = {} if runs == "activities" else {"workflows": worker.WORKFLOWS, **cache}
-        if runs != "workflows":
-            parts["activities"] = activities
+        parts["activities"] = activities
+        if runs == "workflows":
+            parts["no_remote_activities"] = True  # local activities only
         await stack.enter_async_context(Worker(env.client, task_queue=queue, **parts))
         for kind in ("cpu", "llm", "vector") if runs != "workflows" else ():
             await stack.enter_async_context(Worker(env.client, task_queue=queues.queue_name(queue, kind),
