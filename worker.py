@@ -379,7 +379,8 @@ async def main(argv: list[str] | None = None) -> int:
         return 4
     if address:
         log.info("worker metrics", url=f"http://{address}/metrics")
-        export_step_sla(runtime, settings)
+        export_step_sla(runtime, settings, [name for name, policy in policies.loaded().activities.items()
+                                            if policy.queue in queues.ROLES[role]])
     client = await connect(settings, identity=f"ragline-{role}@{socket.gethostname()}:{os.getpid()}",
                            runtime=runtime)
     if role in ("all", "workflows"):

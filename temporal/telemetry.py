@@ -90,13 +90,16 @@ def _outcome(exc: BaseException) -> str:
     return "retryable_error"
 
 
-def export_step_sla(runtime: Runtime, settings: Settings) -> None:
-    """Each step's SLA (ragline_step_sla_seconds), from every worker whatever its role: the latency alert
-    compares a step's p95 with it, and the steps run on activity roles, which run no ServerStatsPoller."""
+def export_step_sla(runtime: Runtime, settings: Settings, steps: Iterable[str] | None = None) -> None:
+    """The SLA (ragline_step_sla_seconds) of each step this worker runs (`steps`; None: every step): the
+    latency alert compares a step's p95 with it, and takes the largest a worker exports, so a role exports
+    only its own steps' (an override set on the llm role is not outvoted by another role's default)."""
     sla = runtime.metric_meter.create_gauge_float(
         metrics.STEP_SLA, "What one step should take; alerts fire at 2x its p95", "s")
+    runs = None if steps is None else set(steps)
     for step, seconds in {**metrics.DEFAULT_STEP_SLA_SECONDS, **settings.step_sla}.items():
-        sla.set(float(seconds), {"activity_type": step})
+        if runs is None or step in runs:
+            sla.set(float(seconds), {"activity_type": step})
 
 
 class ServerStatsPoller:

@@ -213,6 +213,9 @@ async def test_an_activity_role_exports_the_step_slas_its_latency_alert_compares
             found = await eventually(slas, timeout=60, every=0.5, what="ragline_step_sla_seconds from the llm role")
         assert found["generate_answer"] == 90.0
         assert found["agent_plan"] == metrics.DEFAULT_STEP_SLA_SECONDS["agent_plan"]
+        # Only its own steps: the alert takes the largest SLA any worker exports, and another role's default
+        # for generate_answer would outvote the override set here.
+        assert "extract_text" not in found and "retrieve_context" not in found, found
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
