@@ -123,9 +123,9 @@ class AcceptedDocument(BaseModel):
     sha256: str
     same_content: list[str] = Field([], description="Other files of the request with the very same bytes: one "
                                                     "document, listed under the first file's name")
-    indexed_as: str | None = Field(None, description="A duplicate upload only: the file name the document is "
-                                                     "already indexed under, when it is not this one (citations, "
-                                                     "search hits and listings show that name)")
+    indexed_as: str | None = Field(None, description="A duplicate upload only, once the document's own ingestion "
+                                                     "has started: the file name it is indexed under, when it is "
+                                                     "not this one (citations, search hits and listings show it)")
 
 
 class DocumentsAccepted(Accepted):
@@ -209,8 +209,8 @@ class JobView(BaseModel):
                         "it is decided, retried, discarded or cancelled")
     progress_unreadable: bool = Field(
         False, description="Only when true: no worker answered for the job just now (none runs, or all are busy), "
-                           "so `steps`, `answer` and `operator_decisions` hold only what the Temporal server "
-                           "knows (its pending steps), not the job's whole log; ask again")
+                           "so `steps`, `answer` and `operator_decisions` are unknown (they read empty), not "
+                           "none; ask again")
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler):
@@ -254,7 +254,7 @@ class ReviewList(BaseModel):
     unreadable: list[str] = Field(default_factory=list, description=(
         "Jobs waiting for a review whose request could not be read just now (no worker answered the "
         "query in time): they still wait; ask again"))
-    more: bool = Field(False, description="More jobs wait for a review than this list holds (500 of each kind: "
+    more: bool = Field(False, description="More jobs may wait for a review than this list holds (500 of each kind: "
                                           "waiting for review, and chat turns parked while their review waits); "
                                           "decide some and ask again")
 
