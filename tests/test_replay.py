@@ -20,7 +20,7 @@ from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
 from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH
-from workflows.chat import CANCELLED_TURN_ANSWER_PATCH, ChatTurnWorkflow
+from workflows.chat import CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, ChatTurnWorkflow
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
 pytestmark = pytest.mark.usefixtures("restore_policies")
@@ -89,7 +89,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     # session read it at the turn's end); one whose cancel came with the session's ask awaited that send.
     assert CANCELLED_TURN_ANSWER_PATCH in _patches("chat-cancelled-after-answer--ChatTurnWorkflow")
     assert CANCELLED_TURN_ANSWER_PATCH in _patches("chat-cancelled-after-answer--ChatSessionWorkflow")
-    assert CANCELLED_TURN_ANSWER_PATCH in _patches("chat-cancel-with-ask--ChatTurnWorkflow")
+    assert {CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH} <= \
+        _patches("chat-cancel-with-ask--ChatTurnWorkflow")
     asked = next(p for p in FILES if p.stem.startswith("chat-cancel-with-ask--ChatTurnWorkflow")).read_text()
     assert '"follow_up_waits"' in asked and "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED" in asked
     # Seconds a reviewer granted an agent out of time counted from the decision.

@@ -100,6 +100,9 @@ GO_WATCHES_SESSION_PATCH = "turn-waiting-for-its-go-watches-its-session"
 # session saw a cancelled job and dropped the answer from the history. Both workflow types check it (the turn
 # before it tells, the session before it reads what it was told at the turn's end): retire it in both together.
 CANCELLED_TURN_ANSWER_PATCH = "cancelled-turn-tells-its-shown-answer"
+# A turn cancelled while the answer a later turn asked for is on its way to the session waits for it to land
+# (the server drops a signal its closed sender had not delivered yet). Earlier turns ended at once.
+CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH = "cancelled-turn-waits-for-its-answer-sent"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -396,7 +399,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         if self._final_answer and workflow.patched(CANCELLED_TURN_ANSWER_PATCH):
             if not self._session_told:
                 await self._send_session_the_answer(self._turn)
-            await workflow.wait_condition(lambda: self._telling_settled)
+            elif not self._telling_settled and workflow.patched(CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH):
+                await workflow.wait_condition(lambda: self._telling_settled)
 
     @staticmethod
     def _gave_no_answer(answer: GenerateOutput) -> bool:
