@@ -8,6 +8,7 @@ import re
 import shutil
 import sys
 from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -99,6 +100,12 @@ async def read_events(stack, job_id: str, *, last_event_id: str | None = None, s
                 if stop_after and len(events) >= stop_after:
                     break
     return events
+
+
+async def until_waited(review: dict, seconds: float) -> None:
+    """Returns once the review has waited `seconds` since it was requested (a person deciding late)."""
+    waited = datetime.fromisoformat(review["requested_at"]) + timedelta(seconds=seconds)
+    await asyncio.sleep(max(0.0, (waited - datetime.now(waited.tzinfo)).total_seconds()))
 
 
 async def waiting_reviews(stack, job_id: str, *, count: int = 1, timeout: float = 60) -> list[dict]:

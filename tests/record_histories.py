@@ -33,7 +33,6 @@ import os
 import sys
 import tempfile
 import uuid
-from datetime import datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,7 +50,7 @@ from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
 from tests.helpers import (delegate_until, eventually, fresh_plan, plan_depth, read_events,
-                           two_sub_agents_that_delegate_deeper, waiting_reviews)
+                           two_sub_agents_that_delegate_deeper, until_waited, waiting_reviews)
 from tests.test_workflows import FirstTurnsSummaryRunsOn, fake_worker, start_session, turn, turn_result
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 
@@ -277,8 +276,7 @@ async def record() -> list[Path]:
                 timed = r.json()["job_id"]
                 [review] = await waiting_reviews(stack, timed)
                 assert review["reason"] == "budget" and "time budget used up" in review["detail"], review
-                waited = datetime.fromisoformat(review["requested_at"]) + timedelta(seconds=3)
-                await asyncio.sleep(max(0.0, (waited - datetime.now(waited.tzinfo)).total_seconds()))
+                await until_waited(review, 3)
                 r = await stack.http.post(f"/v1/jobs/{timed}/review", json={
                     "decision": "approve", "reviewer": "rec", "extra_budget": {"max_seconds": 2},
                     "requested_at": review["requested_at"]})

@@ -16,7 +16,7 @@ from devtools.scripted_llm import parse_prompt
 from tests.conftest import running_stack
 from tests.helpers import (
     delegate_until, delegating, eventually, fresh_plan, plan_depth, plan_goal, read_events, session_turns,
-    two_sub_agents_that_delegate_deeper, waiting_reviews,
+    two_sub_agents_that_delegate_deeper, until_waited, waiting_reviews,
 )
 from workflows.agent import MAX_TURNS
 
@@ -333,8 +333,7 @@ async def test_seconds_granted_on_a_spent_time_budget_count_from_the_decision(st
         assert review["reason"] == "budget" and "time budget used up" in review["detail"], review
         # The person takes longer to decide than the seconds they grant (as anyone does who grants a minute
         # after an hour): the review has waited 3 s past its request when the 2 s come.
-        waited = datetime.fromisoformat(review["requested_at"]) + timedelta(seconds=3)
-        await asyncio.sleep(max(0.0, (waited - datetime.now(waited.tzinfo)).total_seconds()))
+        await until_waited(review, 3)
         r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
             "decision": "approve", "reviewer": "ed", "extra_budget": {"max_seconds": 2},
             "requested_at": review["requested_at"]})
@@ -366,8 +365,7 @@ async def test_the_wait_for_a_reviewer_is_not_charged_to_the_agents_time(stack):
                               budget={"max_llm_calls": 10, "max_tokens": 100000, "max_seconds": 4})
         [review] = await waiting_reviews(stack, job_id)
         assert review["reason"] == "depth", review
-        waited = datetime.fromisoformat(review["requested_at"]) + timedelta(seconds=5)  # past the 4 s budget
-        await asyncio.sleep(max(0.0, (waited - datetime.now(waited.tzinfo)).total_seconds()))
+        await until_waited(review, 5)  # past the 4 s budget
         r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
             "decision": "approve", "reviewer": "ed", "extra_depth": 1, "requested_at": review["requested_at"]})
         assert r.status_code == 200, r.text
