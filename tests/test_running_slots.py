@@ -8,6 +8,7 @@ sweep, and other tenants are not held up."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -262,6 +263,35 @@ async def test_a_sub_agent_waiting_for_a_person_lends_its_trees_slot(stack):
             r = await http.post(f"/v1/jobs/{review['job_id']}/review", json={"decision": "reject", "reviewer": "ed"})
             assert r.status_code == 200, r.text
             assert await _wait_status(http, root, "completed", "failed") == "completed"
+
+
+async def test_an_agent_is_not_charged_for_the_time_it_waits_in_line_for_its_tenants_slot(stack):
+    """A capped tenant's agent waits in line behind a turn that holds the slot, longer than its whole time
+    budget; once it has the slot it works on the time it was given, and finishes. Before, the line was
+    charged: the agent came out of it out of time and asked a reviewer ("time budget used up") before
+    doing any work."""
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http)
+        async with _a_turn_holding_the_slot(stack, http) as held:
+            with stack.llm.scope() as agent:
+                agent.script_fn("agent", lambda body: {
+                    "tool_calls": [{"name": "finish", "arguments": {"answer": "at dusk"}}]})
+                r = await http.post("/v1/agents", json={
+                    "goal": f"When is the lamp lit? {agent.token}", "collection": "slots",
+                    "budget": {"max_llm_calls": 10, "max_tokens": 100000, "max_seconds": 4}})
+                assert r.status_code == 202, r.text
+                accepted, job_id = time.monotonic(), r.json()["job_id"]
+                await _in_line(stack, tenant, job_id)
+                await asyncio.sleep(max(0.0, accepted + 5 - time.monotonic()))  # past its 4 s, in line
+                assert await _status(http, job_id) == "queued"
+                held.release.set()
+                status = await _wait_status(http, job_id, "completed", "failed", "waiting_review")
+                job = (await http.get(f"/v1/jobs/{job_id}")).json()
+    assert status == "completed", job
+    result = job["result"]
+    assert (result["status"], result["answer"], result["decisions"]) == ("finished", "at dusk", [])
+    assert result["granted"]["seconds"] == 0  # the line moved its deadline, but granted it nothing
 
 
 async def test_a_decision_lands_at_once_and_the_slot_is_asked_for_again_only_for_more_work(stack):

@@ -90,6 +90,10 @@ SECONDS_FROM_DECISION_PATCH = "agent-granted-seconds-count-from-the-decision"
 # it. Earlier agents were charged for it, so one approved (a depth, a loop) after its time had run out in
 # the wait asked again at once, "time budget used up", and the reviewer had to decide twice.
 REVIEW_WAIT_NOT_CHARGED_PATCH = "agent-review-wait-not-charged"
+# Time queued for the tenant's running slot is not the agent's either: its deadline moves on by it. Earlier
+# agents were charged for it, so one that waited in line longer than its time budget (a capped tenant's
+# busy hour) came out of the line and asked a reviewer for time before doing any work.
+SLOT_WAIT_NOT_CHARGED_PATCH = "agent-slot-wait-not-charged"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -177,6 +181,12 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             except Exception as exc:  # noqa: BLE001 - the parent has ended: nobody to tell
                 workflow.logger.info("could not tell the parent agent %s what it spent: %s", parent.workflow_id, exc)
         await super()._cancelled()
+
+    def slot_waited(self, waited: timedelta) -> None:
+        # Not a grant either: the deadline it started with moves on too.
+        if workflow.patched(SLOT_WAIT_NOT_CHARGED_PATCH):
+            self.deadline += waited
+            self._first_deadline += waited
 
     def _granted(self) -> Grant:
         moved = (self.deadline - self._first_deadline).total_seconds()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
 from temporalio import workflow
@@ -78,7 +79,7 @@ class JobWorkflow:
     def __init__(self) -> None:
         self.events = JobEvents()
         self.steps = StepLog(self.events, self._sync_status, [policies.activity_name(a) for a in self.PLANNED])
-        self.slot = RunningSlot(self.events, self._sync_status)
+        self.slot = RunningSlot(self.events, self._sync_status, on_held=self.slot_waited)
         self._calls_running = 0
         self.waits = PersonWaits(self.slot, within_parent=lambda: not self.takes_slot(),
                                  busy=lambda: self._calls_running, on_child=self._child_waiting)
@@ -156,6 +157,9 @@ class JobWorkflow:
         """Until the job holds its tenant's running slot (asked for as the job began)."""
         if self._slot_asked is not None:
             await self._slot_asked
+
+    def slot_waited(self, waited: timedelta) -> None:
+        """The job holds its tenant's running slot, after asking for it (in line at a full gate) this long."""
 
     def takes_slot(self) -> bool:
         """Whether this job counts against its tenant's running jobs (workflows/slot.py): only a job

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 from temporalio import workflow
 
@@ -38,9 +39,11 @@ LEND_WHEN_IDLE_PATCH = "slot-lent-once-work-ends"
 
 
 class RunningSlot:
-    def __init__(self, events: JobEvents, on_change: Callable[[], None]) -> None:
+    def __init__(self, events: JobEvents, on_change: Callable[[], None],
+                 on_held: Callable[[timedelta], None] = lambda waited: None) -> None:
         self._events = events
         self._on_change = on_change
+        self._on_held = on_held  # told, once the slot is held, how long asking for it took
         self._ticket = 0
         self._standing: SlotGrant | None = None
         self._asked = False    # the gate knows of this job (holding, or in line)
@@ -70,6 +73,7 @@ class RunningSlot:
         # outside any gate.
         if not takes_slot or tenant is None or not workflow.patched(PATCH):
             return
+        asked_at = workflow.now()
         self._ticket += 1
         self._standing = None
         self._asked = self._sending = True
@@ -98,6 +102,7 @@ class RunningSlot:
             if withdrawn():
                 return
         self.held = True
+        self._on_held(workflow.now() - asked_at)
 
     async def release(self) -> None:
         """Give the slot back (or leave the line). Never fails the job: the gate's sweep frees a slot
