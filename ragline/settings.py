@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     temporal_tls_server_name: str | None = None
     temporal_api_key: str | None = None
     task_queue: str = "ragline"
-    # Seconds an API call to Temporal may take before the API answers 503.
+    # Seconds an API call to Temporal may take before the API answers 504 (temporal_timeout).
     temporal_rpc_timeout: float = 10.0
     # Seconds a search may take (it runs in the worker) before the API answers 503.
     search_timeout: float = 30.0
@@ -291,7 +291,10 @@ class Settings(BaseSettings):
 
     @property
     def temporal_uses_tls(self) -> bool:
-        return bool(self.temporal_tls or self.temporal_tls_ca or self.temporal_tls_cert or self.temporal_api_key)
+        # A key alone means TLS too: the client then refuses it for want of its certificate, where plain
+        # gRPC would have ignored it without a word.
+        return bool(self.temporal_tls or self.temporal_tls_ca or self.temporal_tls_cert or self.temporal_tls_key
+                    or self.temporal_api_key)
 
     @property
     def worker_processes(self) -> list[tuple[str, int]]:

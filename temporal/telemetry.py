@@ -130,9 +130,10 @@ class ServerStatsPoller:
         ns = self.settings.temporal_namespace
         timeout = timedelta(seconds=self.settings.temporal_rpc_timeout)
         main = self.settings.task_queue
+        runs_workflows = {queues.queue_name(main, kind) for kind in queues.WORKFLOW_KINDS}
         for name in self.queues():
             types = [("activity", TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY)]
-            if name == main:
+            if name in runs_workflows:  # searches run as workflows on the vector queue
                 types.append(("workflow", TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW))
             for label, type_ in types:
                 resp = await self.client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(

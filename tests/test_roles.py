@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -23,7 +25,7 @@ from ragline.settings import Settings
 from ragline.vectorstore import open_index
 from temporal import policies, queues
 from temporal.client import connect, connect_options
-from temporal.telemetry import ServerStatsPoller
+from temporal.telemetry import ServerStatsPoller, worker_runtime
 from tests.conftest import FIXTURES, free_port
 from tests.helpers import eventually
 
@@ -279,6 +281,8 @@ def test_temporal_client_options_for_the_dev_server_mtls_and_an_api_key(tmp_path
     assert cloud == {"namespace": "ragline.a2b3c", "tls": True, "api_key": "key-123"}
     with pytest.raises(ValueError, match="go together"):
         connect_options(Settings(data_dir=tmp_path, temporal_tls_cert=tmp_path / "client.pem"))
+    with pytest.raises(ValueError, match="go together"):  # not plain gRPC with the key ignored
+        connect_options(Settings(data_dir=tmp_path, temporal_tls_key=tmp_path / "client.key"))
 
 
 async def test_a_lazy_client_for_temporal_cloud_is_built_without_a_network(tmp_path):
@@ -299,3 +303,27 @@ def test_qdrant_server_client_is_built_without_a_network(tmp_path):
     assert (remote.rest_uri, remote._api_key) == ("https://qdrant.ragline.svc:6333", "q-key")
     assert not (tmp_path / "qdrant").exists()
     index.close()
+
+
+async def test_the_statistics_poll_reports_searches_waiting_on_the_vector_queue(temporal_env, tmp_path):
+    """Searches run as workflows on the vector queue: with no vector worker they wait there as workflow tasks,
+    which the unpolled-queue alert must see. Only the main queue's workflow tasks were counted, so a search
+    waiting for a vector worker that never came showed a backlog of 0."""
+    port = free_port()
+    settings = Settings(data_dir=tmp_path, task_queue="stats-vector",
+                        temporal_address=temporal_env.client.service_client.config.target_host)
+    runtime = worker_runtime(f"127.0.0.1:{port}")
+    client = await connect(settings, runtime=runtime)
+    vector = queues.queue_name(settings.task_queue, "vector")
+    await client.start_workflow("SearchWorkflow", id=f"stats-search-{uuid.uuid4().hex}", task_queue=vector,
+                                execution_timeout=timedelta(minutes=5))
+    poller = ServerStatsPoller(client, settings, runtime)
+    labels = (f'task_queue="{vector}"', 'type="workflow"')
+    async with httpx.AsyncClient(timeout=5) as http:
+        async def waiting() -> float | None:
+            await poller.poll_once()
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            found = [float(row.rsplit(" ", 1)[1]) for row in text.splitlines()
+                     if row.startswith("ragline_task_queue_backlog{") and all(x in row for x in labels)]
+            return found[0] if found and found[0] >= 1 else None
+        assert await eventually(waiting, timeout=60, every=1, what=f"a workflow backlog on {vector}") == 1
