@@ -63,6 +63,21 @@ NO_ANSWER_SHOWN_CHARS = 40
 REPETITION_WARNING = "the model repeated itself: its answer was cut where the repetition began"
 
 
+def passages_that_fit(passages: list[SearchHit], question: str, settings: Settings) -> list[SearchHit]:
+    """The best passages (they come best first) that fit the model's context with the question, at least the
+    first. The summary and the entities of a turn whose passages overflow the context would otherwise send
+    them all: a prompt over the context is refused by the model (a 400, not retried), and the turn failed."""
+    room = prompt_budget(settings) - estimate_tokens(question)
+    kept = passages[:1]
+    for passage in passages[1:]:
+        if estimate_tokens(prompts.format_passages([*kept, passage])) > room:
+            break
+        kept.append(passage)
+    if len(kept) < len(passages):
+        log.info("passages over the model's context left out", kept=len(kept), left_out=len(passages) - len(kept))
+    return kept
+
+
 def recent_turns(history: list, room: int) -> list[str]:  # noqa: ANN001 - HistoryItem
     """The most recent turns, as the prompt shows them, that fit in `room` tokens together: a conversation
     in Chinese (a token a character) overflowed a 4,096-token context with four long turns. The latest turn is
@@ -196,7 +211,8 @@ class ChatActivities:
     @activity.defn
     @translate_errors
     async def summarize_context(self, req: ContextInput) -> SummaryOutput:
-        passages = await asyncio.to_thread(self._passages, req.context_ref)
+        passages = passages_that_fit(await asyncio.to_thread(self._passages, req.context_ref), req.question,
+                                     self.settings)
         if not passages:
             return SummaryOutput(summary="", attempt=activity.info().attempt)
         async with heartbeating():
@@ -209,7 +225,8 @@ class ChatActivities:
     @activity.defn
     @translate_errors
     async def extract_entities(self, req: ContextInput) -> EntitiesOutput:
-        passages = await asyncio.to_thread(self._passages, req.context_ref)
+        passages = passages_that_fit(await asyncio.to_thread(self._passages, req.context_ref), req.question,
+                                     self.settings)
         if not passages:
             return EntitiesOutput(entities=[], attempt=activity.info().attempt)
         messages = prompts.messages("extract_entities", passages=prompts.format_passages(passages),

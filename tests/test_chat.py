@@ -26,6 +26,7 @@ from api.app import create_app
 from api.routes.chats import _turn_view
 from devtools.scripted_llm import last_user_message, parse_prompt
 from models.chat import session_workflow_id
+from ragline.llm import estimate_tokens
 from tests.conftest import serving_api
 from tests.helpers import eventually, read_events, session_turns, waiting_reviews
 from workflows.events import PUBLISH_SIGNAL
@@ -527,6 +528,35 @@ async def test_summary_and_entities_run_concurrently(stack, chat_docs):
         [entities] = llm.calls("extract_entities")
     assert job["status"] == "completed", job
     assert summary.started_at < entities.finished_at and entities.started_at < summary.finished_at
+
+
+async def test_a_turn_whose_passages_overflow_the_context_summarizes_what_fits_instead_of_failing(stack):
+    """Twenty long passages overflow the model's context (the stack's default 4,096 tokens): the summary the
+    answer waits for, and the entities after it, are given the best passages that fit. They were given all
+    twenty, which a model with that context refuses (400, not retried): the turn failed before its answer."""
+    collection = f"overflow-{uuid.uuid4().hex[:8]}"
+    # 24 paragraphs of ~900 characters: 24 chunks, of which top_k=20 come back, ~4,500 tokens together.
+    text = "\n\n".join(f"Harbour log {n}. " + " ".join(
+        f"On day {d} the pilot boat {n} guided the ferry past the northern breakwater at dawn." for d in range(10))
+        for n in range(24))
+    upload = await stack.upload(("harbour-log.txt", text.encode()), collection=collection)
+    assert (await stack.wait_done(upload["job_id"]))["status"] == "completed"
+    context = stack.settings.llm_context_tokens
+
+    def within_the_context(body: dict) -> str | None:  # a model that refuses a prompt over its context
+        prompt = sum(estimate_tokens(m["content"]) for m in body["messages"] if isinstance(m.get("content"), str))
+        return "400" if prompt + (body.get("max_tokens") or 0) > context else None
+
+    with stack.llm.scope() as llm:
+        for task in ("summarize", "extract_entities", "answer"):
+            llm.script_fn(task, within_the_context)
+        job = await stack.wait_done((await stack.chat(f"Which boat guided the ferry? {llm.token}",
+                                                      collection=collection, top_k=20))["job_id"])
+        summaries, entities, answers = llm.calls("summarize"), llm.calls("extract_entities"), llm.calls("answer")
+    assert job["status"] == "completed", job
+    assert [c.status for c in summaries + entities + answers] == [200] * 3
+    assert summaries[0].finished_at <= answers[0].started_at  # the passages overflowed: the answer waited for it
+    assert job["result"]["summary"] and job["result"]["answer"] and job["result"]["entities"] is not None
 
 
 async def test_no_context_is_said_in_the_language_of_the_question(stack):
