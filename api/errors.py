@@ -18,6 +18,9 @@ from temporal.codec import CodecError
 
 
 log = structlog.get_logger("ragline.api")
+# Files one upload may carry (POST /v1/documents): more are refused 413 too_many_files, here too when
+# Starlette's form parser stops at its own cap first.
+MAX_FILES_PER_REQUEST = 50
 
 
 class ApiError(Exception):
@@ -99,6 +102,10 @@ def install(app: FastAPI) -> None:
         # Keeps the exception's headers; a 405's `Allow` lists every method of the path, across routes
         # (Starlette names only those of the first route whose path matched).
         headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 400 and str(exc.detail).startswith("Too many files"):
+            # Starlette's own cap on a form's files (1,000), far above ours: the same answer as ours.
+            return JSONResponse(_body("too_many_files", f"at most {MAX_FILES_PER_REQUEST} files per request"),
+                                status_code=413)
         if exc.status_code == 400:
             # FastAPI's answer to a body it cannot decode (not UTF-8, nested too deep), or Starlette's to a
             # multipart body it cannot parse (no boundary, a broken part): a bad request body like any other,

@@ -54,6 +54,10 @@ class RecentlyAccepted:
     sessions their first workflow tasks. Not authoritative: a turn another API process accepted is
     looked up as before."""
 
+    # How long a turn counts as just accepted when its job is not found: longer, the session's history
+    # says (its job may have been started and be gone since: past the retention, or deleted).
+    FRESH_FOR = timedelta(minutes=1)
+
     def __init__(self, size: int = 10_000) -> None:
         # job id -> (the request's digest, when accepted, the session run that took it)
         self._ids: OrderedDict[str, tuple[str | None, datetime, str | None]] = OrderedDict()
@@ -86,6 +90,11 @@ class RecentlyAccepted:
 
     def accepted_at(self, job_id: str) -> datetime | None:
         return self._ids[job_id][1] if job_id in self._ids else None
+
+    def just_accepted(self, job_id: str) -> datetime | None:
+        """When the turn was accepted, if that was a moment ago: its job, not found, is not started yet."""
+        at = self.accepted_at(job_id)
+        return at if at is not None and datetime.now(timezone.utc) - at < self.FRESH_FOR else None
 
     def session_run(self, job_id: str) -> str | None:
         """The run of its session that took the turn (the one its `submit` signal reached)."""
@@ -257,17 +266,28 @@ async def accepted_turn(client: Client, tenant: str, job_id: str, rpc_timeout: t
 
 async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id: str,
                      rpc_timeout: timedelta) -> TurnInput | None:
-    """The session's `submit` signal for `job_id`, if its history has it."""
+    """The session's `submit` signal for `job_id`, if its history has it and the session has not started
+    the job: a job the session started and that is gone (past the retention, deleted) is no job at all,
+    not one still queued (its stream would wait for ever for events that never come)."""
+    submitted, started = None, False
     async for event in handle.fetch_history_events(rpc_timeout=rpc_timeout):
-        if not event.HasField("workflow_execution_signaled_event_attributes"):
+        if event.HasField("child_workflow_execution_started_event_attributes"):
+            attrs = event.child_workflow_execution_started_event_attributes
+            started = started or attrs.workflow_execution.workflow_id == job_id
+        elif event.HasField("start_child_workflow_execution_failed_event_attributes"):  # it existed then
+            started = started or event.start_child_workflow_execution_failed_event_attributes.workflow_id == job_id
+        if submitted is not None or not event.HasField("workflow_execution_signaled_event_attributes"):
             continue
         signaled = event.workflow_execution_signaled_event_attributes
         if signaled.signal_name != "submit":
             continue  # payloads are encrypted: no peeking at the bytes before decoding
         (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
         if turn.job_id == job_id and turn.tenant == tenant:
-            return turn
-    return None
+            submitted = turn
+    if submitted is not None and started and not await exists(client, job_id, rpc_timeout):
+        return None
+    # (Started a moment ago, after the caller found no job: read as just accepted, the job shows next time.)
+    return submitted
 
 
 async def _task_running(handle: WorkflowHandle, rpc_timeout: timedelta) -> bool:
@@ -360,7 +380,7 @@ async def describe_job(client: Client, tenant: str, job_id: str, rpc_timeout: ti
         desc = await handle.describe(rpc_timeout=rpc_timeout)
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            at = accepted.accepted_at(job_id) if accepted is not None else None
+            at = accepted.just_accepted(job_id) if accepted is not None else None
             if at is None and (turn := await accepted_turn(client, tenant, job_id, rpc_timeout)) is not None:
                 at = turn.accepted_at or datetime.now(timezone.utc)  # a turn accepted before the time was kept
             # (A turn this process accepted a moment ago is not looked at: its session ran then.)

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import json
 import uuid
+from datetime import timedelta
 
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -440,3 +441,22 @@ async def test_a_turn_its_terminated_session_never_started_stays_failed_once_the
             assert r.status_code == 204, r.text
         finally:
             await stack.client.get_workflow_handle(session_wf).terminate("test over")
+
+
+async def test_a_turn_whose_job_is_gone_is_not_found_rather_than_queued_for_ever(stack, monkeypatch):
+    """A turn whose job its session started, and that is gone since (past the retention, or deleted by
+    hand), is 404 to every read, its stream too. Read as a turn accepted and not started yet (its `submit`
+    signal is still in its session's history), it showed `queued` for ever, a cancel was refused as "not
+    started yet", and its stream never ended, holding one of the key's stream slots."""
+    tag = uuid.uuid4().hex[:8]
+    job_id = (await stack.chat(f"Where is the lighthouse? {tag}", collection=f"gone-{tag}"))["job_id"]
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+    run_id = (await stack.client.get_workflow_handle(job_id).describe()).run_id
+    await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+        namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=job_id)))
+    await eventually(lambda: gone(stack, job_id, run_id), what="the turn's job deleted")
+    # A minute on: the API process that accepted the turn no longer takes it for one accepted a moment ago.
+    monkeypatch.setattr(RecentlyAccepted, "FRESH_FOR", timedelta(0))
+    for method, path in (("GET", ""), ("GET", "/events"), ("POST", "/cancel")):
+        r = await stack.http.request(method, f"/v1/jobs/{job_id}{path}", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", (path, r.text)

@@ -231,6 +231,11 @@ async def test_bad_uploads_are_refused_up_front(stack):
     long_collection = await post([("files", ("a.txt", b"hello world"))], collection="x" * 65)
     assert long_collection.status_code == 422
 
+    # Too many files, whoever counts them first: our cap (50), or the form parser's own (1,000).
+    for n in (51, 1001):
+        many = await post([("files", (f"{i}.txt", b"a note")) for i in range(n)])
+        assert (many.status_code, many.json()["error"]["code"]) == (413, "too_many_files"), (n, many.text)
+
     missing = await stack.http.post("/v1/documents", data={"collection": "x"})
     assert missing.status_code == 422 and "files" in missing.json()["error"]["message"]
 

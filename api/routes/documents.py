@@ -19,7 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from api import job_views, observability
 from api.auth import Caller, CallerDep, GuardDep
 from api.deps import BlobsDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
-from api.errors import ApiError
+from api.errors import MAX_FILES_PER_REQUEST, ApiError
 from api.limits import SMALL_BODY_BYTES, Cap
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentRemovalAccepted,
@@ -42,7 +42,6 @@ from workflows.remove import RemoveDocumentWorkflow
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"])
 
-MAX_FILES_PER_REQUEST = 50
 DOCUMENT_ID_PATTERN = r"^[0-9a-f]{32}$"
 SNIFF_BYTES = 4096
 UPLOAD_FIELDS = {"files", "collection", "password"}

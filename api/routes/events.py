@@ -110,7 +110,8 @@ async def job_events(request: Request, job_id: JOB_ID, client: ClientDep, caller
                 raise
             # An accepted chat turn whose job its session has not started yet: the stream opens now
             # and its events follow once the job exists.
-            pending = job_id in accepted or await accepted_turn(client, caller.tenant, job_id, timeout) is not None
+            pending = accepted.just_accepted(job_id) is not None or \
+                await accepted_turn(client, caller.tenant, job_id, timeout) is not None
             if not pending:
                 raise not_found(asked) from None
         start = _start_offset(last_event_id if last_event_id is not None else last_event_id_query, from_offset)
