@@ -19,7 +19,7 @@ from ragline.settings import Settings
 from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
-from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH
+from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH
 from workflows.chat import CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, ChatTurnWorkflow
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
@@ -96,6 +96,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     # Seconds a reviewer granted an agent out of time counted from the decision.
     assert SECONDS_FROM_DECISION_PATCH in _patches("agent-seconds-granted--")
     assert REVIEW_WAIT_NOT_CHARGED_PATCH in _patches("agent-review--")
+    # A root agent's time starts once it holds its tenant's running slot (its wait for it is not charged).
+    assert SLOT_WAIT_NOT_CHARGED_PATCH in _patches("agent-review--AgentWorkflow--1")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
