@@ -28,7 +28,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from api.cursors import CursorSigner, invalid_cursor
 from api.errors import ApiError
 from api.schemas import JobError, JobSummary, JobView, TurnAhead
-from models.chat import TurnInput, session_of_turn, session_workflow_id
+from models.chat import SessionState, TurnInput, session_of_turn, session_workflow_id
 from models.jobs import ANSWERED_MEMO, JOB_KINDS, OPEN_STATUSES, JobKind, JobProgress, JobStatus, StepState
 from models.review import without
 from models.tenancy import scoped
@@ -271,7 +271,12 @@ async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id
     not one still queued (its stream would wait for ever for events that never come)."""
     submitted, started = None, False
     async for event in handle.fetch_history_events(rpc_timeout=rpc_timeout):
-        if event.HasField("child_workflow_execution_started_event_attributes"):
+        if event.HasField("workflow_execution_started_event_attributes"):
+            # An earlier run of the session (before a continue-as-new) took it: it started its job then.
+            (state,) = await client.data_converter.decode(
+                event.workflow_execution_started_event_attributes.input.payloads, [SessionState])
+            started = job_id in state.seen
+        elif event.HasField("child_workflow_execution_started_event_attributes"):
             attrs = event.child_workflow_execution_started_event_attributes
             started = started or attrs.workflow_execution.workflow_id == job_id
         elif event.HasField("start_child_workflow_execution_failed_event_attributes"):  # it existed then

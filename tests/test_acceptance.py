@@ -10,6 +10,7 @@ import json
 import uuid
 from datetime import timedelta
 
+import httpx
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import (
@@ -20,11 +21,12 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
 
+from api.app import create_app
 from api.job_views import RecentlyAccepted
 from models.chat import SessionState, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
-from tests.conftest import running_stack
+from tests.conftest import running_stack, serving_api
 from tests.helpers import delegate_until, eventually, read_events, waiting_reviews
 from worker import build_worker
 from workflows.chat import ChatSessionWorkflow
@@ -460,3 +462,44 @@ async def test_a_turn_whose_job_is_gone_is_not_found_rather_than_queued_for_ever
     for method, path in (("GET", ""), ("GET", "/events"), ("POST", "/cancel")):
         r = await stack.http.request(method, f"/v1/jobs/{job_id}{path}", timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", (path, r.text)
+
+
+async def test_a_keyed_turn_sent_again_after_its_job_is_gone_reads_not_found_past_a_continue_as_new(
+        stack, monkeypatch):
+    """A keyed turn ran in an earlier run of its session (it continued as new since), its job is gone, and the
+    same request comes again through another API process: the session drops it (it remembers the job id)
+    and the turn reads 404, as README says. Its new run's history had the resent `submit` and no start of the
+    job (an earlier run started it), so the turn read `queued` for ever, and its stream never ended."""
+    tag = uuid.uuid4().hex[:8]
+    session = f"gone-can-{tag}"
+    session_wf = session_workflow_id(stack.tenant, session)
+    first_run = await stack.client.start_workflow(
+        ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, turns_per_run=1),
+        id=session_wf, task_queue=stack.settings.task_queue,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                 SearchAttributePair(sa.SESSION, session),
+                                                 SearchAttributePair(sa.TENANT, stack.tenant)]))
+    body = {"message": f"Where is the {tag} lighthouse?", "collection": f"gone-{tag}", "session_id": session}
+    keyed = {"Idempotency-Key": f"q-{tag}"}
+    r = await stack.http.post("/v1/chats", json=body, headers=keyed)
+    job_id = r.json()["job_id"]
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+
+    async def continued() -> bool:
+        return (await stack.client.get_workflow_handle(session_wf).describe()).run_id != first_run.result_run_id
+    await eventually(continued, what="the session continued as new")
+    run_id = (await stack.client.get_workflow_handle(job_id).describe()).run_id
+    await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+        namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=job_id)))
+    await eventually(lambda: gone(stack, job_id, run_id), what="the turn's job deleted")
+    monkeypatch.setattr(RecentlyAccepted, "FRESH_FOR", timedelta(0))  # a minute on, for every API process
+    try:
+        async with serving_api(create_app(stack.settings)) as url, \
+                httpx.AsyncClient(base_url=url, timeout=30, headers=dict(stack.http.headers)) as other:
+            again = await other.post("/v1/chats", json=body, headers=keyed)
+            assert again.status_code == 202 and again.json()["job_id"] == job_id, again.text
+            for api in (other, stack.http):
+                r = await api.get(f"/v1/jobs/{job_id}")
+                assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", r.text
+    finally:
+        await stack.client.get_workflow_handle(session_wf).terminate("test over")

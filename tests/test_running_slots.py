@@ -25,7 +25,7 @@ from activities.gate import gate_id
 from devtools.scripted_llm import last_user_message
 from ragline import keys as api_keys
 from models.tenancy import GateState, JobIds, SlotRequest
-from tests.helpers import WaitsForSlot, delegate_until, eventually, read_events
+from tests.helpers import WaitsForSlot, delegate_until, eventually, plan_depth, read_events, until_waited
 from workflows.gate import TenantGateWorkflow
 
 
@@ -292,6 +292,54 @@ async def test_an_agent_is_not_charged_for_the_time_it_waits_in_line_for_its_ten
     result = job["result"]
     assert (result["status"], result["answer"], result["decisions"]) == ("finished", "at dusk", [])
     assert result["granted"]["seconds"] == 0  # the line moved its deadline, but granted it nothing
+
+
+async def test_a_root_that_waits_in_line_while_its_tree_works_is_not_given_that_wait(stack):
+    """A sub-agent's depth review waits 1 s while its root lends the tree's slot, which another job takes.
+    Approved, the sub-agent works on while the root waits in line to take the slot back, longer than the
+    review waited: that wait held up none of the tree's work, so it moves no deadline, and the root's
+    `granted.seconds` still shows the review's wait. Counted, it moved the root's deadline past the one the
+    sub-agent came back with, and `granted.seconds` read 0."""
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http)
+        may_plan = asyncio.Event()
+        with stack.llm.scope() as agent:
+            plan = delegate_until(leaf_depth=2, token=agent.token)
+
+            async def deepest_waits(body: dict) -> dict:  # the sub-agent's own sub-agent, until the root holds the slot
+                if plan_depth(body) == 2:
+                    await may_plan.wait()
+                return plan(body)
+            agent.script_fn("agent", deepest_waits)
+            r = await http.post("/v1/agents", json={"goal": f"Survey every lamp {agent.token}", "collection": "slots",
+                                                    "max_depth": 1})
+            root = r.json()["job_id"]
+
+            async def sub_agent_review() -> dict | None:
+                reviews = (await http.get("/v1/reviews")).json()["reviews"]
+                return next((x for x in reviews if x["job_id"].startswith(f"{root}.")), None)
+
+            review = await eventually(sub_agent_review, timeout=60, what="the sub-agent's review")
+            async with _a_turn_holding_the_slot(stack, http) as held:  # it runs in the slot the root lent
+                await until_waited(review, 1)
+                r = await http.post(f"/v1/jobs/{review['job_id']}/review", json={
+                    "decision": "approve", "reviewer": "ed", "extra_depth": 1, "requested_at": review["requested_at"]})
+                assert r.status_code == 200, r.text
+                await _in_line(stack, tenant, root)  # to take the slot back, while its sub-agent works
+                await asyncio.sleep(2)  # longer in line than the review waited
+                held.release.set()
+            gate = stack.client.get_workflow_handle(gate_id(tenant, stack.settings.task_queue))
+
+            async def root_holds() -> bool:
+                return root in (await gate.query(TenantGateWorkflow.slots)).holders
+            await eventually(root_holds, timeout=60, every=0.1, what="the root holding the slot again")
+            may_plan.set()
+            status = await _wait_status(http, root, "completed", "failed", "waiting_review")
+            job = (await http.get(f"/v1/jobs/{root}")).json()
+    assert status == "completed", job
+    assert job["result"]["status"] == "finished", job["result"]
+    assert job["result"]["granted"]["seconds"] >= 1, job["result"]["granted"]
 
 
 async def test_a_decision_lands_at_once_and_the_slot_is_asked_for_again_only_for_more_work(stack):

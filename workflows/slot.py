@@ -67,7 +67,9 @@ class RunningSlot:
             return
         self._standing = standing
 
-    async def acquire(self, *, takes_slot: bool) -> None:
+    async def acquire(self, *, takes_slot: bool, own_work_waits: bool = True) -> None:
+        """`own_work_waits`: the job's own next piece of work waits for the slot (told `on_held` how long it
+        took); False when others work meanwhile (a job's children, while it takes back the slot it lent)."""
         tenant = workflow.info().typed_search_attributes.get(sa.TENANT)
         # Jobs started by hand without Ragline's search attributes (or on a server without them) run
         # outside any gate.
@@ -102,7 +104,8 @@ class RunningSlot:
             if withdrawn():
                 return
         self.held = True
-        self._on_held(workflow.now() - asked_at)
+        if own_work_waits:
+            self._on_held(workflow.now() - asked_at)
 
     async def release(self) -> None:
         """Give the slot back (or leave the line). Never fails the job: the gate's sweep frees a slot
@@ -171,9 +174,10 @@ class RunningSlot:
             over = True
             await lending  # a release under way ends first: the next piece of work takes the slot back after it
 
-    async def take_back(self) -> None:
+    async def take_back(self, *, own_work_waits: bool = True) -> None:
         """Before the job's next piece of work: the slot it lent, if it lent one. Work that comes while
-        another take_back is still asking (in line at a full gate) waits for that ask too."""
+        another take_back is still asking (in line at a full gate) waits for that ask too.
+        `own_work_waits` as `acquire` takes it."""
         if self._lending and workflow.patched(LEND_WHEN_IDLE_PATCH):
             # A lend under way (its release not yet sent): once it is given back (owed), it is asked for again.
             await workflow.wait_condition(lambda: not self._lending)
@@ -182,7 +186,7 @@ class RunningSlot:
                 self.owed = False
                 self._retaking = True
                 try:
-                    await self.acquire(takes_slot=True)
+                    await self.acquire(takes_slot=True, own_work_waits=own_work_waits)
                 finally:
                     self._retaking = False
                 return

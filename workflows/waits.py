@@ -128,5 +128,5 @@ class PersonWaits:
             await workflow.wait_condition(idle)
             async with self._slot.lent():
                 await workflow.wait_condition(lambda: not idle())
-            if self._children:  # one of them has work again
-                await self._slot.take_back()
+            if self._children:  # one of them has work again, and does it while this job asks for the slot back
+                await self._slot.take_back(own_work_waits=False)
