@@ -8,11 +8,11 @@ sweep, and other tenants are not held up."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 
 import httpx
@@ -281,9 +281,14 @@ async def test_an_agent_is_not_charged_for_the_time_it_waits_in_line_for_its_ten
                     "goal": f"When is the lamp lit? {agent.token}", "collection": "slots",
                     "budget": {"max_llm_calls": 10, "max_tokens": 100000, "max_seconds": 4}})
                 assert r.status_code == 202, r.text
-                accepted, job_id = time.monotonic(), r.json()["job_id"]
+                job_id = r.json()["job_id"]
                 await _in_line(stack, tenant, job_id)
-                await asyncio.sleep(max(0.0, accepted + 5 - time.monotonic()))  # past its 4 s, in line
+                # Its clock started at its first workflow task (server time): in line until 5 s past it.
+                history = await stack.client.get_workflow_handle(job_id).fetch_history()
+                began = next(e.event_time.ToDatetime(timezone.utc) for e in history.events
+                             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED)
+                past_its_budget = began + timedelta(seconds=5) - datetime.now(timezone.utc)
+                await asyncio.sleep(max(0.0, past_its_budget.total_seconds()))
                 assert await _status(http, job_id) == "queued"
                 held.release.set()
                 status = await _wait_status(http, job_id, "completed", "failed", "waiting_review")
