@@ -56,7 +56,7 @@ class RecentlyAccepted:
 
     # How long a turn counts as just accepted when its job is not found: longer, the session's history
     # says (its job may have been started and be gone since: past the retention, or deleted).
-    FRESH_FOR = timedelta(minutes=1)
+    FRESH_FOR = timedelta(minutes=10)
 
     def __init__(self, size: int = 10_000) -> None:
         # job id -> (the request's digest, when accepted, the session run that took it)

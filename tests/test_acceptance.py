@@ -457,7 +457,7 @@ async def test_a_turn_whose_job_is_gone_is_not_found_rather_than_queued_for_ever
     await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
         namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=job_id)))
     await eventually(lambda: gone(stack, job_id, run_id), what="the turn's job deleted")
-    # A minute on: the API process that accepted the turn no longer takes it for one accepted a moment ago.
+    # Ten minutes on: the API process that accepted the turn no longer takes it for one accepted a moment ago.
     monkeypatch.setattr(RecentlyAccepted, "FRESH_FOR", timedelta(0))
     for method, path in (("GET", ""), ("GET", "/events"), ("POST", "/cancel")):
         r = await stack.http.request(method, f"/v1/jobs/{job_id}{path}", timeout=30)
@@ -492,7 +492,7 @@ async def test_a_keyed_turn_sent_again_after_its_job_is_gone_reads_not_found_pas
     await stack.client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
         namespace=stack.client.namespace, workflow_execution=WorkflowExecution(workflow_id=job_id)))
     await eventually(lambda: gone(stack, job_id, run_id), what="the turn's job deleted")
-    monkeypatch.setattr(RecentlyAccepted, "FRESH_FOR", timedelta(0))  # a minute on, for every API process
+    monkeypatch.setattr(RecentlyAccepted, "FRESH_FOR", timedelta(0))  # ten minutes on, for every API process
     try:
         async with serving_api(create_app(stack.settings)) as url, \
                 httpx.AsyncClient(base_url=url, timeout=30, headers=dict(stack.http.headers)) as other:
