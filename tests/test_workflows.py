@@ -111,6 +111,7 @@ class Fakes:
     publish_fails: bool = False  # ... and then it fails, retryably
     published: dict[str, int] = field(default_factory=dict)  # chunks found per document, once published
     newer_run: NewerRun = field(default_factory=NewerRun)  # what await_newer_run finds
+    remove_held: asyncio.Event | None = None  # remove_document_chunks waits for it
     calls: list[Call] = field(default_factory=list)
     _clock: itertools.count = field(default_factory=itertools.count)
 
@@ -183,6 +184,8 @@ class Fakes:
     @activity.defn(name="remove_document_chunks")
     async def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
         call = self._start("remove_document_chunks", req)
+        if self.remove_held is not None:
+            await self.remove_held.wait()
         self._end(call)
         # As the store answers: a published document has no pending chunks to remove, and its chunks are found.
         return PruneOutput(points=self.published.get(req.document_id, 0), attempt=call.attempt)
@@ -448,6 +451,35 @@ async def test_a_removal_takes_what_an_upload_that_reached_the_document_after_it
     assert [r.written_before is None for r in removals] == ([False] if indexed else [False, True])
     assert [c.name for c in fakes.calls][-1] == "forget_document"
     assert result.status in ("removed", "not_found")
+
+
+async def test_a_removal_cancelled_once_confirmed_finishes(env):
+    """Cancelled (the Web UI, the CLI, POST /v1/jobs/{id}/cancel) while its chunks are being removed, a
+    confirmed removal finishes and forgets the document. It used to end cancelled: the step, which does not
+    stop once started, had taken the chunks, and the document stayed listed as indexed, nobody finding it,
+    its same bytes refused as a duplicate."""
+    doc_id = f"c7-{uuid.uuid4().hex[:12]}"
+    fakes = Fakes(remove_held=asyncio.Event(), published={doc_id: 3})
+    async with fake_worker(env, fakes) as queue:
+        handle = await env.client.start_workflow(
+            RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant="t", document_id=doc_id, collection="c7",
+                                                            filename="a.txt", run_id="r1"),
+            id=removal_workflow_id("t", doc_id), task_queue=queue)
+
+        async def removing() -> bool:
+            return bool(fakes.named("remove_document_chunks"))
+        await eventually(removing, what="the chunks being removed")
+        await handle.cancel()
+
+        async def cancel_handled() -> bool:  # a workflow task completed after the cancel request
+            types = [e.event_type async for e in handle.fetch_history_events()]
+            asked = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED
+            return asked in types and EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED in types[types.index(asked):]
+        await eventually(cancel_handled, what="the cancel handled by the workflow")
+        fakes.remove_held.set()
+        result = await handle.result()
+    assert result.status == "removed", result
+    assert [c.name for c in fakes.calls][-1] == "forget_document"
 
 
 async def test_ingest_fans_out_one_child_per_document_and_a_bad_one_fails_alone(env):

@@ -12,10 +12,14 @@ RemoveDocumentWorkflow (one job per removal; kind `remove_document`; takes no ru
                           listed, and the same bytes uploaded again are ingested anew
 
 The chunks go first: a removal that stops between the two leaves a document listed (as `removing`)
-that nobody finds, never one found that is not listed.
+that nobody finds, never one found that is not listed. Once confirmed, a removal finishes: a cancel then
+(the Web UI, the CLI, POST /v1/jobs/{id}/cancel) is ignored, as what it would stop is already under way.
 """
 
 from __future__ import annotations
+
+import asyncio
+from datetime import datetime
 
 from temporalio import workflow
 
@@ -29,6 +33,10 @@ with workflow.unsafe.imports_passed_through():
 
 # Removals in flight before it replay without waiting for a run that started after their confirmation.
 NEWER_RUN_PATCH = "removal-waits-for-a-newer-run"
+# A removal cancelled after its confirmation finishes. Earlier ones ended cancelled with the chunks gone (the
+# step does not stop once started) and the document still listed, as `indexed`, its same bytes refused as a
+# duplicate.
+FINISHES_ONCE_CONFIRMED_PATCH = "removal-finishes-once-confirmed"
 
 
 @workflow.defn
@@ -50,8 +58,21 @@ class RemoveDocumentWorkflow(JobWorkflow):
         ingestion = ForgetDocumentInput(workflow_id=document_workflow_id(doc.tenant, doc.document_id),
                                         run_id=doc.run_id, run_started_at=doc.run_started_at)
         confirmed = await self.step(JobActivities.confirm_removal, ingestion)
+        if not workflow.patched(FINISHES_ONCE_CONFIRMED_PATCH):
+            return await self._finish(doc, ingestion, confirmed.at)
+        finishing = asyncio.ensure_future(self._finish(doc, ingestion, confirmed.at))
+        while True:
+            try:
+                return await asyncio.shield(finishing)
+            except asyncio.CancelledError:
+                if finishing.cancelled():
+                    raise
+                workflow.logger.info("removal of %s under way: the cancel is ignored", doc.document_id)
+
+    async def _finish(self, doc: RemoveDocumentInput, ingestion: ForgetDocumentInput,
+                      confirmed_at: datetime) -> RemovalResult:
         removed = await self.step(IngestActivities.remove_document_chunks, RemoveInput(
-            tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, written_before=confirmed.at))
+            tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, written_before=confirmed_at))
         if workflow.patched(NEWER_RUN_PATCH):
             newer = await self.step(JobActivities.await_newer_run, ingestion)
             if newer.started and not newer.indexed:
