@@ -21,6 +21,7 @@ from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
 from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH
 from workflows.chat import CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, ChatTurnWorkflow
+from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
 pytestmark = pytest.mark.usefixtures("restore_policies")
@@ -98,6 +99,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert REVIEW_WAIT_NOT_CHARGED_PATCH in _patches("agent-review--")
     # A root agent's time starts once it holds its tenant's running slot (its wait for it is not charged).
     assert SLOT_WAIT_NOT_CHARGED_PATCH in _patches("agent-review--AgentWorkflow--1")
+    # A removal carried on past a cancel once confirmed.
+    assert FINISHES_ONCE_CONFIRMED_PATCH in _patches("removal--")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
