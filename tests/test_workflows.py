@@ -64,7 +64,7 @@ from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.dead_letters import DeadLetters
 from workflows.events import JobEvents
 from workflows.gate import TenantGateWorkflow
-from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow, _step_names
 from workflows import ingest as ingest_workflow
 from workflows.remove import RemoveDocumentWorkflow
 from workflows.slot import RunningSlot
@@ -432,6 +432,13 @@ async def test_files_of_one_name_in_an_upload_are_steps_of_their_own(env):
         steps = {s.name: s.status for s in (await handle.query(IngestWorkflow.progress)).steps}
     assert (result.indexed, result.failed) == (1, 1)
     assert steps == {"document:report.pdf": "completed", "document:report.pdf (2)": "failed"}, steps
+
+
+def test_an_uploads_steps_are_named_apart_even_when_a_file_is_named_like_a_told_apart_one():
+    """Three files `a.pdf`, `a.pdf`, `a.pdf (2)`: the second was `a.pdf (2)` too, and the upload's step list
+    showed whichever of the two ended last (a failed file could read completed)."""
+    docs = [DocumentInput.model_construct(filename=name) for name in ("a.pdf", "a.pdf", "a.pdf (2)", "b.pdf")]
+    assert _step_names(docs) == ["document:a.pdf", "document:a.pdf (2)", "document:a.pdf (2) (2)", "document:b.pdf"]
 
 
 @pytest.mark.parametrize("indexed", [False, True])

@@ -277,12 +277,13 @@ def _step_names(documents: list[DocumentInput]) -> list[str]:
     """A step per document, `document:<file>`; files of one name (two folders' report.pdf, files sent without
     a name) are told apart in the upload's order: `document:report.pdf (2)`. One step for both showed
     whichever ended last."""
-    seen: dict[str, int] = {}
-    names = []
+    names: list[str] = []
     for doc in documents:
-        seen[doc.filename] = seen.get(doc.filename, 0) + 1
-        n = seen[doc.filename]
-        names.append(f"document:{doc.filename}" + (f" ({n})" if n > 1 else ""))
+        name, n = f"document:{doc.filename}", 1
+        while name in names:  # a file may be named like the one told apart before it: `report.pdf (2)`
+            n += 1
+            name = f"document:{doc.filename} ({n})"
+        names.append(name)
     return names
 
 
