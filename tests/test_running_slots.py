@@ -102,6 +102,19 @@ async def _busy_span(stack, job_id: str) -> tuple[float, float]:
     return min(starts), max(ends)
 
 
+async def _a_tree_whose_sub_agent_waits_for_review(http: httpx.AsyncClient, goal: str,
+                                                   collection: str) -> tuple[str, dict]:
+    """An agent of max_depth 1 whose scripted plans delegate deeper: its sub-agent's depth guard asks a
+    reviewer. The root's job id and that review."""
+    r = await http.post("/v1/agents", json={"goal": goal, "collection": collection, "max_depth": 1})
+    root = r.json()["job_id"]
+
+    async def sub_agent_review() -> dict | None:
+        reviews = (await http.get("/v1/reviews")).json()["reviews"]
+        return next((x for x in reviews if x["job_id"].startswith(f"{root}.")), None)
+    return root, await eventually(sub_agent_review, timeout=60, what="the sub-agent's review")
+
+
 @dataclass
 class Held:
     """A capped tenant's turn that holds the tenant's one slot: the model holds its answer back until
@@ -247,15 +260,8 @@ async def test_a_sub_agent_waiting_for_a_person_lends_its_trees_slot(stack):
         await _seed(http, "subs")
         with stack.llm.scope() as agent:
             agent.script_fn("agent", delegate_until(leaf_depth=9, token=agent.token))
-            r = await http.post("/v1/agents", json={"goal": f"Survey every lamp {agent.token}", "collection": "subs",
-                                                    "max_depth": 1})
-            root = r.json()["job_id"]
-
-            async def sub_agent_review() -> dict | None:
-                reviews = (await http.get("/v1/reviews")).json()["reviews"]
-                return next((x for x in reviews if x["job_id"].startswith(f"{root}.")), None)
-
-            review = await eventually(sub_agent_review, timeout=60, what="the sub-agent's review")
+            root, review = await _a_tree_whose_sub_agent_waits_for_review(http, f"Survey every lamp {agent.token}",
+                                                                          "subs")
             assert await _status(http, root) == "running"  # the root waits on its child, not on a person
             other = await _ask(http, "When is the lamp lit?", collection="subs")
             assert await _wait_status(http, other, "completed", "failed") == "completed"
@@ -317,15 +323,8 @@ async def test_a_root_that_waits_in_line_while_its_tree_works_is_not_given_that_
                     await may_plan.wait()
                 return plan(body)
             agent.script_fn("agent", deepest_waits)
-            r = await http.post("/v1/agents", json={"goal": f"Survey every lamp {agent.token}", "collection": "slots",
-                                                    "max_depth": 1})
-            root = r.json()["job_id"]
-
-            async def sub_agent_review() -> dict | None:
-                reviews = (await http.get("/v1/reviews")).json()["reviews"]
-                return next((x for x in reviews if x["job_id"].startswith(f"{root}.")), None)
-
-            review = await eventually(sub_agent_review, timeout=60, what="the sub-agent's review")
+            root, review = await _a_tree_whose_sub_agent_waits_for_review(http, f"Survey every lamp {agent.token}",
+                                                                          "slots")
             async with _a_turn_holding_the_slot(stack, http) as held:  # it runs in the slot the root lent
                 await until_waited(review, 1)
                 r = await http.post(f"/v1/jobs/{review['job_id']}/review", json={
