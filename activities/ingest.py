@@ -15,6 +15,7 @@ from models.ingest import (
 from ragline import metrics, text
 from ragline.blobstore import BlobStore
 from ragline.embeddings import Embedder
+from ragline.errors import InputError
 from ragline.settings import Settings
 from ragline.vectorstore import ChunkPoint, VectorIndex
 from temporal.errors import translate_errors
@@ -22,6 +23,12 @@ from temporal.errors import translate_errors
 
 def _attempt() -> int:
     return activity.info().attempt
+
+
+# A document's workflow records ~13 history events per batch of chunks (embed, index and their bookkeeping)
+# and Temporal ends a workflow past 51,200: at this many batches a text is refused as too long, where it was
+# embedded for hours and then terminated, its chunks left pending in the index.
+MAX_EMBED_BATCHES = 3000
 
 
 class IngestActivities:
@@ -49,6 +56,11 @@ class IngestActivities:
     def chunk_text(self, req: ChunkInput) -> ChunkOutput:
         pages = [text.Page(number=p["page"], text=p["text"]) for p in self.blobs.get_json(req.pages_ref)]
         chunks = text.chunk_pages(pages, size=self.settings.chunk_size, overlap=self.settings.chunk_overlap)
+        most = MAX_EMBED_BATCHES * self.settings.embed_batch_size
+        if len(chunks) > most:
+            raise InputError(f"too much text for one document: {len(chunks)} chunks, at most {most} "
+                             f"({self.settings.chunk_size}-character chunks): split the file",
+                             details={"chunks": len(chunks), "max_chunks": most})
         chunks_ref = self.blobs.put_json([{"i": c.index, "page": c.page, "text": c.text} for c in chunks])
         return ChunkOutput(chunks_ref=chunks_ref, chunks=len(chunks), batch_size=self.settings.embed_batch_size,
                            parallelism=self.settings.embed_parallelism, attempt=_attempt())

@@ -502,3 +502,28 @@ def test_the_undo_of_a_failed_run_keeps_the_chunks_an_earlier_run_published(tmp_
     out = ActivityEnvironment().run(activities.remove_document_chunks,
                                     RemoveInput(tenant="acme", document_id=doc, collection="c"))
     assert (out.removed, out.points) == (3, 0)
+
+
+def test_a_text_too_long_for_one_documents_history_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """A 50 MB text file (the upload cap) makes ~63,000 chunks: its document's workflow ran past Temporal's
+    51,200-event history limit after hours of embedding and was terminated, its chunks left pending. It is
+    refused at chunking, not retried, saying how much a document may hold (here the cap made small)."""
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities import ingest
+    from models.ingest import ChunkInput
+    from ragline.blobstore import BlobStore
+    from ragline.settings import Settings
+
+    monkeypatch.setattr(ingest, "MAX_EMBED_BATCHES", 2)
+    blobs = BlobStore(tmp_path / "blobs")
+    activities = ingest.IngestActivities(Settings(data_dir=tmp_path, embed_batch_size=2), blobs, None, None)
+    sentences = " ".join(f"Keeper {n} lights the lamp at dusk." for n in range(60))  # ~1,900 characters
+    fits = blobs.put_json([{"page": 1, "text": sentences[:1500]}])
+    assert ActivityEnvironment().run(activities.chunk_text, ChunkInput(pages_ref=fits, document_id="d")).chunks <= 4
+    over = blobs.put_json([{"page": 1, "text": sentences * 3}])
+    with pytest.raises(ApplicationError) as refused:
+        ActivityEnvironment().run(activities.chunk_text, ChunkInput(pages_ref=over, document_id="d"))
+    assert refused.value.non_retryable and refused.value.type == "InputError"
+    assert "at most 4 (800-character chunks): split the file" in refused.value.message
