@@ -15,7 +15,9 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities.heartbeats import heartbeating
 
-from models.chat import FINAL_ANSWER_DETAIL, AwaitTurnInput, SessionRun, SessionRunning, TurnOutcome, TurnResult
+from models.chat import (
+    FINAL_ANSWER_DETAIL, AwaitTurnInput, SessionLeft, SessionRun, SessionRunning, SessionState, TurnOutcome, TurnResult,
+)
 from models.ingest import (
     CANCELLED, CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, ForgetDocumentInput,
     ForgetDocumentOutput, NewerRun, RemovalConfirmed,
@@ -195,6 +197,21 @@ class JobActivities:
             return SessionRunning(running=True, first_run_id=chain)
         # No chain known (its first look came after the retention): the run was its chain's first, or not ours.
         return SessionRunning(running=latest_chain == (chain or req.run_id), first_run_id=chain)
+
+    @activity.defn
+    @translate_errors
+    async def session_left(self, req: SessionRun) -> SessionLeft:
+        """What the session's run `req.run_id`, which ended idle, left for the run that takes it up: its result.
+        None when that run ended otherwise (terminated by hand, failed) or is gone (the retention)."""
+        handle = self.client.get_workflow_handle(req.workflow_id, run_id=req.run_id, result_type=SessionState)
+        try:
+            return SessionLeft(state=await handle.result(follow_runs=False))
+        except WorkflowFailureError:
+            return SessionLeft()
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return SessionLeft()
 
     async def _described(self, workflow_id: str, run_id: str | None = None):  # noqa: ANN202
         """The run (the latest without `run_id`), or None when the server no longer has it (the retention)."""

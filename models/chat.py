@@ -108,6 +108,15 @@ class SessionState(BaseModel):
     history: list[HistoryItem] = []
     # Continue-as-new after this many turns even if the server does not ask (tests make it small).
     turns_per_run: int = 100
+    # Set by the API when it starts the session again after a run of it ended idle (that run's id): the new
+    # run takes up what that one left (turn numbers, seen, history) before it numbers any turn.
+    resumed_from: str | None = None
+
+
+class SessionLeft(BaseModel):
+    """What a chat session's run that ended idle left (its result); None when that run ended otherwise
+    (terminated by hand, failed) or is gone (the retention): the session then starts anew."""
+    state: SessionState | None = None
 
 
 class Citation(BaseModel):

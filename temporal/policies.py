@@ -125,6 +125,7 @@ class LoadedPolicies:
     dead_letter_ttl: timedelta
     slot_sweep: timedelta
     session_check: timedelta
+    session_idle: timedelta
     subscriber_grace: timedelta
     heartbeat_every: timedelta
     workflows: WorkflowPriorities
@@ -134,6 +135,8 @@ _loaded: LoadedPolicies | None = None
 DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 DEFAULT_SLOT_SWEEP = timedelta(minutes=1)
 DEFAULT_SESSION_CHECK = timedelta(minutes=1)
+DEFAULT_SESSION_IDLE = timedelta(days=1)
+SESSION_KEYS = frozenset({"check", "idle"})
 DEFAULT_SUBSCRIBER_GRACE = timedelta(milliseconds=500)
 DEFAULT_HEARTBEAT_EVERY = timedelta(seconds=2)
 
@@ -211,10 +214,12 @@ def parse_dead_letter_ttl(text: str, source: str = "policies", override: str | N
     return ttl
 
 
-def _positive_duration(text: str, source: str, section_name: str, key: str, default: timedelta) -> timedelta:
-    """The one key of a one-key section, a positive duration; `default` when it is left out."""
+def _positive_duration(text: str, source: str, section_name: str, key: str, default: timedelta,
+                       section_keys: frozenset[str] = frozenset()) -> timedelta:
+    """A key of a section of durations (`section_keys`, when it has more than this one), a positive duration;
+    `default` when it is left out."""
     section = tomllib.loads(text).get(section_name, {})
-    unknown = set(section) - {key}
+    unknown = set(section) - {key} - section_keys
     if unknown:
         raise PolicyError(f"{source}: [{section_name}]: unknown key: {', '.join(sorted(unknown))}")
     if key not in section:
@@ -236,7 +241,13 @@ def parse_slot_sweep(text: str, source: str = "policies") -> timedelta:
 def parse_session_check(text: str, source: str = "policies") -> timedelta:
     """[sessions].check: how soon a chat turn waiting for its session's go first checks that the session
     still runs (then ever less often: workflows/chat.py)."""
-    return _positive_duration(text, source, "sessions", "check", DEFAULT_SESSION_CHECK)
+    return _positive_duration(text, source, "sessions", "check", DEFAULT_SESSION_CHECK, SESSION_KEYS)
+
+
+def parse_session_idle(text: str, source: str = "policies") -> timedelta:
+    """[sessions].idle: how long a chat session waits for its next message before it ends (a later message
+    starts it again with what it had: workflows/chat.py)."""
+    return _positive_duration(text, source, "sessions", "idle", DEFAULT_SESSION_IDLE, SESSION_KEYS)
 
 
 def parse_subscriber_grace(text: str, source: str = "policies") -> timedelta:
@@ -279,6 +290,7 @@ def load(path: Path | None, activities: Iterable[str], *,
                              dead_letter_ttl=parse_dead_letter_ttl(text, str(path), dead_letter_ttl),
                              slot_sweep=parse_slot_sweep(text, str(path)),
                              session_check=parse_session_check(text, str(path)),
+                             session_idle=parse_session_idle(text, str(path)),
                              subscriber_grace=parse_subscriber_grace(text, str(path)),
                              heartbeat_every=every,
                              workflows=parse_workflow_priorities(text, str(path)))
@@ -302,6 +314,10 @@ def slot_sweep_interval() -> timedelta:
 
 def session_check() -> timedelta:
     return loaded().session_check
+
+
+def session_idle() -> timedelta:
+    return loaded().session_idle
 
 
 def subscriber_grace() -> timedelta:

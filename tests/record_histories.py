@@ -21,7 +21,8 @@ it, an agent out of time granted seconds by a reviewer (counted from the decisio
 answer cut as it looped, a reply of markers only, an evaluation, a search, a blob sweep, a tenant capped at
 one running job whose second turn waits for its slot (the gate's history too), and a turn whose cancel comes
 in one workflow task with its session's ask for the answer (real workflows on fake activities: the workflow
-worker stopped meanwhile), which awaits the answer the ask sends before it ends.
+worker stopped meanwhile), which awaits the answer the ask sends before it ends, and a session that ends
+idle and is started again by a later message.
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
@@ -142,6 +143,21 @@ async def record() -> list[Path]:
             # The first turn, asked for its answer by the turns waiting after it, and the last.
             saved += await _save(client, "chat-session-first-turn", f"WorkflowId = '{turns[0]['job_id']}'")
             saved += await _save(client, "chat-session", f"WorkflowId = '{turns[-1]['job_id']}'")
+
+            # A session that ends idle ([sessions] idle: 5 s in the test policies) and the run a later message
+            # starts, which takes up what the ended one left.
+            session = f"idle-{uuid.uuid4().hex[:6]}"
+            idle_wf = session_workflow_id(stack.tenant, session)
+            first = await stack.chat("Idle question 1: what colour is the lighthouse?", session_id=session,
+                                     collection="record")
+            assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
+            first_run = (await client.get_workflow_handle(idle_wf).describe()).run_id
+            ended = client.get_workflow_handle(idle_wf, run_id=first_run)
+            await ended.result()
+            again = await stack.chat("Idle question 2: and the piers?", session_id=session, collection="record")
+            assert (await stack.wait_job(again["job_id"]))["status"] == "completed"
+            await asyncio.sleep(1)
+            saved += await _save(client, "chat-session-idle", f"WorkflowId = '{idle_wf}'")
 
             # Turns followed on their event streams: their histories hold the stream's polls (Updates)
             # and, when a poll was not waiting as the run ended, the wait for it (events-linger).

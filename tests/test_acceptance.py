@@ -27,7 +27,7 @@ from models.chat import SessionState, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack, serving_api
-from tests.helpers import delegate_until, eventually, read_events, waiting_reviews
+from tests.helpers import delegate_until, eventually, read_events, session_turns, waiting_reviews
 from worker import build_worker
 from workflows.chat import ChatSessionWorkflow
 
@@ -130,6 +130,42 @@ async def test_a_session_id_used_again_after_its_workflow_ended_answers_the_new_
     again = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
                              idempotency_key="first")
     assert again["job_id"] == first["job_id"] and again["duplicate"] is True
+
+
+async def test_a_session_that_ended_idle_goes_on_from_what_it_left_at_the_next_message(stack):
+    """A session with no turn for [sessions] idle (tests: 5 s) ends, rather than one workflow per conversation
+    running for ever. The next message starts it again from what it left: its turns are numbered on, the model
+    is given the earlier turns, and a resent request still names its first job."""
+    tag = uuid.uuid4().hex[:8]
+    seed = await stack.upload((f"{tag}.txt", f"The {tag} ferry leaves at nine. It returns at five.".encode()),
+                              collection=tag)
+    await stack.wait_job(seed["job_id"])
+    session = f"idle-{tag}"
+    first = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
+                             idempotency_key="first")
+    assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
+    session_wf = session_workflow_id(stack.tenant, session)
+    ended = stack.client.get_workflow_handle(session_wf, run_id=(await stack.client.get_workflow_handle(
+        session_wf).describe()).run_id)
+
+    async def ended_idle() -> bool:
+        return (await ended.describe()).status == WorkflowExecutionStatus.COMPLETED
+    await eventually(ended_idle, timeout=60, what="the session ending idle")
+
+    # Two messages at once: one starts the session again, the other reaches the run it started.
+    questions = [f"When does the {tag} ferry return?", f"Is the {tag} ferry on time?"]
+    later = await asyncio.gather(*(stack.chat(q, session_id=session, collection=tag) for q in questions))
+    jobs = [await stack.wait_job(a["job_id"]) for a in later]
+    assert all(j["status"] == "completed" for j in jobs), jobs
+    assert sorted(j["turn"] for j in jobs) == [2, 3]
+    asked = [c for c in stack.llm.calls if c["task"] == "answer" and c["question"] in questions]
+    assert asked and all(f"When does the {tag} ferry leave?" in c["text"] for c in asked)
+    again = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
+                             idempotency_key="first")
+    assert again["job_id"] == first["job_id"] and again["duplicate"] is True
+    turns = await session_turns(stack.http, session, first["job_id"], *(a["job_id"] for a in later))
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    await stack.client.get_workflow_handle(session_wf).terminate("test over")
 
 
 async def test_continue_as_new_carries_the_turns_still_waiting(stack):

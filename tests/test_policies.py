@@ -30,11 +30,12 @@ def test_default_file_sets_timeouts_retries_and_queues():
     for name in ("extract_text", "embed_chunks", "generate_answer", "await_document", "await_turn"):
         assert parsed[name].heartbeat is not None, name
     assert parsed["extract_text"].retry.maximum_attempts == 3
-    # Waiting on another job, or for a running slot, never gives up; everything else does.
-    assert parsed["await_document"].retry.maximum_attempts == 0
-    assert parsed["acquire_slot"].retry.maximum_attempts == 0
+    # Waiting on another job, for a running slot, or for what an idle session left (turns wait on it) never
+    # gives up; everything else does.
+    never_gives_up = ("acquire_slot", "session_left")
+    assert all(parsed[name].retry.maximum_attempts == 0 for name in ("await_document", *never_gives_up))
     assert all(p.retry.maximum_attempts > 0 for n, p in parsed.items()
-               if not n.startswith("await_") and n != "acquire_slot")
+               if not n.startswith("await_") and n not in never_gives_up)
     # Model calls go to the llm queue, CPU work to the cpu queue, whatever opens the store to the vector queue.
     for name in ("generate_answer", "summarize_context", "extract_entities", "agent_plan"):
         assert parsed[name].queue == "llm", name
@@ -46,6 +47,7 @@ def test_default_file_sets_timeouts_retries_and_queues():
     assert policies.parse_dead_letter_ttl(text, override="12h") == timedelta(hours=12)
     assert policies.parse_slot_sweep(text) == timedelta(minutes=1)
     assert policies.parse_subscriber_grace(text) == timedelta(milliseconds=500)
+    assert policies.parse_session_idle(text) == timedelta(days=1)
 
 
 def test_test_policies_name_the_same_activities_on_the_same_queues():
@@ -177,6 +179,16 @@ def test_the_workflow_timeouts_of_the_policy_file_have_defaults_and_must_be_posi
                        ('grace = "1s"', "unknown key: grace")):
         with pytest.raises(policies.PolicyError, match=named):
             policies.parse_subscriber_grace(MINIMAL + f"[events]\n{bad}\n")
+    # [sessions] has two keys: each is read alone, and a third is refused by both.
+    both = MINIMAL + '[sessions]\ncheck = "2m"\nidle = "3h"\n'
+    assert (policies.parse_session_check(both), policies.parse_session_idle(both)) == (timedelta(minutes=2),
+                                                                                      timedelta(hours=3))
+    assert policies.parse_session_idle(MINIMAL) == policies.DEFAULT_SESSION_IDLE
+    for parse in (policies.parse_session_check, policies.parse_session_idle):
+        with pytest.raises(policies.PolicyError, match="unknown key: idel"):
+            parse(MINIMAL + '[sessions]\nidel = "1h"\n')
+    with pytest.raises(policies.PolicyError, match=r"\[sessions\]\.idle must be positive"):
+        policies.parse_session_idle(MINIMAL + '[sessions]\nidle = "0s"\n')
 
 
 def _duration(d: timedelta | None) -> str:

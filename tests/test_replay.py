@@ -20,7 +20,9 @@ from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
 from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH
-from workflows.chat import CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, ChatTurnWorkflow
+from workflows.chat import (
+    CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, SESSION_ENDS_IDLE_PATCH, ChatTurnWorkflow,
+)
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
@@ -101,6 +103,10 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert SLOT_WAIT_NOT_CHARGED_PATCH in _patches("agent-review--AgentWorkflow--1")
     # A removal carried on past a cancel once confirmed.
     assert FINISHES_ONCE_CONFIRMED_PATCH in _patches("removal--")
+    # A session that ended idle (its state its result), and the run a later message started, which read it.
+    assert SESSION_ENDS_IDLE_PATCH in _patches("chat-session-idle--")
+    idle = "".join(p.read_text() for p in FILES if p.stem.startswith("chat-session-idle--"))
+    assert '"session_left"' in idle and "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED" in idle
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])

@@ -112,7 +112,7 @@ def test_each_role_runs_exactly_what_the_policy_file_routes_to_its_queues():
                                 "search_chunks", "cache_answer", "evaluate_collection"}
     assert served["workflows"] == {"await_document", "confirm_removal", "forget_document",
                                    "await_turn", "acquire_slot", "release_slot", "ended_jobs", "sweep_blobs",
-                                   "await_newer_run", "policy_attempts", "session_still_runs"}
+                                   "await_newer_run", "policy_attempts", "session_still_runs", "session_left"}
     assert served["all"] == set(worker.activity_names())
     # Only the vector role opens the store; the llm role and the workflow role load no embedding model. The
     # model is called by the llm role and by the vector role's evaluations (each gets its key on a cluster).

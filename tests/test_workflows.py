@@ -39,7 +39,7 @@ from models.evaluation import EvaluationInput, EvaluationOutput
 from ragline.evaluation import EvaluationReport
 from models.chat import (
     AwaitTurnInput, CacheInput, CacheOutput, ChatQuestion, Citation, ContextInput, EntitiesOutput, Entity, GenerateInput, GenerateOutput,
-    HistoryItem, RetrieveInput, RetrieveOutput, SessionRun, SessionRunning, SessionState, SummaryOutput,
+    HistoryItem, RetrieveInput, RetrieveOutput, SessionLeft, SessionRun, SessionRunning, SessionState, SummaryOutput,
     TurnContext, TurnInput, TurnOutcome,
     TurnResult, Usage, session_workflow_id, turn_job_id,
 )
@@ -292,7 +292,7 @@ class Fakes:
                 self.summarize_context, self.generate_answer, self.extract_entities, self.agent_plan,
                 self.search_documents, self.generate_answer_fallback, self.cache_answer, self.evaluate_collection,
                 self.acquire_slot, self.release_slot, self.ended_jobs, self.session_still_runs, self.sweep_blobs,
-                JobActivities(None).policy_attempts]  # the real one: it reads the loaded policy file
+                self.session_left, JobActivities(None).policy_attempts]  # the real one: it reads the loaded policy file
 
     @activity.defn(name="sweep_blobs")
     async def sweep_blobs(self, req: SweepInput) -> SweepReport:
@@ -322,6 +322,14 @@ class Fakes:
     async def session_still_runs(self, req: SessionRun) -> SessionRunning:
         self._end(self._start("session_still_runs", req))
         return SessionRunning(running=req.workflow_id not in self.ended)
+
+    @activity.defn(name="session_left")
+    async def session_left(self, req: SessionRun) -> SessionLeft:
+        call = self._start("session_left", req)
+        try:
+            return await JobActivities(activity.client()).session_left(req)  # the real one: a read of that run
+        finally:
+            self._end(call)
 
 
 def citation(i: int) -> Citation:
@@ -979,6 +987,52 @@ async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_res
     assert generates[0].arg.history == []
     assert generates[1].arg.history == [HistoryItem(question="First question?", answer="answer to First question?")]
     assert len(generates[2].arg.history) == 2
+
+
+async def test_an_idle_session_ends_and_a_later_message_takes_up_what_it_left(env):
+    fakes = Fakes(side_step_seconds=0)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second, third, fourth = (turn(session, f"{n} question?") for n in ("First", "Second", "Third", "Fourth"))
+    async with fake_worker(env, fakes) as queue:
+        ended = await start_session(env, queue, first)
+        await ended.signal(ChatSessionWorkflow.submit, second)
+        left = await ended.result()  # the server skips the time the session waits: [sessions] idle
+        assert (left.next_turn, left.pending, left.resumed_from) == (3, [], None)
+        assert [h.question for h in left.history] == ["First question?", "Second question?"]
+        assert {first.job_id, second.job_id} <= set(left.seen)
+        assert fakes.named("session_left") == []  # a session started anew reads nothing
+
+        # A later message starts it again, as the API does, from the run that ended; the same request as
+        # its second turn comes again meanwhile.
+        again = await env.client.start_workflow(
+            ChatSessionWorkflow.run, SessionState(session_id=session, resumed_from=ended.result_run_id),
+            id=ended.id, task_queue=queue, start_signal="submit", start_signal_args=[third])
+        await again.signal(ChatSessionWorkflow.submit, second)
+        await again.signal(ChatSessionWorkflow.submit, fourth)
+        results = [await turn_result(env, t.job_id) for t in (third, fourth)]
+        await again.terminate("test over")
+    assert [r.turn for r in results] == [3, 4]  # numbered on from the run that ended; the resend is no turn
+    assert fakes.one("session_left").arg.run_id == ended.result_run_id
+    generates = fakes.named("generate_answer")
+    assert [c.arg.question for c in generates] == [f"{n} question?" for n in ("First", "Second", "Third", "Fourth")]
+    assert [h.question for h in generates[2].arg.history] == ["First question?", "Second question?"]
+
+
+async def test_a_session_started_again_after_a_run_that_did_not_end_idle_starts_anew(env):
+    fakes = Fakes(side_step_seconds=0)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        stopped = await start_session(env, queue, first)
+        await turn_result(env, first.job_id)
+        await stopped.terminate("by hand")
+        again = await env.client.start_workflow(
+            ChatSessionWorkflow.run, SessionState(session_id=session, resumed_from=stopped.result_run_id),
+            id=stopped.id, task_queue=queue, start_signal="submit", start_signal_args=[second])
+        result = await turn_result(env, second.job_id)
+        await again.terminate("test over")
+    assert result.turn == 1  # it left nothing: its state went with it
+    assert fakes.named("generate_answer")[-1].arg.history == []
 
 
 @dataclass

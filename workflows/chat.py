@@ -6,6 +6,9 @@ POST /v1/chats --signal-with-start `submit`--> ChatSessionWorkflow (id session-<
   loop:      for each turn in order -> signal `proceed` with the recent history -> await its answer (its
              summary and entities may still run: a later turn waiting asks for the answer as soon as it is final)
   continue-as-new at a turn boundary; carried: turn counter, recent job ids, turns not yet run, history
+  idle ([sessions] idle, no turn to run): ends, returning what it would carry; the API starts it again for
+             the next message with the ended run's id, and the new run takes that result up (session_left)
+             before it numbers any turn
 
 ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
   wait for `proceed` -> retrieve_context (meanwhile: ask for a running slot of the tenant, workflows/slot.py)
@@ -39,7 +42,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
-        FINAL_ANSWER_DETAIL, SESSION_ENDED, RetrieveInput, SessionRun, SessionState, SummaryOutput, TurnAnswered,
+        FINAL_ANSWER_DETAIL, SESSION_ENDED, RetrieveInput, SessionLeft, SessionRun, SessionState, SummaryOutput,
+        TurnAnswered,
         TurnContext, TurnInput, TurnResult, Usage, session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
@@ -103,6 +107,9 @@ CANCELLED_TURN_ANSWER_PATCH = "cancelled-turn-tells-its-shown-answer"
 # A turn cancelled while the answer a later turn asked for is on its way to the session waits for it to land
 # (the server drops a signal its closed sender had not delivered yet). Earlier turns ended at once.
 CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH = "cancelled-turn-waits-for-its-answer-sent"
+# A session with no turn to run for [sessions] idle ends, its state its result; the API starts it again for
+# a later message, from what that run left. Earlier sessions waited for ever.
+SESSION_ENDS_IDLE_PATCH = "session-ends-when-idle"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -483,9 +490,15 @@ class ChatSessionWorkflow:
         self.turns_this_run = 0
         self.busy = False  # a turn is running: later turns wait for their go
         self.answered: dict[str, str] = {}  # the running turn's final answer, told before its job ends
+        # Started again after a run ended idle: turns wait here, unnumbered, until what it left is taken up.
+        self.taking_up = state.resumed_from is not None
+        self.held: list[TurnInput] = []
 
     @workflow.signal
     def submit(self, turn: TurnInput) -> None:
+        if self.taking_up:
+            self.held.append(turn)
+            return
         if turn.job_id in self.seen:
             return  # the same request, resent
         self.seen.append(turn.job_id)
@@ -530,13 +543,15 @@ class ChatSessionWorkflow:
             return None
 
     @workflow.run
-    async def run(self, state: SessionState) -> None:
+    async def run(self, state: SessionState) -> SessionState | None:
+        if state.resumed_from is not None:
+            await self._take_up(state.resumed_from)
         while True:
-            await workflow.wait_condition(lambda: bool(self.queue) or self._should_continue_as_new())
+            if not await self._work_before_idle():
+                return self._carried()  # what the run that takes the session up again starts from
             if self._should_continue_as_new():
                 await self._settle()
-                workflow.continue_as_new(self.state.model_copy(update={
-                    "pending": list(self.queue), "seen": list(self.seen)}))
+                workflow.continue_as_new(self._carried())
             head = self.queue[0]
             self.busy = True
             answer = await self._run_turn(head)
@@ -609,6 +624,40 @@ class ChatSessionWorkflow:
             shown = failure_detail(exc.cause, FINAL_ANSWER_DETAIL)
             return shown if shown and workflow.patched(FAILED_TURN_ANSWER_PATCH) else None
         return result.answer if result.answered else None
+
+    def _carried(self) -> SessionState:
+        return self.state.model_copy(update={"pending": list(self.queue), "seen": list(self.seen),
+                                             "resumed_from": None})
+
+    async def _take_up(self, run_id: str) -> None:
+        """What the session's run that ended idle left (turn numbers, history, the requests it saw), before
+        the turns sent meanwhile are numbered. Nothing when that run ended otherwise: the session starts anew."""
+        left: SessionLeft = await policies.execute(
+            JobActivities.session_left, SessionRun(workflow_id=workflow.info().workflow_id, run_id=run_id))
+        if left.state is not None:
+            self.state = self.state.model_copy(update={"next_turn": left.state.next_turn,
+                                                       "history": left.state.history})
+            self.seen.extend(left.state.seen)
+        self.taking_up = False
+        for turn in self.held:
+            self.submit(turn)
+        self.held.clear()
+
+    async def _work_before_idle(self) -> bool:
+        """Waits for a turn to run (or the time to continue as new); False once the session has had none for
+        [sessions] idle and has nothing left to do: it ends."""
+        def ready() -> bool:
+            return bool(self.queue) or self._should_continue_as_new()
+        if not workflow.patched(SESSION_ENDS_IDLE_PATCH):
+            await workflow.wait_condition(ready)
+            return True
+        try:
+            await workflow.wait_condition(ready, timeout=policies.session_idle())
+        except asyncio.TimeoutError:
+            await self._settle()
+        # A message that came as the wait ended is taken (one that comes as the run completes fails the
+        # completion: the server hands it to this run, which goes on).
+        return ready()
 
     def _should_continue_as_new(self) -> bool:
         return self.turns_this_run >= self.state.turns_per_run or workflow.info().is_continue_as_new_suggested()

@@ -14,8 +14,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from pydantic import Field
-from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import Priority, SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from api import job_views, observability
 from api.auth import CallerDep
@@ -79,18 +80,34 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                              fallback=bool(settings.fallback_llm_base_url), request=digest,
                              accepted_at=datetime.now(timezone.utc), fairness_weight=caller.fairness_weight)
             starting(request, job_id)
-            session = await client.start_workflow(
-                ChatSessionWorkflow.run, SessionState(tenant=caller.tenant, session_id=session_id),
-                id=session_workflow_id(caller.tenant, session_id),
-                task_queue=settings.task_queue, start_signal="submit", start_signal_args=[turn],
-                priority=caller.priority,
-                search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
-                                                         SearchAttributePair(sa.SESSION, session_id),
-                                                         SearchAttributePair(sa.TENANT, caller.tenant)]),
-                rpc_timeout=timeout)
+            session = await _submit(client, settings.task_queue, turn, caller.priority, timeout)
             accepted.add(job_id, digest, turn.accepted_at, session.result_run_id)
             observability.job_accepted("chat")
     return ChatAccepted.for_job(request, job_id, session_id=session_id, turn=None, duplicate=duplicate)
+
+
+async def _submit(client: Client, task_queue: str, turn: TurnInput, priority: Priority,
+                  timeout: timedelta) -> WorkflowHandle:
+    """Hands the turn to its session: a signal to the running session, else a start with it. A session
+    whose run ended idle is started again from what that run left (the server names that run when it
+    refuses to start a new one in its place); one that never ran, or is gone (the retention), anew."""
+    async def signal_with_start(state: SessionState, reuse: WorkflowIDReusePolicy) -> WorkflowHandle:
+        return await client.start_workflow(
+            ChatSessionWorkflow.run, state, id=session_workflow_id(turn.tenant, turn.session_id),
+            task_queue=task_queue, start_signal="submit", start_signal_args=[turn], priority=priority,
+            id_reuse_policy=reuse,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                     SearchAttributePair(sa.SESSION, turn.session_id),
+                                                     SearchAttributePair(sa.TENANT, turn.tenant)]),
+            rpc_timeout=timeout)
+
+    state = SessionState(tenant=turn.tenant, session_id=turn.session_id)
+    try:
+        return await signal_with_start(state, WorkflowIDReusePolicy.REJECT_DUPLICATE)
+    except WorkflowAlreadyStartedError as ended:
+        # (Should another message start the session first, this one is a signal to that run.)
+        resumed = state.model_copy(update={"resumed_from": ended.run_id})
+        return await signal_with_start(resumed, WorkflowIDReusePolicy.ALLOW_DUPLICATE)
 
 
 async def _sent_before(client: Client, accepted: RecentlyAccepted, job_id: str, key: str, digest: str,
