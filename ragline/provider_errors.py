@@ -54,6 +54,21 @@ def translate_provider_errors(what: str):
             raise ProviderRejectedError(message, details={"status": status}) from exc
         raise TransientError(message, retry_after=_retry_after(exc) if status == 429 else None,
                              details={"status": status}) from exc
+    except openai.APIError as exc:
+        # An error event in the middle of a stream (`data: {"error": ...}`): no status, its kind in the body.
+        message = f"{what}: provider sent an error in its stream: {_short(exc)}"
+        if _refusal(exc):
+            raise ProviderRejectedError(message, details={"code": exc.code or exc.type}) from exc
+        raise TransientError(message, details={"code": exc.code or exc.type}) from exc
+
+
+# Error kinds (an error event's `type` or `code`) that say the same request would be refused again.
+_REFUSALS = ("invalid_request", "context_length", "content_filter", "authentication", "permission", "not_found")
+
+
+def _refusal(exc: openai.APIError) -> bool:
+    kinds = f"{exc.type or ''} {exc.code or ''}".lower()
+    return any(kind in kinds for kind in _REFUSALS)
 
 
 def _short(exc: Exception) -> str:

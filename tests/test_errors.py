@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 
@@ -74,3 +75,38 @@ async def test_a_request_the_provider_would_refuse_again_is_not_retried(status: 
         await ActivityEnvironment().run(answered_with, status)
     assert caught.value.non_retryable is not retried, caught.value
     assert f"provider answered {status}" in caught.value.message
+
+
+def _stream_then(error: dict) -> openai.AsyncOpenAI:
+    """A model that streams a first delta, then an error event (as vLLM and hosted APIs do mid-stream)."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        events = [{"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                   "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
+                  {"error": error}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+    return openai.AsyncOpenAI(base_url="http://model/v1", api_key="k", max_retries=0,
+                              http_client=httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+
+
+@activity.defn
+@translate_errors
+async def stream_from(error: dict) -> None:
+    with translate_provider_errors("generate"):
+        stream = await _stream_then(error).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            pass
+
+
+@pytest.mark.parametrize(("error", "retried"), [
+    ({"message": "context length exceeded", "type": "invalid_request_error", "code": "context_length_exceeded"}, False),
+    ({"message": "the engine restarted", "type": "server_error", "code": None}, True)])
+async def test_an_error_event_in_the_middle_of_a_stream_is_classified_like_a_status(error: dict, retried: bool):
+    """The openai client raises the bare APIError for it, which escaped the taxonomy: always retried, with
+    its traceback and no step prefix."""
+    with pytest.raises(ApplicationError) as caught:
+        await ActivityEnvironment().run(stream_from, error)
+    assert caught.value.non_retryable is not retried, caught.value
+    assert caught.value.type == ("TransientError" if retried else "ProviderRejectedError")
+    assert caught.value.message == f"generate: provider sent an error in its stream: {error['message']}"
