@@ -112,6 +112,17 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _Stderr:
+    """sys.stderr as it is when a line is written, for structlog's own lines: they go where the standard
+    library's do, and standard output stays for what a process prints as its output (RAGLINE_AUDIT_LOG=-)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) -> None:
     """`redact` (RAGLINE_REDACT_PII): phone numbers, e-mail addresses and ID numbers are masked in
     every log line, whatever logged them (structlog events and the standard library's records)."""
@@ -152,4 +163,5 @@ def configure(level: str = "INFO", json: bool = False, *, redact: bool = False) 
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, *masking, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),
     )

@@ -170,7 +170,7 @@ async def test_the_step_line_names_the_error_of_our_taxonomy(temporal_env, capfd
                       workflow_runner=UnsandboxedWorkflowRunner(), interceptors=[StepTelemetry()]):
         assert await temporal_env.client.execute_workflow(OneStep.run, extract_locked_pdf.__name__, id=queue,
                                                           task_queue=queue) == "failed"
-    [line] = [line for line in capfd.readouterr().out.splitlines() if "step attempt failed" in line and queue in line]
+    [line] = [line for line in capfd.readouterr().err.splitlines() if "step attempt failed" in line and queue in line]
     assert "error_type=InputError" in line and "outcome=non_retryable_error" in line, line
 
 

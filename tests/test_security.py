@@ -14,6 +14,7 @@ import uuid
 
 import httpx
 import pytest
+import structlog
 from google.protobuf import json_format
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
@@ -89,9 +90,10 @@ async def _end_jobs(client, *workflow_ids: str) -> None:
 
 # -- who is calling --------------------------------------------------------------------------------
 
-async def test_every_route_but_healthz_needs_a_known_key(stack):
+async def test_every_route_but_the_probes_needs_a_known_key(stack):
     async with _client(stack, None) as anonymous, _client(stack, "rgl_not-a-key") as wrong:
         assert (await anonymous.get("/healthz")).status_code in (200, 503)
+        assert (await anonymous.get("/livez")).json() == {"status": "up"}  # the probes carry no key
         routes = [("GET", "/v1/documents"), ("GET", "/v1/jobs"), ("GET", "/v1/reviews"),
                   ("POST", "/v1/search"), ("GET", "/v1/jobs/acme.agent-x"), ("GET", "/v1/chats/s1"),
                   ("POST", "/v1/chats"), ("POST", "/v1/agents"), ("GET", "/v1/jobs/acme.agent-x/events"),
@@ -1299,11 +1301,13 @@ def test_the_audit_log_goes_where_ragline_audit_log_says(tmp_path, capsys):
         to_stdout = Settings(data_dir=tmp_path / "other", audit_log="-")
         assert to_stdout.audit_log_file is None
         printed = audit.record(to_stdout, **entry, reason="stuck")
+        structlog.get_logger("test").warning("a log line beside the entry")  # on standard error, not in it
         out = capsys.readouterr()
     finally:
         logs.configure("INFO", json=False)
     assert [json.loads(line) for line in out.out.splitlines()] == [printed]
     assert printed["reason"] == "stuck" and "stuck" not in out.err  # once: not in the API log as well
+    assert "a log line beside the entry" in out.err
     assert not (tmp_path / "other").exists()
     with pytest.raises(ValueError, match="standard output"):
         audit.read(to_stdout)
