@@ -47,7 +47,10 @@ from ragline.settings import Settings, get_settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import policies, queues
 from temporal.client import connect
-from temporal.telemetry import ServerStatsPoller, StepTelemetry, export_step_sla, worker_runtime
+from temporal.deployment import make_first_build_current
+from temporal.telemetry import (
+    ServerStatsPoller, StepTelemetry, export_activity_slots, export_step_sla, worker_runtime,
+)
 from temporal.schedules import ensure_blob_sweep
 from temporal.search_attributes import ensure_registered
 from workflows.agent import AgentWorkflow
@@ -161,9 +164,11 @@ class RaglineWorker:
     """One SDK worker per task queue of the role (temporal/queues.py), run together, each with its
     own slot count: main (workflows and I/O-bound activities), cpu, llm and vector."""
 
-    def __init__(self, workers: list[Worker], role: str = "all") -> None:
+    def __init__(self, workers: list[Worker], role: str = "all", activity_slots: dict[str, int] | None = None) -> None:
         self.workers = workers
         self.role = role
+        # The most activities it runs at once per task queue (the capacity the alerts compare backlogs with).
+        self.activity_slots = activity_slots or {}
 
     @property
     def task_queues(self) -> list[str]:
@@ -238,25 +243,30 @@ def deployment_config(settings: Settings) -> WorkerDeploymentConfig | None:
         use_worker_versioning=True, default_versioning_behavior=VersioningBehavior.PINNED)
 
 
+def activity_slot_limit(settings: Settings, kind: str) -> int:
+    """The most activities one worker runs at once on the queue of `kind` (a resource-based tuner's maximum)."""
+    return {"main": settings.worker_io_concurrency, "cpu": settings.worker_cpu_concurrency,
+            "llm": settings.effective_llm_concurrency}.get(kind, settings.worker_vector_concurrency)
+
+
 def _slots(settings: Settings, kind: str) -> dict[str, Any]:
     """The slot options of the worker on one queue kind, from settings."""
+    most = activity_slot_limit(settings, kind)
     if kind == "main":
-        return {"max_concurrent_activities": settings.worker_io_concurrency,
+        return {"max_concurrent_activities": most,
                 "max_concurrent_workflow_tasks": settings.worker_workflow_concurrency}
-    if kind == "cpu":
-        if settings.worker_resource_tuning:
-            return {"tuner": WorkerTuner.create_resource_based(
-                target_memory_usage=settings.worker_target_memory, target_cpu_usage=settings.worker_target_cpu,
-                activity_config=ResourceBasedSlotConfig(
-                    minimum_slots=1, maximum_slots=settings.worker_cpu_concurrency,
-                    ramp_throttle=timedelta(milliseconds=500)))}
-        return {"max_concurrent_activities": settings.worker_cpu_concurrency}
+    if kind == "cpu" and settings.worker_resource_tuning:
+        return {"tuner": WorkerTuner.create_resource_based(
+            target_memory_usage=settings.worker_target_memory, target_cpu_usage=settings.worker_target_cpu,
+            activity_config=ResourceBasedSlotConfig(minimum_slots=1, maximum_slots=most,
+                                                    ramp_throttle=timedelta(milliseconds=500)))}
     if kind == "llm":
         # Model calls in flight are bounded here, per model endpoint, not by a semaphore in an activity.
-        return {"max_concurrent_activities": settings.effective_llm_concurrency,
+        return {"max_concurrent_activities": most,
                 "max_task_queue_activities_per_second": settings.llm_requests_per_second}
-    return {"max_concurrent_activities": settings.worker_vector_concurrency,
-            "max_concurrent_local_activities": settings.worker_vector_concurrency}
+    if kind == "vector":
+        return {"max_concurrent_activities": most, "max_concurrent_local_activities": most}
+    return {"max_concurrent_activities": most}
 
 
 def _pollers(settings: Settings) -> dict[str, Any]:
@@ -324,6 +334,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
     if (deployment := deployment_config(settings)) is not None:
         common["deployment_config"] = deployment
     workers = []
+    activity_slots = {}
     for kind in queues.ROLES[role]:
         mine = [a for a in activities if policies.policy(policies.activity_name(a)).queue == kind]
         flows = QUEUE_WORKFLOWS.get(kind, [])
@@ -333,9 +344,12 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
         # Threads only where an activity is sync (extraction, embedding, the vector store): a queue of
         # async activities runs them on the loop, and needs no thread per slot.
         threads = {"activity_executor": executor} if any(not inspect.iscoroutinefunction(a) for a in mine) else {}
-        workers.append(Worker(client, task_queue=queues.queue_name(settings.task_queue, kind), workflows=flows,
-                              activities=mine, **_slots(settings, kind), **threads, **common))
-    return RaglineWorker(workers, role)
+        name = queues.queue_name(settings.task_queue, kind)
+        workers.append(Worker(client, task_queue=name, workflows=flows, activities=mine, **_slots(settings, kind),
+                              **threads, **common))
+        if mine:
+            activity_slots[name] = activity_slot_limit(settings, kind)
+    return RaglineWorker(workers, role, activity_slots)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -400,12 +414,20 @@ async def main(argv: list[str] | None = None) -> int:
     threads = settings.worker_cpu_concurrency + settings.worker_vector_concurrency + 4
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as executor:
         worker = build_worker(client, settings, index, executor, role)
+        if address:
+            export_activity_slots(runtime, worker.activity_slots)
         log.info("worker polling", role=role, task_queues=worker.task_queues, temporal=settings.temporal_address,
                  vector_store=(settings.qdrant_url or str(settings.qdrant_path)) if index else None,
                  build_id=settings.worker_build_id)
         async with worker:
+            # Its pollers make the version known first: a first deploy's build is made current, else no job runs.
+            current = asyncio.create_task(make_first_build_current(
+                client, settings.worker_deployment_name, settings.worker_build_id)) \
+                if settings.worker_build_id and role in ("all", "workflows") else None
             await stop.wait()
             log.info("worker stopping", role=role)
+            if current:
+                current.cancel()
     if poller:
         poller.cancel()
     if index is not None:

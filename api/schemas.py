@@ -321,6 +321,7 @@ class QueuePollers(BaseModel):
     kind: str
     workflow_pollers: int | None = None
     activity_pollers: int
+    backlog: int = 0  # tasks waiting there (workflow and activity): a queue nobody polls is down only with some
 
 
 class Component(BaseModel):
@@ -338,6 +339,10 @@ class Component(BaseModel):
 class Health(BaseModel):
     status: Literal["up", "degraded", "down"]
     components: dict[str, Component]
+
+
+class Liveness(BaseModel):
+    status: Literal["up"] = "up"
 
 
 class JobEvent(BaseModel):

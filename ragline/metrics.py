@@ -34,6 +34,7 @@ CHUNKS = "ragline_ingested_chunks"                      # counter -> _total
 REVIEWS_WAITING = "ragline_reviews_waiting"             # gauge {task_queue}
 DEAD_LETTERED_WAITING = "ragline_dead_lettered_jobs"    # gauge {task_queue}
 BACKLOG = "ragline_task_queue_backlog"                  # gauge {task_queue,type=workflow|activity}
+ACTIVITY_SLOTS = "ragline_worker_activity_slots"        # gauge {task_queue}: one worker's most at once
 POLL_ERRORS = "ragline_telemetry_poll_errors"           # counter -> _total
 ANSWER_CACHE_LOOKUPS = "ragline_answer_cache_lookups"   # counter -> _total {result=hit|miss}
 

@@ -102,6 +102,15 @@ def export_step_sla(runtime: Runtime, settings: Settings, steps: Iterable[str] |
             sla.set(float(seconds), {"activity_type": step})
 
 
+def export_activity_slots(runtime: Runtime, slots: dict[str, int]) -> None:
+    """The most activities this worker runs at once on each queue it polls (ragline_worker_activity_slots): a
+    queue's capacity for the backlog alerts, the same whether its slots are fixed or follow CPU and memory (a
+    resource-based tuner, which exports no free-slot count), and the sign that some worker polls it."""
+    gauge = runtime.metric_meter.create_gauge(metrics.ACTIVITY_SLOTS, "Most activities one worker runs at once")
+    for task_queue, most in slots.items():
+        gauge.set(most, {"task_queue": task_queue})
+
+
 class ServerStatsPoller:
     """Sets, every `interval` seconds, the gauges only the server can answer: each task queue's
     approximate backlog, and the jobs on this worker's queue waiting for a review or an operator."""

@@ -46,7 +46,7 @@ from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex, open_index
 from temporal import search_attributes as sa
 from temporal.client import connect
-from temporal.telemetry import ServerStatsPoller, export_step_sla, worker_runtime
+from temporal.telemetry import ServerStatsPoller, export_activity_slots, export_step_sla, worker_runtime
 from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM
 from worker import build_worker
@@ -347,6 +347,7 @@ async def running_stack(address: str, llm: ScriptedLLM, data_dir: Path, *, in_pr
     poller = asyncio.create_task(ServerStatsPoller(client, settings, metrics_runtime()).run()) if worker else None
     if worker:
         export_step_sla(metrics_runtime(), settings)  # as worker.main does, for the rules' SLA series
+        export_activity_slots(metrics_runtime(), worker.activity_slots)  # ... and their queue capacities
     app = create_app(settings)
     try:
         async with serving_api(app, api_port) as base_url:

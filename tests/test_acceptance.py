@@ -43,6 +43,11 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
     address = temporal_env.client.service_client.config.target_host
     async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False,
                              task_queue=f"no-worker-{tag}") as stack:
+        # Nobody polls the queues, and nothing waits there yet: idle, as a role scaled to zero is.
+        operator = {"Authorization": f"Bearer {stack.keys['operator']}"}
+        health = (await stack.http.get("/healthz", headers=operator)).json()
+        assert (health["status"], health["components"]["worker"]["status"]) == ("up", "up"), health
+        assert "where nothing waits" in health["components"]["worker"]["reason"]
         upload = await stack.upload((f"{tag}.txt", f"The {tag} lighthouse is painted red and white.".encode()),
                                     collection=tag)
         session = f"s-{tag}"
@@ -55,6 +60,16 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
         agent = r.json()
 
         assert keyed[0]["job_id"] == keyed[1]["job_id"]
+        # Now jobs wait on the main queue, which nobody polls: the worker is down, and said so (once the look
+        # that found everything up is past RAGLINE_HEALTHZ_CACHE_SECONDS).
+        async def worker_down() -> dict | None:
+            health = (await stack.http.get("/healthz", headers=operator)).json()
+            return health if health["status"] != "up" else None
+        health = await eventually(worker_down, timeout=30, what="/healthz finding jobs wait on an unpolled queue")
+        worker = health["components"]["worker"]
+        assert (health["status"], worker["status"]) == ("degraded", "down"), health
+        assert worker["queues"][f"no-worker-{tag}"]["backlog"] > 0
+        assert f"no worker is polling no-worker-{tag}," in worker["reason"], worker
         job_ids = [upload["job_id"], *(t["job_id"] for t in turns), keyed[0]["job_id"], agent["job_id"]]
         for job_id in job_ids:
             r = await stack.http.get(f"/v1/jobs/{job_id}")

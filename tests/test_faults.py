@@ -221,6 +221,8 @@ async def test_temporal_restart_mid_run(private_llm, tmp_path):
             health = await stack.http.get("/healthz")
             assert health.status_code == 503
             assert "Temporal" in health.json()["components"]["temporal"]["reason"]
+            # The probes' endpoint keeps the process in service meanwhile: it is what answers the 503s.
+            assert (await stack.http.get("/livez")).json() == {"status": "up"}
 
             await server.start()
             scripted_llm.set_delay(0)

@@ -3,11 +3,14 @@ Temporal server binaries) are parsed and checked against the code: names, ports,
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
 
+from api.routes import health
 from ragline.settings import Settings
 from temporal import queues
 
@@ -69,8 +72,11 @@ def _env(objects, deployment: dict) -> dict[str, str]:
 
 
 def _settings(env: dict[str, str]) -> Settings:
-    return Settings(**{k[len("RAGLINE_"):].lower(): v for k, v in env.items()
-                       if k.startswith("RAGLINE_") and v not in (None, "")})
+    """The settings a pod with this environment reads (values parsed as from the environment: JSON lists...)."""
+    ragline = {k: v for k, v in env.items() if k.startswith("RAGLINE_") and v not in (None, "")}
+    others = {k: v for k, v in os.environ.items() if not k.startswith("RAGLINE_")}
+    with mock.patch.dict(os.environ, {**others, **ragline}, clear=True):
+        return Settings()
 
 
 def test_every_manifest_parses_and_has_the_basics(objects):
@@ -147,7 +153,9 @@ def test_api_ports_and_probe(objects):
     port = Settings(api_port=env["RAGLINE_API_PORT"]).api_port
     assert c["ports"][0]["containerPort"] == port and c["command"][-1] == str(port)
     assert env["RAGLINE_API_HOST"] == "0.0.0.0"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    # Probes ask the process, not Temporal (a Temporal outage would take every replica out of service at once).
+    assert c["readinessProbe"]["httpGet"]["path"] == c["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert "/livez" in {route.path for route in health.router.routes}
     service = objects[("Service", "ragline-api")]
     assert service["spec"]["ports"][0]["targetPort"] == c["ports"][0]["name"]
     assert service["spec"]["selector"].items() <= api["spec"]["template"]["metadata"]["labels"].items()
@@ -208,6 +216,16 @@ def test_mounted_secrets_and_volumes_exist(objects, config):
         blobs = volumes[mounts[str(Settings(data_dir=config["RAGLINE_DATA_DIR"]).blob_dir)]]
         claim = blobs["persistentVolumeClaim"]["claimName"]
         assert "ReadWriteMany" in objects[("PersistentVolumeClaim", claim)]["spec"]["accessModes"]
+
+
+def test_job_links_and_the_codec_origin_name_the_clusters_web_ui(objects):
+    """`make run`'s defaults name 127.0.0.1: on a cluster a job's Web UI link would lead nowhere, and the Web UI
+    could not decode payloads through the API's codec endpoint (CORS)."""
+    [values] = _docs(DEPLOY / "helm" / "temporal-values.yaml")
+    callback = next(e["value"] for e in values["web"]["additionalEnv"] if e["name"] == "TEMPORAL_AUTH_CALLBACK_URL")
+    settings = _settings(_env(objects, objects[("Deployment", "ragline-api")]))
+    ui = settings.effective_temporal_ui_url
+    assert callback.startswith(f"{ui}/") and settings.effective_codec_cors_origins == [ui]
 
 
 def test_temporal_helm_values_on_postgresql():
@@ -374,7 +392,7 @@ def test_temporal_requires_the_client_certificate_ragline_presents(config):
     assert frontend["enabled"] and frontend["requireClientAuth"] and frontend["secretName"]
     assert tls["internode"]["enabled"]  # the server's own services present it to a frontend that requires one
     host = config["RAGLINE_TEMPORAL_ADDRESS"].rsplit(":", 1)[0]
-    settings = Settings(**{k[len("RAGLINE_"):].lower(): v for k, v in config.items() if k.startswith("RAGLINE_")})
+    settings = _settings(config)
     assert frontend["serverName"] == (settings.temporal_tls_server_name or host)
     assert settings.temporal_uses_tls and settings.temporal_tls_ca and settings.temporal_tls_cert
     assert settings.temporal_tls_key

@@ -28,6 +28,7 @@ async def test_api_answers_503_while_temporal_is_down(tmp_path):
             health = await http.get("/healthz")
             assert health.status_code == 503
             assert health.json()["components"]["temporal"]["status"] == "down"
+            assert (await http.get("/livez")).status_code == 200  # the probes keep it in service: it answers 503s
 
             upload = await http.post("/v1/documents", files=[("files", ("a.txt", b"some text to keep"))])
             assert upload.status_code == 503

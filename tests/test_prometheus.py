@@ -52,7 +52,7 @@ def test_promtool_accepts_the_rules_and_the_config_and_the_alerts_fire_on_their_
     for argv in (["check", "rules", str(RULES)], ["check", "config", str(CONFIG)], ["test", "rules", str(RULES_TEST)]):
         done = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 10 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
+    assert "SUCCESS: 11 rules found" in subprocess.run([promtool, "check", "rules", str(RULES)],
                                                       capture_output=True, text=True).stdout
 
 
@@ -75,11 +75,14 @@ def test_dashboard_panels_count_each_job_once_and_only_ragline_workers(tmp_path)
     slots = ('temporal_worker_task_slots_{kind}{{namespace="default", task_queue="{queue}", '
              'worker_type="ActivityWorker", {where}}}')
     for kind, value in (("used", 1), ("available", 3)):
-        series.append({"series": slots.format(kind=kind, queue="ragline-cpu", where=worker.format(port=9464)),
-                       "values": f"{value}x5"})
         series.append({"series": slots.format(kind=kind, queue="temporal_sys_per_ns_tq",
                                               where='job="temporal", instance="127.0.0.1:7244"'),
                        "values": "0x5" if kind == "used" else "1000x5"})
+    # A cpu worker whose slots follow CPU and memory: the SDK exports the used ones, Ragline the most it runs.
+    series += [{"series": slots.format(kind="used", queue="ragline-cpu", where=worker.format(port=9464)),
+                "values": "1x5"},
+               {"series": f'ragline_worker_activity_slots{{task_queue="ragline-cpu", {worker.format(port=9464)}}}',
+                "values": "4x5"}]
     reviews, dead = _panel_exprs("Waiting for people")
     [utilisation] = _panel_exprs("Worker slot utilisation")
     tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series,

@@ -1,6 +1,6 @@
 """Proof on one machine: RAGLINE_WORKERS=workflows:1,cpu:1,llm:2,vector:1 as separate `worker.py --role`
-processes on a dev server, a model that answers after 1 s, and SIGKILLed workers mid-run: every job
-completes, Qdrant holds exactly the expected points, and no model call is repeated after it completed.
+processes of one versioned build (a first deploy: no build current yet) on a dev server, a model that answers
+after 1 s, and SIGKILLed workers mid-run: every job completes, Qdrant holds exactly the expected points, and no model call is repeated after it completed.
 (Throughput, 1 versus 2 llm workers, is measured by `make bench`, bench/scaleout.py.)"""
 
 from __future__ import annotations
@@ -100,7 +100,10 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
            "RAGLINE_POLICIES": str(FIXTURES.parent / "fast_policies.toml"), "RAGLINE_EMBED_BATCH_SIZE": "4",
            "RAGLINE_WORKERS": WORKERS, "RAGLINE_WORKER_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1",
            # plumbing under test, with made-up texts: every turn answers through the model
-           "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0"}
+           "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0",
+           # A first deploy of a versioned fleet, as deploy/k8s/config.yaml sets it: no operator step makes the
+           # build current (the workflows worker does, the deployment having none), and every job runs.
+           "RAGLINE_WORKER_BUILD_ID": "1.0", "RAGLINE_WORKER_DEPLOYMENT_NAME": f"ragline-{queue}"}
     fleet = Fleet(env, tmp_path)
     assert sorted(fleet.specs) == ["worker-cpu", "worker-llm-1", "worker-llm-2", "worker-vector", "worker-workflows"]
     kills: list[float] = []

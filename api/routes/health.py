@@ -24,7 +24,7 @@ from temporalio.client import Client
 
 from api.auth import Guard, GuardDep, presented_key, shown_address
 from api.deps import ClientDep, SettingsDep
-from api.schemas import Component, Health, QueuePollers
+from api.schemas import Component, Health, Liveness, QueuePollers
 from ragline.settings import Settings
 from temporal import queues
 
@@ -35,24 +35,26 @@ POLLER_FRESHNESS = timedelta(minutes=2)
 CHECK_TIMEOUT = timedelta(seconds=3)
 
 
-async def _pollers(client: Client, queue: str, kind: TaskQueueType.ValueType) -> int:
+async def _pollers(client: Client, queue: str, kind: TaskQueueType.ValueType) -> tuple[int, int]:
+    """Fresh pollers of one queue kind, and the tasks waiting there."""
     answer = await client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
-        namespace=client.namespace, task_queue=TaskQueue(name=queue), task_queue_type=kind),
+        namespace=client.namespace, task_queue=TaskQueue(name=queue), task_queue_type=kind, report_stats=True),
         timeout=CHECK_TIMEOUT)
     now = datetime.now(timezone.utc)
-    return sum(1 for p in answer.pollers
-               if now - p.last_access_time.ToDatetime(tzinfo=timezone.utc) < POLLER_FRESHNESS)
+    fresh = sum(1 for p in answer.pollers if now - p.last_access_time.ToDatetime(tzinfo=timezone.utc) < POLLER_FRESHNESS)
+    return fresh, answer.stats.approximate_backlog_count
 
 
 async def queue_pollers(client: Client, task_queue: str) -> dict[str, QueuePollers]:
-    """Fresh pollers on every queue kind (workflow and activity pollers are counted apart)."""
+    """Fresh pollers on every queue kind (workflow and activity pollers are counted apart), and its backlog."""
     wf, act = TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY
     names = {kind: queues.queue_name(task_queue, kind) for kind in queues.QUEUE_KINDS}
     wf_counts = await asyncio.gather(*(_pollers(client, names[k], wf) for k in queues.WORKFLOW_KINDS))
     act_counts = await asyncio.gather(*(_pollers(client, names[k], act) for k in queues.QUEUE_KINDS))
     by_kind = dict(zip(queues.WORKFLOW_KINDS, wf_counts))
-    return {names[k]: QueuePollers(kind=k, workflow_pollers=by_kind.get(k), activity_pollers=n)
-            for k, n in zip(queues.QUEUE_KINDS, act_counts)}
+    return {names[k]: QueuePollers(kind=k, workflow_pollers=by_kind[k][0] if k in by_kind else None,
+                                   activity_pollers=pollers, backlog=backlog + (by_kind[k][1] if k in by_kind else 0))
+            for k, (pollers, backlog) in zip(queues.QUEUE_KINDS, act_counts)}
 
 
 class SharedCheck:
@@ -96,16 +98,21 @@ async def temporal_components(client: Client, settings: Settings) -> dict[str, C
     try:
         by_queue = await queue_pollers(client, settings.task_queue)
         main = by_queue[settings.task_queue]
-        # A queue nobody polls: its jobs wait (a role is missing). Activity pollers count for every
-        # queue; workflow pollers too where workflows run (main, vector).
-        idle = [name for name, q in by_queue.items()
-                if q.activity_pollers == 0 or q.workflow_pollers == 0]
+        # A queue nobody polls where tasks wait: its jobs wait (a role is missing). Activity pollers count for
+        # every queue; workflow pollers too where workflows run (main, vector). One nobody polls and where
+        # nothing waits is idle, not down: a role scaled to zero between jobs (the cpu role under KEDA).
+        unpolled = [name for name, q in by_queue.items() if q.activity_pollers == 0 or q.workflow_pollers == 0]
+        down = [name for name in unpolled if by_queue[name].backlog > 0]
+        idle = [name for name in unpolled if name not in down]
         reason = None
-        if idle:
-            reason = (f"no worker is polling {', '.join(idle)}; their jobs wait until one starts "
+        if down:
+            reason = (f"no worker is polling {', '.join(down)}, where tasks wait; their jobs wait until one starts "
                       "(worker.py --role ..., RAGLINE_WORKERS)")
+        elif idle:
+            reason = (f"no worker is polling {', '.join(idle)}, where nothing waits: its role may be scaled to zero "
+                      "until work comes (else, start it: worker.py --role ..., RAGLINE_WORKERS)")
         components["worker"] = Component(
-            status="up" if not idle else "down", pollers=main.workflow_pollers, task_queue=settings.task_queue,
+            status="up" if not down else "down", pollers=main.workflow_pollers, task_queue=settings.task_queue,
             queues=by_queue, reason=reason)
     except Exception as exc:
         components["worker"] = Component(status="unknown", reason="the task queues could not be described",
@@ -138,6 +145,15 @@ async def healthz(request: Request, client: ClientDep, settings: SettingsDep, gu
         return Health(status="down", components=components)
     healthy = all(c.status == "up" for c in components.values())
     return Health(status="up" if healthy else "degraded", components=components)
+
+
+@router.get("/livez", summary="The API process answers", response_model=Liveness,
+            description="Needs no key, and asks nothing of Temporal: the probes' endpoint. A Temporal outage keeps "
+                        "every API process in service, answering 503 `temporal_unavailable` with its reason, rather "
+                        "than taking them all out of the load balancer at once (clients would get refused "
+                        "connections instead). `GET /healthz` says what is down.")
+async def livez() -> Liveness:
+    return Liveness()
 
 
 def _operator(request: Request, guard: Guard) -> bool:
