@@ -282,6 +282,26 @@ async def test_a_turn_is_dead_lettered_only_when_the_fallback_fails_too(trusted,
     assert r.status_code == 200, r.text
 
 
+async def test_a_fallback_that_refuses_parks_the_answer_for_an_operator_rather_than_failing_the_turn(
+        trusted, light_llm):
+    """The configured model is down (503s, a parkable outage) and the lighter fallback refuses the request
+    (400: a smaller context, a wrong key). The turn used to fail with the fallback's refusal: no retry once the
+    outage is over. It waits for an operator now, saying both, and a retry asks the configured model again."""
+    trusted.llm.script("answer", ["503"] * 4)  # generate_answer's every attempt (fast policies: 4)
+    light_llm.script("answer", ["400"])
+    accepted = await trusted.chat("Which proxy had the expired TLS certificate in incident 4711?", collection="trust")
+    job = await trusted.wait_job(accepted["job_id"])
+    assert job["status"] == "dead_lettered", job
+    steps = {s["name"]: s for s in job["steps"]}
+    assert steps["generate_answer"]["status"] == "dead_lettered"
+    assert steps["generate_answer_fallback"]["status"] == "failed"
+    assert "503" in job["error"]["message"] and "the fallback refused too" in job["error"]["message"], job["error"]
+    r = await trusted.http.post(f"/v1/jobs/{accepted['job_id']}/retry", json={"operator": "t", "reason": "back up"})
+    assert r.status_code == 200, r.text
+    job = await trusted.wait_job(accepted["job_id"], until=("completed", "failed", "cancelled"))
+    assert job["status"] == "completed" and job["result"]["model"] != "light", job
+
+
 async def test_evaluation_job_reports_recall_mrr_and_honest_refusals_per_collection(trusted):
     golden = "\n".join([
         '{"question": "What was the root cause of incident 4711?", "expected_document": "postmortem.txt", '

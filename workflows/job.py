@@ -56,6 +56,9 @@ CANCEL_REQUESTED_IS_CANCEL_PATCH = "step-failed-after-cancel-request-is-cancelle
 # branches on the count, and an edited file made running agents fail to replay. Earlier histories replay
 # with the file's count.
 ATTEMPTS_FROM_HISTORY_PATCH = "exhausted-attempts-from-history"
+# A step whose fallback (a chat answer's lighter model) refuses for good parks with both reasons. Earlier
+# jobs failed with the fallback's refusal.
+FALLBACK_REFUSED_PARKS_PATCH = "fallback-refused-parks-the-step"
 
 
 class _FellBack(Exception):
@@ -285,7 +288,15 @@ class JobWorkflow:
                 self.steps.failed_attempts(step, attempts=attempts, error=reason)
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
-                    raise _FellBack(await on_exhausted())
+                    try:
+                        raise _FellBack(await on_exhausted())
+                    except ActivityError as refused:
+                        # The fallback refused for good (a smaller context, a wrong key, none on this worker):
+                        # the step parks with both reasons, as it would have without a fallback. Earlier jobs
+                        # failed with the fallback's refusal, though an operator could have retried the step.
+                        if is_cancelled_exception(refused) or not workflow.patched(FALLBACK_REFUSED_PARKS_PATCH):
+                            raise
+                        reason = f"{reason}; the fallback refused too: {failure_reason(refused)}"
                 if self.dead_letters.withdrawing():  # told to stop before it came to this: it does not park
                     self.steps.cancel(step)
                     raise ParkWithdrawn(step)
