@@ -46,7 +46,8 @@ class JobActivities:
                 by_its_upload = await self._cancelled_by_parent(handle)
                 return DocumentOutcome.failed_from(req.workflow_id, CANCELLED_WITH_ITS_UPLOAD if by_its_upload
                                                    else CANCELLED)
-            return DocumentOutcome.failed_from(req.workflow_id, getattr(cause, "message", None) or str(cause))
+            return DocumentOutcome.failed_from(req.workflow_id, getattr(cause, "message", None) or str(cause),
+                                               error_type=getattr(cause, "type", None) or type(cause).__name__)
         except RPCError as exc:
             if exc.status != RPCStatusCode.NOT_FOUND:
                 raise

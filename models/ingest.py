@@ -47,11 +47,15 @@ class DocumentOutcome(BaseModel):
     pages: int = 0
     chunks: int = 0
     error: str | None = None
+    # The failure's type (InputError: the file itself; Discarded, DeadLetterExpired: an operator or the time
+    # limit ended a step an outage had parked); None where it is not known (earlier outcomes).
+    error_type: str | None = None
 
     @classmethod
-    def failed_from(cls, workflow_id: str, error: str, filename: str = "") -> "DocumentOutcome":
+    def failed_from(cls, workflow_id: str, error: str, filename: str = "",
+                    error_type: str | None = None) -> "DocumentOutcome":
         return cls(document_id=workflow_id.rsplit("doc-", 1)[-1], filename=filename, status="failed",
-                   job_id=workflow_id, error=error)
+                   job_id=workflow_id, error=error, error_type=error_type)
 
 
 class IngestInput(BaseModel):

@@ -376,10 +376,12 @@ async def test_a_document_that_does_not_complete_leaves_nothing_to_find(temporal
             assert (await stack.wait_done(doc["job_id"]))["status"] == ends
             failed = await stack.wait_done(upload["job_id"])
         assert failed["status"] == "failed", failed
-        # A cancel is a person's doing, not the file's: the upload says so.
+        # Neither a cancel nor an operator's discard of a step an outage parked is the file's fault: the upload
+        # says which it was (a client does not resend an InputError's file as it is).
         [step] = [s for s in failed["steps"] if s["name"] == "document:tides.txt"]
         assert (failed["error"]["type"], step["status"]) == (("Cancelled", "cancelled") if action == "cancel"
-                                                             else ("InputError", "failed")), failed
+                                                             else ("Discarded", "failed")), failed
+        assert failed["result"]["documents"][0]["error_type"] == failed["error"]["type"]
         assert not [s for s in failed["steps"] if s["status"] == "running"], failed
         assert stack.index.count(stack.tenant, "undo", document["document_id"]) == 0
         assert await stack.search("When is high water at harbour 1?", collection="undo") == []

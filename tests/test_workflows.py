@@ -64,7 +64,7 @@ from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.dead_letters import DeadLetters
 from workflows.events import JobEvents
 from workflows.gate import TenantGateWorkflow
-from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow, _step_names
+from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow, _step_names, _upload_failure_type
 from workflows import ingest as ingest_workflow
 from workflows.remove import RemoveDocumentWorkflow
 from workflows.slot import RunningSlot
@@ -844,6 +844,17 @@ async def test_ingest_with_no_good_document_fails_with_every_reason(env):
     assert cause.message == ("no document could be ingested: scan.pdf: no extractable text; "
                              "scan2.pdf: no extractable text")
     assert [c.name for c in fakes.calls] == ["extract_text", "extract_text"]
+
+
+def test_a_failed_uploads_type_says_whose_doing_it_was():
+    def failed(error: str, kind: str | None) -> DocumentOutcome:
+        return DocumentOutcome.failed_from("t.doc-x", error, "f.pdf", kind)
+    assert _upload_failure_type([failed("no extractable text", "InputError"), failed("corrupt", None)]) == "InputError"
+    assert _upload_failure_type([failed(CANCELLED, "Cancelled"), failed(CANCELLED, None)]) == "Cancelled"
+    assert _upload_failure_type([failed("discarded by ana", "Discarded"), failed(CANCELLED, "Cancelled")]) == \
+        "Discarded"  # the cancelled one was a person's doing: the other says what became of the upload
+    assert _upload_failure_type([failed("discarded by ana", "Discarded"), failed("corrupt", "InputError")]) == \
+        "DocumentsFailed"
 
 
 # -- chat ----------------------------------------------------------------------------------------------

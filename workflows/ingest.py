@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
     from ragline.text import PASSWORD_REQUIRED, WRONG_PASSWORD
     from temporal import policies
     from temporal import search_attributes as sa
-    from workflows.failures import failure_reason
+    from workflows.failures import failure_reason, failure_type
     from workflows.job import JobWorkflow
 
 EMBED = policies.activity_name(IngestActivities.embed_chunks)
@@ -179,6 +179,17 @@ class IngestDocumentWorkflow(JobWorkflow):
             self.steps.complete(step)
 
 
+def _upload_failure_type(outcomes: list[DocumentOutcome]) -> str:
+    """Why no document of an upload was indexed, as a type a client can act on: `Cancelled` when a person
+    cancelled them all (the files were not at fault); the documents' own type when they share one (InputError:
+    the files themselves, never to be sent again as they are; Discarded or DeadLetterExpired: an outage parked
+    them and it ended there, so the same files may be sent again); `DocumentsFailed` when they differ."""
+    if all(o.error in _CANCELLED for o in outcomes):
+        return "Cancelled"
+    kinds = {o.error_type or "InputError" for o in outcomes if o.error not in _CANCELLED}
+    return kinds.pop() if len(kinds) == 1 else "DocumentsFailed"
+
+
 @workflow.defn
 class IngestWorkflow(JobWorkflow):
     @workflow.run
@@ -195,8 +206,7 @@ class IngestWorkflow(JobWorkflow):
                               documents=list(outcomes))
         if indexed == 0:
             reasons = "; ".join(f"{o.filename}: {o.error}" for o in outcomes)
-            # A person cancelled them all: the upload's files were not at fault.
-            kind = "Cancelled" if all(o.error in _CANCELLED for o in outcomes) else "InputError"
+            kind = _upload_failure_type(outcomes)
             raise ApplicationError(f"no document could be ingested: {reasons}", result.model_dump(mode="json"),
                                    type=kind, non_retryable=True)
         return result
@@ -255,8 +265,9 @@ class IngestWorkflow(JobWorkflow):
                                                 again=False)
             return outcome
         except ChildWorkflowError as exc:
-            reason = CANCELLED if is_cancelled_exception(exc) else failure_reason(exc)
-            return DocumentOutcome.failed_from(child_id, reason, doc.filename)
+            if is_cancelled_exception(exc):
+                return DocumentOutcome.failed_from(child_id, CANCELLED, doc.filename, "Cancelled")
+            return DocumentOutcome.failed_from(child_id, failure_reason(exc), doc.filename, failure_type(exc))
 
 
 _CANCELLED = (CANCELLED, CANCELLED_WITH_ITS_UPLOAD)
