@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from temporalio import activity
 from temporalio.common import Priority, RetryPolicy
 
+from ragline.errors import RaglineError
 from temporal import queues
 
 DEFAULT_FILE = Path(__file__).with_name("policies.toml")
@@ -188,7 +189,31 @@ def parse(text: str, activities: Iterable[str], source: str = "policies") -> dic
             queue=merged.queue or "main",
             priority=merged.priority,
         )
+        if (problem := _problem(policies[name])) is not None:
+            # Said at start: Temporal refuses such a policy only when a job schedules the activity, and the
+            # job then waits for ever, `queued`, its workflow task failing.
+            raise PolicyError(f"{source}: [activities.{name}] (with [defaults]): {problem}")
     return policies
+
+
+def _problem(policy: ActivityPolicy) -> str | None:
+    if policy.start_to_close <= timedelta(0):
+        return "start_to_close must be positive"
+    if policy.heartbeat is not None and policy.heartbeat <= timedelta(0):
+        return "heartbeat must be positive"
+    try:
+        policy.retry._validate()  # the SDK's own check, run when it schedules the activity
+    except ValueError as exc:
+        return f"retry: {exc}"
+    known = _error_types(RaglineError)
+    unknown = sorted(set(policy.retry.non_retryable_error_types or []) - known)
+    if unknown:  # a misspelt name would silently retry the errors it meant
+        return f"non_retryable: not an error type: {', '.join(unknown)} (ragline/errors.py: {', '.join(sorted(known))})"
+    return None
+
+
+def _error_types(cls: type) -> set[str]:
+    return {sub.__name__ for sub in cls.__subclasses__()} | {n for sub in cls.__subclasses__() for n in _error_types(sub)}
 
 
 def _explain(exc: ValidationError) -> str:

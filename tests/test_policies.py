@@ -9,6 +9,8 @@ import tomllib
 from datetime import timedelta
 from pathlib import Path
 
+import re
+
 import pytest
 
 import worker
@@ -253,3 +255,20 @@ def test_every_activity_that_heartbeats_has_a_heartbeat_timeout_a_few_beats_long
     path.write_text(tight)
     with pytest.raises(policies.PolicyError, match="generate_answer"):
         policies.load(path, NAMES)
+
+
+@pytest.mark.parametrize(("section", "says"), [
+    # inherits [defaults]' max_interval of 30s: Temporal refuses the policy, but only when a job schedules it
+    ('[activities.extract_text]\ninitial_interval = "1m"\n', "Maximum interval cannot be less than initial interval"),
+    ('[activities.extract_text]\nstart_to_close = "0s"\n', "start_to_close must be positive"),
+    ('[activities.extract_text]\nheartbeat = "0s"\n', "heartbeat must be positive"),
+    ('[activities.extract_text]\nbackoff = 0.5\n', "backoff must be >= 1"),
+    ('[activities.extract_text]\nnon_retryable = ["InputErorr"]\n', "not an error type: InputErorr"),
+])
+def test_a_policy_temporal_would_refuse_at_schedule_time_stops_the_worker_at_start(section: str, says: str):
+    """Such a policy passed the start, and every job that reached the activity then waited for ever, `queued`,
+    its workflow task failing on the SDK's check."""
+    text = MINIMAL.replace('start_to_close = "1m"\n', 'start_to_close = "1m"\nmax_interval = "30s"\n') + section
+    with pytest.raises(policies.PolicyError, match=rf"\[activities\.extract_text\].*{re.escape(says)}"):
+        policies.parse(text, NAMES)
+    assert policies.parse(policies.DEFAULT_FILE.read_text(), NAMES)  # the shipped file passes
