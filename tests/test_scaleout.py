@@ -118,7 +118,9 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
                 operator = {"Authorization": f"Bearer {stack.keys['operator']}"}
                 health = (await stack.http.get("/healthz", headers=operator)).json()
                 health = health["components"]["worker"]
-                return health if health["status"] == "up" else None
+                # (up, too, while a queue nobody polls has nothing waiting: a role scaled to zero)
+                polled = all(q["activity_pollers"] and q.get("workflow_pollers") != 0 for q in health["queues"].values())
+                return health if health["status"] == "up" and polled else None
 
             worker_health = await eventually(every_queue_polled, timeout=60, every=0.5, what="pollers on every queue")
             assert worker_health["queues"][f"{queue}-llm"]["activity_pollers"] >= 2  # both llm processes
