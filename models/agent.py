@@ -69,6 +69,7 @@ class CancelledChildSpend(BaseModel):
     job_id: str
     spent: Spend
     granted: Grant
+    decisions: list[ReviewRecord] = []  # made in its subtree: still the tree's record of who decided what
 
 
 class AgentResult(BaseModel):

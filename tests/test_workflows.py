@@ -1604,6 +1604,35 @@ async def test_a_sub_agent_that_fails_still_counts_what_it_spent(env):
     assert (result.llm_calls, result.tokens) == (2 + 3, 10 + 30 + 2 * 2000)
 
 
+async def test_a_sub_agent_that_fails_after_a_review_keeps_the_decision_in_the_trees_record(env):
+    """The child's delegation past the tree's depth waits for a reviewer, who tells it to revise; its next
+    plan fails for good. Who decided what is still in the root's result (the Web UI and the CLI decide
+    without the API: the job's record is the only one), as a finished child's decisions are."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth == 1:
+            if not req.observations:
+                return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count by hand"})])
+            raise ApplicationError("the model wrote no call it could read, twice", type="ModelReplyError",
+                                   non_retryable=True)
+        if not req.observations:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})])
+        return finish("the north could not be counted")
+
+    fakes = Fakes(plan=plan)
+    root_id = f"agent-{uuid.uuid4().hex[:8]}"
+    async with fake_worker(env, fakes) as queue:
+        root = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=1),
+                                               id=root_id, task_queue=queue)
+        child = env.client.get_workflow_handle(agent_workflow_id(root_id, 1))
+        await eventually(lambda: _status_is(child, "waiting_review"), timeout=30, what="the child at its depth guard")
+        await child.execute_update("review", {"decision": "revise", "reviewer": "auditor-ann",
+                                              "instructions": "count from the harbour log instead"})
+        result = await root.result()
+    [node] = result.tree.children
+    assert node.status == "failed"
+    assert [(d.decision, d.reviewer) for d in result.decisions] == [("revise", "auditor-ann")]
+
+
 async def test_a_sub_agent_a_person_cancels_still_counts_what_it_spent(env):
     """The child plans a search (2,000 tokens), then a delegation past the tree's depth, and waits for a
     reviewer; a person cancels it there. Its two model calls are the tree's, as a failed child's are."""

@@ -55,6 +55,9 @@ REVISE_EXTENDS_PATCH = "agent-revise-extends"
 # the extension. Earlier parents asked for a review of their own budget once such a child returned.
 CHILD_GRANTS_PATCH = "agent-child-grants-extend-ancestors"
 GRANTED_DETAIL = "granted"
+# ... and the review decisions made in it (its own and its subtree's): a failed or cancelled sub-agent's are
+# still the tree's record of who decided what (earlier trees kept only a finished child's).
+DECISIONS_DETAIL = "decisions"
 # A rejection anywhere in a tree stops the sub-agents running beside it: each is told (signal `stop`) and
 # finishes with what it has, a review it waits for withdrawn, and tells its own children. Earlier trees let
 # them run on (and ask people for decisions) until the last one ended.
@@ -106,6 +109,12 @@ def granted_before_failing(exc: ChildWorkflowError) -> Grant:
     """What reviewers granted a failed sub-agent's subtree, from its failure."""
     granted = failure_detail(exc.cause, GRANTED_DETAIL)
     return Grant.model_validate(granted) if isinstance(granted, dict) else Grant()
+
+
+def decided_before_failing(exc: ChildWorkflowError) -> list[ReviewRecord]:
+    """The review decisions made in a failed sub-agent's subtree, from its failure (none from older code)."""
+    decided = failure_detail(exc.cause, DECISIONS_DETAIL)
+    return [ReviewRecord.model_validate(d) for d in decided] if isinstance(decided, list) else []
 
 
 def normalise_goal(goal: str) -> str:
@@ -169,12 +178,17 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         return self._stop_asked
 
     def failure_details(self) -> dict[str, Any]:
-        return {SPENT_DETAIL: self.spent.model_dump(), GRANTED_DETAIL: self._granted().model_dump()}
+        return {SPENT_DETAIL: self.spent.model_dump(), GRANTED_DETAIL: self._granted().model_dump(),
+                DECISIONS_DETAIL: [d.model_dump(mode="json") for d in self._decisions()]}
+
+    def _decisions(self) -> list[ReviewRecord]:
+        return [*self.reviews.history, *self.child_decisions]
 
     async def _cancelled(self) -> None:
         parent = workflow.info().parent
         if parent is not None and workflow.patched(CANCELLED_CHILD_SPEND_PATCH):
-            told = CancelledChildSpend(job_id=workflow.info().workflow_id, spent=self.spent, granted=self._granted())
+            told = CancelledChildSpend(job_id=workflow.info().workflow_id, spent=self.spent, granted=self._granted(),
+                                       decisions=self._decisions())
             try:  # awaited: the parent has the signal before it learns that this sub-agent was cancelled
                 await workflow.get_external_workflow_handle(parent.workflow_id).signal(
                     CANCELLED_CHILD_SPEND_SIGNAL, told)
@@ -204,7 +218,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         return AgentResult(
             answer=answer, status=status, llm_calls=self.spent.llm_calls, tokens=self.spent.tokens,
             granted=self._granted(),
-            decisions=[*self.reviews.history, *self.child_decisions],
+            decisions=self._decisions(),
             rejected=[g for g in self.rejected if g not in inherited],
             tree=AgentNode(goal=self.inp.goal, depth=self.inp.depth, job_id=workflow.info().workflow_id,
                            status=status, answer=answer, children=self.children))
@@ -387,11 +401,13 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             if workflow.patched(FAILED_CHILD_SPEND_PATCH):  # what it spent before failing was paid for
                 self.spent.add(spent_before_failing(exc))
             self._take_on(granted_before_failing(exc), deadline_given)
+            self.child_decisions.extend(decided_before_failing(exc))
             if is_cancelled_exception(exc):
                 told = self._cancelled_spend.get(child_id)
                 if told is not None and workflow.patched(CANCELLED_CHILD_SPEND_PATCH):
                     self.spent.add(told.spent)
                     self._take_on(told.granted, deadline_given)
+                    self.child_decisions.extend(told.decisions)
                 node.status, node.answer = "cancelled", "cancelled by a person"
                 self.steps.cancel(step)
                 if workflow.patched(CANCELLED_CHILD_PATCH):
