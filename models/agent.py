@@ -48,6 +48,7 @@ class AgentNode(BaseModel):
     job_id: str
     status: str
     answer: str = ""
+    stopped_reason: str | None = None  # why a `stopped` agent did not finish
     children: list["AgentNode"] = []
 
 
@@ -75,6 +76,9 @@ class CancelledChildSpend(BaseModel):
 class AgentResult(BaseModel):
     answer: str
     status: Literal["finished", "stopped"]
+    # Why a `stopped` agent finished with what it had: a reviewer's rejection (who, of what), a stop it was
+    # told, or its planning rounds running out.
+    stopped_reason: str | None = None
     tree: AgentNode
     llm_calls: int
     tokens: int

@@ -58,7 +58,7 @@ from temporal import search_attributes as sa
 from temporal.converter import build_data_converter
 from tests.conftest import SERVER_STARTUP
 from tests.helpers import SlowSignals, WaitsForSlot, eventually, time_skipping_server_binary
-from workflows.agent import AgentWorkflow
+from workflows.agent import TOLD_TO_STOP, AgentWorkflow
 from workflows.blob_sweep import BlobSweepWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.dead_letters import DeadLetters
@@ -1478,6 +1478,10 @@ async def test_a_stop_withdraws_a_sub_agents_parked_step_and_the_tree_finishes(e
         south_progress = await south.query(AgentWorkflow.progress)
     assert result.status == "stopped"
     assert [(n.goal, n.status) for n in result.tree.children] == [("the north", "stopped"), ("the south", "stopped")]
+    # Each says why it stopped: a reviewer's rejection, of what; a stop it was told; below it, for the root.
+    assert result.stopped_reason == "a reviewer rejected something one of its sub-agents asked"
+    north_why, south_why = (n.stopped_reason for n in result.tree.children)
+    assert north_why.startswith("ana rejected its delegation (depth") and south_why == TOLD_TO_STOP
     assert south_progress.dead_letters == [] and south_progress.steps[0].status == "cancelled"
     south_attempts = len([c for c in fakes.named("agent_plan") if c.arg.goal == "the south"])
     assert south_attempts == policies.policy("agent_plan").retry.maximum_attempts

@@ -128,7 +128,11 @@ def described(name: str, arguments: dict) -> str:
 
 
 class Stop(Exception):
-    """This agent stops and finishes with what it has: a reviewer rejected its action, or one below."""
+    """This agent stops and finishes with what it has: a reviewer rejected its action, or one below. Its
+    message is why (the result's `stopped_reason`)."""
+
+
+TOLD_TO_STOP = "told to stop (signal `stop`: a reviewer rejected something elsewhere in its tree, or a person asked)"
 
 
 @workflow.defn
@@ -208,20 +212,24 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
 
     async def _agent(self) -> AgentResult:
         self.begin()
+        why = None
         try:
             answer, status = await self._loop(), "finished"
-        except (Stop, ParkWithdrawn):  # a step parked for an operator when the stop came is withdrawn
+        except (Stop, ParkWithdrawn) as stopped:  # a step parked for an operator when the stop came is withdrawn
             answer, status = self._partial(), "stopped"
+            why = str(stopped) if isinstance(stopped, Stop) else TOLD_TO_STOP
         if answer is None:
             answer, status = self._partial(), "stopped"
+            why = f"its {MAX_TURNS} planning rounds ran out before it finished"
         inherited = set(self.inp.rejected)
         return AgentResult(
             answer=answer, status=status, llm_calls=self.spent.llm_calls, tokens=self.spent.tokens,
             granted=self._granted(),
             decisions=self._decisions(),
             rejected=[g for g in self.rejected if g not in inherited],
+            stopped_reason=why,
             tree=AgentNode(goal=self.inp.goal, depth=self.inp.depth, job_id=workflow.info().workflow_id,
-                           status=status, answer=answer, children=self.children))
+                           status=status, answer=answer, stopped_reason=why, children=self.children))
 
     # -- the loop ---------------------------------------------------------------------------------
     async def _loop(self) -> str | None:
@@ -233,14 +241,14 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         # A correction due after the last round still gets its round: a malformed call is never the end.
         while turn < MAX_TURNS or correction is not None:
             if self._stop_asked:
-                raise Stop()
+                raise Stop(TOLD_TO_STOP)
             turn += 1
             over = self._over_budget()
             if over:
                 decision = await self._review("budget", over, {"action": "plan", "goal": inp.goal})
                 if decision.decision == "reject":
                     self.rejected.append(inp.goal)
-                    raise Stop()
+                    raise Stop(f"{decision.reviewer} rejected more budget ({over})")
                 instructions = decision.instructions or instructions
             try:
                 plan = await self.step(AgentActivities.agent_plan, PlanInput(
@@ -337,14 +345,14 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         if not subgoals:
             return
         if self._stop_asked:
-            raise Stop()
+            raise Stop(TOLD_TO_STOP)
         guard = self._delegation_guard(subgoals)
         if guard is not None:
             reason, detail = guard
             decision = await self._review(reason, detail, {"action": "delegate", "subgoals": subgoals})
             if decision.decision == "reject":
                 self.rejected.extend(subgoals)
-                raise Stop()
+                raise Stop(f"{decision.reviewer} rejected its delegation ({reason})")
             if decision.decision == "revise":
                 self.observations.append(
                     f"a reviewer said instead of delegating: {decision.instructions or decision.comment}")
@@ -358,7 +366,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         base = len(self.children)
         await self.slot.take_back()  # lent while a reviewer decided on this delegation: the children run within it
         if self._stop_asked:  # told meanwhile
-            raise Stop()
+            raise Stop(TOLD_TO_STOP)
         children = [asyncio.ensure_future(self._child(base + i + 1, goal, child_budget))
                     for i, goal in enumerate(subgoals)]
         ids = [agent_workflow_id(workflow.info().workflow_id, base + i + 1) for i in range(len(subgoals))]
@@ -371,7 +379,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 watch.cancel()
         self.observations.extend(f"sub-agent on {goal!r}: {answer}" for goal, (answer, _) in zip(subgoals, results))
         if any(rejected_below for _, rejected_below in results):
-            raise Stop()  # a reviewer rejected something below: the tree finishes with what it has
+            # the tree finishes with what it has
+            raise Stop("a reviewer rejected something one of its sub-agents asked")
 
     async def _child(self, index: int, goal: str, budget: Budget) -> tuple[str, bool]:
         """The child's answer, and whether a reviewer rejected anything in its subtree."""
@@ -421,6 +430,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.child_decisions.extend(result.decisions)
         self.rejected.extend(g for g in result.rejected if g not in self.rejected)
         node.status, node.answer, node.children = result.status, result.answer, result.tree.children
+        node.stopped_reason = result.stopped_reason
         self.steps.complete(step, detail=goal)
         return result.answer, bool(result.rejected)
 
@@ -489,9 +499,9 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 reason=reason, detail=detail, proposed_action=proposed, goal=self.inp.goal, depth=self.inp.depth,
                 timeout=timedelta(seconds=self.inp.review_timeout_seconds), withdraw_when=lambda: self._stop_asked)
         except ReviewWithdrawn:
-            raise Stop() from None
+            raise Stop(TOLD_TO_STOP) from None
         if self._stop_asked and decision.decision != "reject":  # told to stop while the reviewer decided
-            raise Stop()
+            raise Stop(TOLD_TO_STOP)
         if decision.decision == "approve" or (decision.decision == "revise" and workflow.patched(REVISE_EXTENDS_PATCH)):
             self.max_depth += decision.extra_depth
             extra = decision.extra_budget
