@@ -549,15 +549,23 @@ async def _progress(handle, rpc_timeout: timedelta) -> JobProgress | None:
 
 async def _steps(client: Client, progress: JobProgress | None, desc) -> list[StepState]:
     steps = [s.model_copy() for s in progress.steps] if progress else []
-    # Live retry information comes from the server's view of activities still pending.
+    # Live retry information comes from the server's view of activities still pending, found by the activity
+    # each step runs (a step named apart from it, `plan 2`, included). Several steps open on one activity
+    # (an upload's documents waiting on other uploads) cannot be told apart there: they keep their own view.
+    by_activity: dict[str, list[StepState]] = {}
+    for s in steps:
+        by_activity.setdefault(s.activity or s.name, []).append(s)
     by_name = {s.name: s for s in steps}
     # A job that ended (cancelled during an activity's retry backoff, say) may still list the activity as
     # pending: its step is what the job's own log says (cancelled), not "running" for ever.
     live = desc.status == WorkflowExecutionStatus.RUNNING
     waiting, under_way = set(), set()
     for pending in desc.raw_description.pending_activities if live else ():
-        step = by_name.get(pending.activity_type.name)
-        if step is None or step.status in _STEP_ENDED:
+        open_steps = [s for s in by_activity.get(pending.activity_type.name, []) if s.status not in _STEP_ENDED]
+        if len(open_steps) != 1:
+            continue
+        [step] = open_steps
+        if step.status == "dead_lettered":  # a call of it waits for an operator: its error is the one it parked with
             continue
         # Scheduled, not started: no attempt of it runs now (it waits for a worker's slot, or its next attempt).
         scheduled = pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED

@@ -61,6 +61,9 @@ class StepState(BaseModel):
     finished_at: datetime | None = None
     error: str | None = None
     detail: str | None = None
+    # The activity the step runs, once asked for (a step named apart from it: `plan 2` runs agent_plan): how
+    # the server's view of a retrying activity finds its step.
+    activity: str | None = None
 
 
 class DeadLetter(BaseModel):

@@ -489,6 +489,23 @@ async def test_tool_calls_a_model_writes_as_its_text_are_run(stack):
     assert "search_documents('tide tables')" in plans[2].user_message  # the search's outcome went back
 
 
+async def test_a_plan_the_model_keeps_failing_shows_its_attempts_and_error_while_it_retries(stack):
+    """`plan 1` runs the activity agent_plan: the server's view of that retrying activity is the step's (its
+    attempts and last error), as a step named after its activity shows it. It showed `running`, 0 attempts."""
+    with stack.llm.scope() as llm:
+        llm.script("agent", ["503", "503", {"content": "High tide at Vell is at noon.", "delay": 2}])
+        job_id = await _start(stack, f"When is high tide? {llm.token}")
+
+        async def retrying() -> dict | None:
+            job = (await stack.http.get(f"/v1/jobs/{job_id}")).json()
+            plan = next((s for s in job["steps"] if s["name"] == "plan 1"), None)
+            return plan if plan and plan["attempts"] >= 2 and "503" in (plan["error"] or "") else None
+        plan = await eventually(retrying, timeout=30, what="plan 1 showing its failed attempts")
+        assert plan["status"] in ("running", "waiting") and plan["activity"] == "agent_plan", plan
+        job = await stack.wait_done(job_id)
+    assert job["status"] == "completed" and job["steps"][0]["attempts"] == 3, job["steps"]
+
+
 async def test_a_malformed_tool_call_is_no_answer_the_agent_plans_again(stack):
     """A small model writes a call as broken JSON in a fence: not the answer, but one more plan, told why."""
     broken = '```json\n{"name": "finish", "arguments": {"answer": "High tide at noon."}\n```'

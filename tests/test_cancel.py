@@ -187,3 +187,9 @@ async def test_a_step_retrying_when_its_job_was_cancelled_shows_cancelled_not_ru
     progress.steps[1].status = "running"
     live = await _steps(None, progress, SimpleNamespace(status=WorkflowExecutionStatus.RUNNING, raw_description=raw))
     assert (live[1].status, live[1].attempts, live[1].error) == ("running", 2, "activity StartToClose timeout")
+    # A step one of whose calls waits for an operator (a document's batch) while another still retries stays
+    # parked, with the error it parked with: it showed `running` with the sibling's error, the job dead_lettered.
+    progress.steps[1] = StepState(name="extract_entities", status="dead_lettered", attempts=6, error="parked: 503",
+                                  activity="extract_entities")
+    parked = await _steps(None, progress, SimpleNamespace(status=WorkflowExecutionStatus.RUNNING, raw_description=raw))
+    assert (parked[1].status, parked[1].attempts, parked[1].error) == ("dead_lettered", 6, "parked: 503")

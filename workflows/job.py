@@ -253,7 +253,7 @@ class JobWorkflow:
             await self.slot.take_back()  # lent while a person decided
             self._calls_running += 1  # a parked call does not count: it waits for a person
             self.waits.recheck()
-            self.steps.scheduled(step)
+            self.steps.scheduled(step, name)
             try:
                 try:
                     return await policies.execute(activity, arg, **options)

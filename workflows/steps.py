@@ -81,9 +81,11 @@ class StepLog:
                 step.status, step.error = "running", None
             self._attempts_before[name] = step.attempts
 
-    def scheduled(self, name: str) -> None:
+    def scheduled(self, name: str, activity: str | None = None) -> None:
         """The step's activity is asked for now (not only waiting for its job's running slot)."""
         self._scheduled.add(name)
+        if activity is not None and (step := self._steps.get(name)) is not None:
+            step.activity = activity
 
     def child_waits(self, name: str, child_id: str, waiting: bool) -> None:
         """The job this step runs as a child (an upload's document, a sub-agent) waits for a person, or
