@@ -101,7 +101,8 @@ class IngestActivities:
     def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
         """The document's last step: chunks of an older chunking go, and the ones just indexed become
         searchable (index_chunks writes them pending), all of them at once."""
-        self.index.publish(req.tenant, req.collection, req.document_id, req.keep_chunks)
+        with heartbeating_in_thread():
+            self.index.publish(req.tenant, req.collection, req.document_id, req.keep_chunks)
         return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())
 
     @activity.defn
@@ -113,10 +114,11 @@ class IngestActivities:
         before = self.index.count(req.tenant, req.collection, req.document_id)
         if before == 0:  # nothing indexed (nor a collection made for a name given by mistake)
             return PruneOutput(points=0, removed=0, attempt=_attempt())
-        if req.pending_only:
-            self.index.remove_pending(req.tenant, req.collection, req.document_id)
-        else:
-            self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0,
-                             written_before=req.written_before)
+        with heartbeating_in_thread():
+            if req.pending_only:
+                self.index.remove_pending(req.tenant, req.collection, req.document_id)
+            else:
+                self.index.prune(req.tenant, req.collection, req.document_id, keep_chunks=0,
+                                 written_before=req.written_before)
         left = self.index.count(req.tenant, req.collection, req.document_id)
         return PruneOutput(points=left, removed=before - left, attempt=_attempt())

@@ -527,3 +527,32 @@ def test_a_text_too_long_for_one_documents_history_is_refused_with_the_reason(tm
         ActivityEnvironment().run(activities.chunk_text, ChunkInput(pages_ref=over, document_id="d"))
     assert refused.value.non_retryable and refused.value.type == "InputError"
     assert "at most 4 (800-character chunks): split the file" in refused.value.message
+
+
+def test_a_long_publish_heartbeats_while_the_store_works(tmp_path, restore_policies):
+    """The publish of a document of tens of thousands of chunks takes minutes on the embedded store: it
+    heartbeats (a worker gone is noticed within the heartbeat timeout) rather than run silent to its timeout."""
+    from temporalio.testing import ActivityEnvironment
+
+    import worker
+    from activities.ingest import IngestActivities
+    from models.ingest import PruneInput
+    from temporal import policies
+    from tests.conftest import FIXTURES
+
+    policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())  # a beat every 500 ms
+
+    class SlowStore:
+        def publish(self, tenant: str, collection: str, document_id: str, chunks: int) -> None:
+            time.sleep(1.6)
+
+        def count(self, tenant: str, collection: str, document_id: str) -> int:
+            return 40_000
+
+    activities = IngestActivities(Settings(data_dir=tmp_path), BlobStore(tmp_path / "blobs"), None, SlowStore())
+    env = ActivityEnvironment()
+    beats: list[tuple] = []
+    env.on_heartbeat = lambda *details: beats.append(details)
+    out = env.run(activities.prune_stale_chunks, PruneInput(tenant="t", collection="c", document_id="d",
+                                                            keep_chunks=40_000))
+    assert out.points == 40_000 and len(beats) >= 2, beats
