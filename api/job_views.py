@@ -212,6 +212,16 @@ async def list_jobs(client: Client, query: str, limit: int, rpc_timeout: timedel
     return list(seen.values())
 
 
+ENDED_STATUSES = ("completed", "failed", "cancelled")
+
+
+async def latest_runs_only(client: Client, executions: list[WorkflowExecution],
+                           rpc_timeout: timedelta) -> list[WorkflowExecution]:
+    """The runs that are still their workflow's latest (one describe each, READS_AT_ONCE at a time)."""
+    latest = await gather_reads(describe_or_none(client, e.id, rpc_timeout) for e in executions)
+    return [e for e, now in zip(executions, latest) if now is not None and now.run_id == e.run_id]
+
+
 async def describe_or_none(client: Client, workflow_id: str, rpc_timeout: timedelta):  # noqa: ANN201
     """The workflow's latest run, or None when Temporal has none under that id."""
     try:

@@ -181,6 +181,15 @@ async def test_encrypted_pdf_needs_the_right_password(stack):
     assert _outcomes(job)["enc.pdf"]["chunks"] >= 1
     again = await stack.upload(("enc.pdf", data), collection="ingest-enc", password="password")
     assert (again["job_id"], again["duplicate"]) == (right["job_id"], True)
+    # The document's job ran again under its id: a listing of failed jobs does not name it (its failed run is
+    # superseded), the completed ones do.
+    doc_job = _outcomes(job)["enc.pdf"]["job_id"]
+
+    async def listed_as(status: str) -> bool:
+        r = await stack.http.get("/v1/jobs", params={"status": status, "kind": "ingest_document", "limit": 1000})
+        return doc_job in {j["job_id"] for j in r.json()["jobs"]}
+    await eventually(lambda: listed_as("completed"), what="the document's completed run listed")
+    assert not await listed_as("failed")
 
 
 async def test_unprocessable_documents_fail_with_a_reason_and_no_retries(stack):

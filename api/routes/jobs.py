@@ -42,6 +42,10 @@ async def list_jobs(client: ClientDep, cursors: CursorsDep, caller: CallerDep, t
                     limit: Annotated[int, Query(ge=1, le=1000)] = 50, cursor: CursorDep = None) -> JobList:
     query = job_views.list_query(caller.tenant, status=status, kind=kind)
     executions, next_cursor = await job_views.list_page(client, cursors, query, limit, cursor, timeout)
+    if status in job_views.ENDED_STATUSES:
+        # A job run again under its id (a document uploaded again after it failed) keeps its ended runs in
+        # visibility: a status filter would list them beside, or instead of, what the job is now.
+        executions = await job_views.latest_runs_only(client, executions, timeout)
     return JobList(jobs=[job_views.summary(e) for e in executions], next_cursor=next_cursor, query=query)
 
 
