@@ -377,10 +377,12 @@ def test_only_the_ragline_pods_that_use_them_reach_qdrant_redis_and_temporal(obj
     assert [allowed(r, namespace) for r in from_ragline] == [set(ragline)]  # not Redis, not Qdrant
     assert [p["port"] for p in from_ragline[0]["ports"]] == [int(port)]
     for rule in temporal["spec"]["ingress"]:
-        for peer in rule["from"]:  # every other peer is Temporal's own namespace or KEDA's operator
+        for peer in rule["from"]:  # every other peer is Temporal's own namespace, KEDA's operator or Prometheus
             ns = peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
-            assert ns in (None, "ragline", "keda"), peer
+            assert ns in (None, "ragline", "keda", "monitoring"), peer
             assert ns is not None or rule is temporal["spec"]["ingress"][0]
+            if ns == "monitoring":  # Prometheus reaches the metrics port, never the gRPC one
+                assert [p["port"] for p in rule["ports"]] == [9090], rule
 
 
 def test_temporal_requires_the_client_certificate_ragline_presents(config):
@@ -412,8 +414,13 @@ def _rule_jobs() -> set[str]:
     import re
 
     rules = yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())
-    return {job for group in rules["groups"] for rule in group["rules"]
-            for job in re.findall(r'job="([^"]+)"', rule["expr"])}
+    jobs = set()
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            jobs |= set(re.findall(r'job="([^"]+)"', rule["expr"]))
+            for alternatives in re.findall(r'job=~"([^"]+)"', rule["expr"]):  # `ragline-.*|temporal`
+                jobs |= {j for j in alternatives.split("|") if not any(c in j for c in ".*+?[")}
+    return jobs
 
 
 def test_prometheus_can_scrape_the_api_and_every_worker_as_the_rules_expect(objects):
