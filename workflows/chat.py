@@ -648,6 +648,8 @@ class ChatSessionWorkflow:
         [sessions] idle and has nothing left to do: it ends."""
         def ready() -> bool:
             return bool(self.queue) or self._should_continue_as_new()
+        if ready():  # (no wait, no timer: a turn's first workflow task issues nothing more than before)
+            return True
         if not workflow.patched(SESSION_ENDS_IDLE_PATCH):
             await workflow.wait_condition(ready)
             return True
