@@ -1047,6 +1047,30 @@ async def test_a_session_started_again_after_a_run_that_did_not_end_idle_starts_
 
 
 @dataclass
+class EndedRunUnreadable(Fakes):
+    """What the ended run left cannot be read (its result under a codec key dropped since, say)."""
+
+    @activity.defn(name="session_left")
+    async def session_left(self, req: SessionRun) -> SessionLeft:
+        self._end(self._start("session_left", req))
+        raise ApplicationError("the result could not be decrypted", type="InputError", non_retryable=True)
+
+
+async def test_a_session_that_cannot_read_what_its_ended_run_left_still_runs_the_turns_sent_to_it(env):
+    fakes = EndedRunUnreadable(side_step_seconds=0)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first = turn(session, "First question?")
+    async with fake_worker(env, fakes) as queue:
+        again = await env.client.start_workflow(
+            ChatSessionWorkflow.run, SessionState(session_id=session, resumed_from="an-ended-run"),
+            id=session_workflow_id("default", session), task_queue=queue, start_signal="submit",
+            start_signal_args=[first])
+        result = await turn_result(env, first.job_id)
+        await again.terminate("test over")
+    assert result.turn == 1 and fakes.one("session_left").arg.run_id == "an-ended-run"
+
+
+@dataclass
 class FirstTurnsEntitiesFail(Fakes):
     """The first question's entities fail for good, once its answer is shown: that turn's job fails."""
 

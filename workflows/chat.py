@@ -632,8 +632,15 @@ class ChatSessionWorkflow:
     async def _take_up(self, run_id: str) -> None:
         """What the session's run that ended idle left (turn numbers, history, the requests it saw), before
         the turns sent meanwhile are numbered. Nothing when that run ended otherwise: the session starts anew."""
-        left: SessionLeft = await policies.execute(
-            JobActivities.session_left, SessionRun(workflow_id=workflow.info().workflow_id, run_id=run_id))
+        try:
+            left: SessionLeft = await policies.execute(
+                JobActivities.session_left, SessionRun(workflow_id=workflow.info().workflow_id, run_id=run_id))
+        except ActivityError as exc:
+            if is_cancelled_exception(exc):
+                raise
+            # (Its result unreadable, say: a codec key dropped.) The turns sent meanwhile still run.
+            workflow.logger.warning("could not read what the session's ended run left; it starts anew: %s", exc)
+            left = SessionLeft()
         if left.state is not None:
             self.state = self.state.model_copy(update={"next_turn": left.state.next_turn,
                                                        "history": left.state.history})
