@@ -124,15 +124,21 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
     assert await eventually(counted, what="the session's 4 turns counted") == 4
 
 
-async def test_a_session_id_used_again_after_its_workflow_ended_answers_the_new_message(stack):
+async def _a_ferry_session(stack, prefix: str) -> tuple[str, str, dict]:
+    """A collection about a ferry, and a session whose first (keyed) turn about it has completed."""
     tag = uuid.uuid4().hex[:8]
     seed = await stack.upload((f"{tag}.txt", f"The {tag} ferry leaves at nine. It returns at five.".encode()),
                               collection=tag)
     await stack.wait_job(seed["job_id"])
-    session = f"reused-{tag}"
+    session = f"{prefix}-{tag}"
     first = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
                              idempotency_key="first")
     assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
+    return tag, session, first
+
+
+async def test_a_session_id_used_again_after_its_workflow_ended_answers_the_new_message(stack):
+    tag, session, first = await _a_ferry_session(stack, "reused")
     await stack.client.get_workflow_handle(session_workflow_id(stack.tenant, session)).terminate(
         "session closed by an operator")
 
@@ -151,14 +157,7 @@ async def test_a_session_that_ended_idle_goes_on_from_what_it_left_at_the_next_m
     """A session with no turn for [sessions] idle (tests: 5 s) ends, rather than one workflow per conversation
     running for ever. The next message starts it again from what it left: its turns are numbered on, the model
     is given the earlier turns, and a resent request still names its first job."""
-    tag = uuid.uuid4().hex[:8]
-    seed = await stack.upload((f"{tag}.txt", f"The {tag} ferry leaves at nine. It returns at five.".encode()),
-                              collection=tag)
-    await stack.wait_job(seed["job_id"])
-    session = f"idle-{tag}"
-    first = await stack.chat(f"When does the {tag} ferry leave?", session_id=session, collection=tag,
-                             idempotency_key="first")
-    assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
+    tag, session, first = await _a_ferry_session(stack, "idle")
     session_wf = session_workflow_id(stack.tenant, session)
     ended = stack.client.get_workflow_handle(session_wf, run_id=(await stack.client.get_workflow_handle(
         session_wf).describe()).run_id)

@@ -960,10 +960,11 @@ async def test_chat_turn_started_with_its_go_needs_no_signal(bare_env):
     assert fakes.one("generate_answer").arg.history == history
 
 
-async def start_session(env: WorkflowEnvironment, queue: str, first: TurnInput):
-    """A session's workflow, started by its first turn as `POST /v1/chats` starts it (signal-with-start)."""
+async def start_session(env: WorkflowEnvironment, queue: str, first: TurnInput, *, resumed_from: str | None = None):
+    """A session's workflow, started by its first turn as `POST /v1/chats` starts it (signal-with-start); again
+    after a run of it ended (`resumed_from`: that run's id)."""
     return await env.client.start_workflow(
-        ChatSessionWorkflow.run, SessionState(session_id=first.session_id),
+        ChatSessionWorkflow.run, SessionState(session_id=first.session_id, resumed_from=resumed_from),
         id=session_workflow_id("default", first.session_id), task_queue=queue, start_signal="submit",
         start_signal_args=[first])
 
@@ -1015,9 +1016,7 @@ async def test_an_idle_session_ends_and_a_later_message_takes_up_what_it_left(en
 
         # A later message starts it again, as the API does, from the run that ended; the same request as
         # its second turn comes again meanwhile.
-        again = await env.client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session, resumed_from=ended.result_run_id),
-            id=ended.id, task_queue=queue, start_signal="submit", start_signal_args=[third])
+        again = await start_session(env, queue, third, resumed_from=ended.result_run_id)
         await again.signal(ChatSessionWorkflow.submit, second)
         await again.signal(ChatSessionWorkflow.submit, fourth)
         results = [await turn_result(env, t.job_id) for t in (third, fourth)]
@@ -1037,9 +1036,7 @@ async def test_a_session_started_again_after_a_run_that_did_not_end_idle_starts_
         stopped = await start_session(env, queue, first)
         await turn_result(env, first.job_id)
         await stopped.terminate("by hand")
-        again = await env.client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session, resumed_from=stopped.result_run_id),
-            id=stopped.id, task_queue=queue, start_signal="submit", start_signal_args=[second])
+        again = await start_session(env, queue, second, resumed_from=stopped.result_run_id)
         result = await turn_result(env, second.job_id)
         await again.terminate("test over")
     assert result.turn == 1  # it left nothing: its state went with it
@@ -1061,10 +1058,7 @@ async def test_a_session_that_cannot_read_what_its_ended_run_left_still_runs_the
     session = f"s-{uuid.uuid4().hex[:8]}"
     first = turn(session, "First question?")
     async with fake_worker(env, fakes) as queue:
-        again = await env.client.start_workflow(
-            ChatSessionWorkflow.run, SessionState(session_id=session, resumed_from="an-ended-run"),
-            id=session_workflow_id("default", session), task_queue=queue, start_signal="submit",
-            start_signal_args=[first])
+        again = await start_session(env, queue, first, resumed_from="an-ended-run")
         result = await turn_result(env, first.job_id)
         await again.terminate("test over")
     assert result.turn == 1 and fakes.one("session_left").arg.run_id == "an-ended-run"
