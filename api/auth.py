@@ -224,6 +224,8 @@ async def admit(request: Request, key: str) -> Caller:
     caller = Caller(tenant=entry.tenant, role=entry.role, name=entry.name or entry.sha256[:8],
                     key_id=entry.sha256[:8], sha256=entry.sha256, fairness_weight=weight)
     structlog.contextvars.bind_contextvars(tenant=caller.tenant, key=caller.key_id)
+    # Who sent it, for the audit of a request refused before its route runs (a body that fails validation).
+    request.state.caller = caller
     return caller
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import structlog
 
@@ -14,6 +15,7 @@ from starlette.routing import Match
 from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
+from ragline import audit
 from temporal.codec import CodecError
 
 
@@ -75,6 +77,30 @@ def _unsupported_media(request: Request) -> str | None:
     return None if accepted else expected
 
 
+AUDIT_ACTION = "ragline_audit_action"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def audited(action: str) -> Callable[[F], F]:
+    """Marks a route whose requests the audit log records (ragline/audit.py) as `action`: one refused before
+    the route runs (its body or query fails validation) is recorded too, as `refused: <code>`."""
+    def mark(endpoint: F) -> F:
+        setattr(endpoint, AUDIT_ACTION, action)
+        return endpoint
+    return mark
+
+
+def _audit_refused(request: Request, code: str) -> None:
+    route = request.scope.get("route")
+    action = getattr(getattr(route, "endpoint", None), AUDIT_ACTION, None)
+    caller = getattr(request.state, "caller", None)
+    if action is None or caller is None:  # not audited, or refused before its key was known (401 says why)
+        return
+    params = request.path_params
+    audit.record(request.app.state.settings, action=action, outcome=f"refused: {code}",
+                 job_id=params.get("job_id") or params.get("document_id") or "", **caller.on_record)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -83,6 +109,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         if expected := _unsupported_media(request):
+            _audit_refused(request, "unsupported_media_type")
             return JSONResponse(_body("unsupported_media_type", f"send the body as {expected} (Content-Type: "
                                       f"{request.headers.get('content-type') or 'none'} was sent)"), status_code=415)
         problems = [{"field": "body", "message": f"not valid JSON (at character {e['loc'][-1]}): "
@@ -95,6 +122,7 @@ def install(app: FastAPI) -> None:
         # A bad collection name or session id keeps its own code, whichever check caught it.
         code = next((f"invalid_{name}" for name in ("collection", "session_id")
                      if problems and all(p["field"].endswith(name) for p in problems)), "invalid_request")
+        _audit_refused(request, code)
         return JSONResponse(_body(code, message, problems=problems), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)

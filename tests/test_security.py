@@ -305,6 +305,25 @@ async def test_member_keys_cannot_decide_or_operate(stack):
                      for k, o in (("acme-member", "refused: forbidden"), ("acme-reviewer", "refused: job_not_found"))]
 
 
+async def test_a_decision_refused_before_its_route_runs_is_audited_too(stack):
+    """A body that fails validation (a decision "maybe", a negative extension) is refused before the route runs,
+    and a member's bulk retry by its role: each is in the audit log as refused, with who sent it. They were
+    not, though the audit promises refused attempts."""
+    job_id = f"acme.agent-{uuid.uuid4().hex[:8]}"
+    for body in ({"decision": "maybe", "reviewer": "r"},
+                 {"decision": "approve", "reviewer": "r", "extra_budget": {"max_llm_calls": -1}}):
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json=body)
+        assert r.status_code == 422, r.text
+    collection = f"bulk-{uuid.uuid4().hex[:8]}"
+    r = await stack.member_http.post("/v1/dead-letters/retry", json={"operator": "m", "collection": collection})
+    assert (r.status_code, r.json()["error"]["code"]) == (403, "forbidden"), r.text
+    entries = audit.read(stack.settings)
+    tried = [(e["action"], e["key_name"], e["outcome"]) for e in entries if e["job_id"] == job_id]
+    assert tried == [("review", "acme-reviewer", "refused: invalid_request")] * 2, tried
+    [bulk] = [e for e in entries if e["action"] == "retry_dead_letters" and e.get("collection") == collection]
+    assert (bulk["key_name"], bulk["outcome"]) == ("acme-member", "refused: forbidden")
+
+
 async def test_a_revoked_keys_open_event_stream_ends_and_delivers_nothing_more(stack):
     """A stream outlives the request that opened it (a job waiting days for a review): revoking the key
     that opened it ends it, and the answer approved afterwards goes to the reviewer, not to that stream."""

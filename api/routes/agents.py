@@ -15,7 +15,7 @@ from temporalio.service import RPCError
 from api import job_views, observability
 from api.auth import CallerDep, reviewer_only
 from api.deps import ClientDep, RpcTimeoutDep, SettingsDep
-from api.errors import ApiError
+from api.errors import ApiError, audited
 from api.idempotency import IdempotencyKeyDep, decision_id, key_digest, request_digest, start_once
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AgentAccepted, ReviewItem, ReviewList, ReviewResult, error_responses,
@@ -154,6 +154,7 @@ async def _review_pending(execution) -> bool:  # noqa: ANN001 - a listed Workflo
              responses=error_responses({403: "forbidden", 404: "job_not_found",
                                         409: "not_waiting_for_review, job_closed, job_stuck, job_not_started",
                                         422: f"{INVALID_REQUEST}, invalid_review", 503: TEMPORAL_DOWN}))
+@audited("review")
 async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep, caller: CallerDep,
                      settings: SettingsDep, timeout: RpcTimeoutDep,
                      idempotency_key: IdempotencyKeyDep = None) -> ReviewResult:

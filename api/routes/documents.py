@@ -19,7 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from api import job_views, observability
 from api.auth import Caller, CallerDep, GuardDep
 from api.deps import BlobsDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
-from api.errors import MAX_FILES_PER_REQUEST, ApiError
+from api.errors import MAX_FILES_PER_REQUEST, ApiError, audited
 from api.limits import SMALL_BODY_BYTES, Cap
 from api.schemas import (
     ACCEPTED, INVALID_REQUEST, TEMPORAL_DOWN, AcceptedDocument, DocumentList, DocumentRemovalAccepted,
@@ -277,6 +277,7 @@ async def _already_done_or_running(client: Client, job_id: str, tenant: str, doc
                response_description=ACCEPTED,
                responses=error_responses({404: "document_not_found", 409: "document_busy",
                                           422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+@audited("remove_document")
 async def remove_document(
     request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep, timeout: RpcTimeoutDep,
     document_id: Annotated[str, Path(pattern=DOCUMENT_ID_PATTERN, description=(

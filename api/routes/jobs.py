@@ -12,9 +12,9 @@ from pydantic import BaseModel, Field
 from temporalio.client import Client
 
 from api import job_views
-from api.auth import Caller, CallerDep, ReviewerDep, reviewer_only
+from api.auth import Caller, CallerDep, reviewer_only
 from api.deps import AcceptedDep, ClientDep, CursorsDep, RpcTimeoutDep, SettingsDep
-from api.errors import ApiError
+from api.errors import ApiError, audited
 from api.idempotency import IdempotencyKeyDep, decision_id
 from api.schemas import (
     INVALID_REQUEST, TEMPORAL_DOWN, Accepted, JobList, JobView, OperatorResult, error_responses,
@@ -63,6 +63,7 @@ async def get_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings
                                   "and it ends as cancelled; `ragline.job.cancelled` ends its event stream",
              responses=error_responses({404: "job_not_found", 409: "job_closed (completed or failed), job_not_started",
                                         422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
+@audited("cancel")
 async def cancel_job(job_id: JOB_ID, request: Request, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                      timeout: RpcTimeoutDep) -> Accepted:
     # Audited under the id as asked (every route does): another tenant's id is not made this tenant's.
@@ -85,6 +86,7 @@ async def _operator(action: str, job_id: str, req: OperatorRequest, client: Clie
 
 @router.post("/{job_id}/retry", summary="Resume a dead-lettered job at its failed step (reviewer key)",
              responses=OPERATOR_ERRORS)
+@audited("retry")
 async def retry_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                     timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None,
                     req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
@@ -93,6 +95,7 @@ async def retry_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settin
 
 @router.post("/{job_id}/discard", summary="End a dead-lettered job as failed (reviewer key)",
              responses=OPERATOR_ERRORS)
+@audited("discard")
 async def discard_job(job_id: JOB_ID, client: ClientDep, caller: CallerDep, settings: SettingsDep,
                       timeout: RpcTimeoutDep, idempotency_key: IdempotencyKeyDep = None,
                       req: OperatorRequest = Body(default_factory=OperatorRequest)) -> OperatorResult:
@@ -122,11 +125,16 @@ class DeadLetterRetryResult(BaseModel):
 @dead_letters.post("/retry", summary="Resume every dead-lettered job (of a kind, of a collection) at its failed "
                                      "step, after an outage (reviewer key)",
                    responses=error_responses({403: "forbidden", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
-async def retry_dead_letters(client: ClientDep, caller: ReviewerDep, settings: SettingsDep, timeout: RpcTimeoutDep,
+@audited("retry_dead_letters")
+async def retry_dead_letters(client: ClientDep, caller: CallerDep, settings: SettingsDep, timeout: RpcTimeoutDep,
                              idempotency_key: IdempotencyKeyDep = None,
                              req: DeadLetterRetry = Body(default_factory=DeadLetterRetry)) -> DeadLetterRetryResult:
-    """Each job is retried as by `POST /v1/jobs/{job_id}/retry`, and audited on its own. With an
-    Idempotency-Key, a job the request already retried is not retried again when it is sent again."""
+    """Each job is retried as by `POST /v1/jobs/{job_id}/retry`, and audited on its own; the request itself is
+    audited too (a member's try, or one that found nothing to retry, included). With an Idempotency-Key, a job
+    the request already retried is not retried again when it is sent again."""
+    with audit.recorded(settings, action="retry_dead_letters", job_id="", kind=req.kind, collection=req.collection,
+                        **caller.on_record):
+        reviewer_only(caller)  # in the block: a member's try is audited too
     extra = {sa.COLLECTION.name: req.collection} if req.collection else None
     query = job_views.list_query(caller.tenant, status="dead_lettered", kind=req.kind, extra=extra)
     parked = await job_views.list_jobs(client, query, req.limit + 1, timeout)
