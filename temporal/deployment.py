@@ -66,17 +66,23 @@ async def make_first_build_current(client: Client, deployment: str, build_id: st
                          deployment=deployment, build_id=build_id)
                 return build_id
         except RPCError as exc:
-            # Not polled yet, or another worker changed it first (the conflict token): look again.
             said = exc.message
-            if exc.status not in (RPCStatusCode.FAILED_PRECONDITION, RPCStatusCode.NOT_FOUND,
-                                  RPCStatusCode.ABORTED, RPCStatusCode.UNAVAILABLE,
-                                  RPCStatusCode.DEADLINE_EXCEEDED):
-                deadline = 0  # not ours to change (a key without the permission, say): said once, below
+            # Anything but "not polled yet", or "another worker changed it first" (the conflict token), or
+            # the server out of reach is not ours to change (a key without the permission, say): said once.
+            if exc.status not in _LOOK_AGAIN:
+                return _not_made_current(deployment, build_id, said)
         else:
             said = "the deployment is not known yet"
         if time.monotonic() > deadline:
-            log.warning("could not make this build the worker deployment's current version: no job runs until "
-                        "one is current (temporal worker deployment set-current-version)",
-                        deployment=deployment, build_id=build_id, error=said)
-            return None
+            return _not_made_current(deployment, build_id, said)
         await asyncio.sleep(RETRY_EVERY.total_seconds())
+
+
+_LOOK_AGAIN = (RPCStatusCode.FAILED_PRECONDITION, RPCStatusCode.NOT_FOUND, RPCStatusCode.ABORTED,
+               RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED)
+
+
+def _not_made_current(deployment: str, build_id: str, said: str) -> None:
+    log.warning("could not make this build the worker deployment's current version: no job runs until one is "
+                "current (temporal worker deployment set-current-version)",
+                deployment=deployment, build_id=build_id, error=said)

@@ -213,7 +213,8 @@ def _problem(policy: ActivityPolicy) -> str | None:
 
 
 def _error_types(cls: type) -> set[str]:
-    return {sub.__name__ for sub in cls.__subclasses__()} | {n for sub in cls.__subclasses__() for n in _error_types(sub)}
+    """The names of `cls`'s subclasses, theirs included."""
+    return {name for sub in cls.__subclasses__() for name in (sub.__name__, *_error_types(sub))}
 
 
 def _explain(exc: ValidationError) -> str:

@@ -1,6 +1,7 @@
 """Proof on one machine: RAGLINE_WORKERS=workflows:1,cpu:1,llm:2,vector:1 as separate `worker.py --role`
 processes of one versioned build (a first deploy: no build current yet) on a dev server, a model that answers
-after 1 s, and SIGKILLed workers mid-run: every job completes, Qdrant holds exactly the expected points, and no model call is repeated after it completed.
+after 1 s, and SIGKILLed workers mid-run: every job completes, Qdrant holds exactly the expected points, and
+no model call is repeated after it completed.
 (Throughput, 1 versus 2 llm workers, is measured by `make bench`, bench/scaleout.py.)"""
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
                 health = (await stack.http.get("/healthz", headers=operator)).json()
                 health = health["components"]["worker"]
                 # (up, too, while a queue nobody polls has nothing waiting: a role scaled to zero)
-                polled = all(q["activity_pollers"] and q.get("workflow_pollers") != 0 for q in health["queues"].values())
+                polled = all(q["activity_pollers"] and q.get("workflow_pollers") != 0
+                             for q in health["queues"].values())
                 return health if health["status"] == "up" and polled else None
 
             worker_health = await eventually(every_queue_polled, timeout=60, every=0.5, what="pollers on every queue")

@@ -289,7 +289,7 @@ class JobWorkflow:
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
                     try:
-                        raise _FellBack(await on_exhausted())
+                        answered = await on_exhausted()
                     except ActivityError as refused:
                         # The fallback refused for good (a smaller context, a wrong key, none on this worker):
                         # the step parks with both reasons, as it would have without a fallback. Earlier jobs
@@ -297,6 +297,8 @@ class JobWorkflow:
                         if is_cancelled_exception(refused) or not workflow.patched(FALLBACK_REFUSED_PARKS_PATCH):
                             raise
                         reason = f"{reason}; the fallback refused too: {failure_reason(refused)}"
+                    else:
+                        raise _FellBack(answered)
                 if self.dead_letters.withdrawing():  # told to stop before it came to this: it does not park
                     self.steps.cancel(step)
                     raise ParkWithdrawn(step)

@@ -41,7 +41,8 @@ async def _pollers(client: Client, queue: str, kind: TaskQueueType.ValueType) ->
         namespace=client.namespace, task_queue=TaskQueue(name=queue), task_queue_type=kind, report_stats=True),
         timeout=CHECK_TIMEOUT)
     now = datetime.now(timezone.utc)
-    fresh = sum(1 for p in answer.pollers if now - p.last_access_time.ToDatetime(tzinfo=timezone.utc) < POLLER_FRESHNESS)
+    fresh = sum(1 for p in answer.pollers
+                if now - p.last_access_time.ToDatetime(tzinfo=timezone.utc) < POLLER_FRESHNESS)
     return fresh, answer.stats.approximate_backlog_count
 
 
