@@ -5,9 +5,10 @@ no embedder: each test says what every step returns and checks what the workflow
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,11 +21,12 @@ import pytest_asyncio
 from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType, UpdateWorkflowExecutionLifecycleStage, WorkflowTaskFailedCause
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.common.v1 import Payload, WorkflowExecution
 from temporalio.api.update.v1 import UpdateRef, WaitPolicy
 from temporalio.api.workflowservice.v1 import PollWorkflowExecutionUpdateRequest
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.converter import PayloadCodec
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -759,6 +761,55 @@ async def test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled(
     assert isinstance(ended.value.cause, CancelledError), ended.value.cause
     assert steps["prune_stale_chunks"] == "cancelled" and len(fakes.named("prune_stale_chunks")) == 1
     assert fakes.one("remove_document_chunks").arg.pending_only
+
+
+class HoldsAPayload(PayloadCodec):
+    """The worker's codec, holding the first payload it encodes that holds `marker` until `go` is set:
+    a workflow task's commands wait there, the task still open, for what the test does meanwhile."""
+
+    def __init__(self, inner: PayloadCodec | None, marker: bytes) -> None:
+        self.inner, self.marker = inner, marker
+        self.reached, self.go = asyncio.Event(), asyncio.Event()
+
+    async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        if not self.reached.is_set() and any(self.marker in p.data for p in payloads):
+            self.reached.set()
+            await self.go.wait()
+        return await self.inner.encode(payloads) if self.inner else list(payloads)
+
+    async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        return await self.inner.decode(payloads) if self.inner else list(payloads)
+
+
+async def test_a_cancel_that_comes_while_a_documents_job_is_being_started_cancels_that_job(stack):
+    """The upload's cancel reaches it in the workflow task that brings its document's job's start (held here
+    while the task that starts it is open): that job is cancelled too, and its chunks are not published. It
+    ran on, embedded and indexed, for an upload that read cancelled (the cancel the SDK sent as the upload
+    ended was dropped). On the real dev server."""
+    doc = document(f"starting-{uuid.uuid4().hex[:8]}.txt", "cancel-while-starting")
+    dc = stack.client.data_converter
+    held = HoldsAPayload(dc.payload_codec, marker=doc.filename.encode())
+    holding = Client(**{**stack.client.config(), "data_converter": dataclasses.replace(dc, payload_codec=held)})
+    fakes = Fakes(index_seconds=2.0)  # the document's job is still writing when its cancel comes
+    async with fake_worker(SimpleNamespace(client=holding), fakes) as queue:
+        handle = await stack.client.start_workflow(IngestWorkflow.run, IngestInput(collection=doc.collection,
+                                                                                   documents=[doc]),
+                                                   id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+        await asyncio.wait_for(held.reached.wait(), 30)  # the task that starts the document's job is open
+        await handle.cancel()
+        held.go.set()
+        with pytest.raises(WorkflowFailureError) as ended:
+            await handle.result()
+        child = stack.client.get_workflow_handle(document_workflow_id(doc.tenant, doc.document_id))
+        events = [e.event_type async for e in handle.fetch_history_events()]
+        assert events.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED) < \
+            events.index(EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED), "the cancel came after the start"
+        assert (await child.describe()).status == WorkflowExecutionStatus.CANCELED
+        replayed = await Replayer(workflows=worker.WORKFLOWS, data_converter=dc).replay_workflow(
+            await handle.fetch_history(), raise_on_replay_failure=False)
+    assert replayed.replay_failure is None, replayed.replay_failure
+    assert isinstance(ended.value.cause, CancelledError), ended.value.cause
+    assert fakes.named("prune_stale_chunks") == [], "a cancelled upload's document was published"
 
 
 async def test_a_failed_document_removes_its_chunks_after_the_batches_in_flight_have_ended(env):
