@@ -1742,6 +1742,49 @@ async def test_a_sub_agent_a_person_cancels_still_counts_what_it_spent(env):
     assert (result.llm_calls, result.tokens) == (2 + 2, 10 + 30 + 2 * 2000)
 
 
+async def test_a_sub_agent_cancelled_while_it_starts_its_own_counts_what_that_one_spent(stack):
+    """A person cancels sub-agent X in the workflow task that starts X's own sub-agent (held here while that
+    task is open): the grandchild is cancelled, not terminated with X, and every plan made in the tree is
+    counted at the root. Its plan was paid for and counted nowhere. On the real dev server."""
+    tag = uuid.uuid4().hex[:8]
+    grandchild_goal = f"Count the north by hand {tag}"
+    tokens = {0: 10, 1: 110, 2: 1000}  # a plan's tokens by the depth of its agent (the root's last: 1000)
+
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth < 2 and not req.observations:
+            goal = "Count the north" if req.depth == 0 else grandchild_goal
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": goal})],
+                              prompt_tokens=tokens[req.depth] - 5, completion_tokens=5)
+        return finish(f"counted at depth {req.depth}", tokens=1000)
+
+    dc = stack.client.data_converter
+    # The goal as the grandchild's input holds it (the plan's result, which names it first, goes by)
+    held = HoldsAPayload(dc.payload_codec, marker=f'{grandchild_goal}","collection'.encode())
+    holding = Client(**{**stack.client.config(), "data_converter": dataclasses.replace(dc, payload_codec=held)})
+    fakes = Fakes(plan=plan)
+    root_id = f"agent-{tag}"
+    async with fake_worker(SimpleNamespace(client=holding), fakes) as queue:
+        root = await stack.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=3),
+                                                 id=root_id, task_queue=queue)
+        await asyncio.wait_for(held.reached.wait(), 30)  # X's task that starts the grandchild is open
+        child_id = agent_workflow_id(root_id, 1)
+        await stack.client.get_workflow_handle(child_id).cancel()
+        held.go.set()
+        result = await root.result()
+        grandchild = stack.client.get_workflow_handle(agent_workflow_id(child_id, 1))
+        assert (await grandchild.describe()).status == WorkflowExecutionStatus.CANCELED
+        replayed = await Replayer(workflows=worker.WORKFLOWS, data_converter=dc).replay_workflow(
+            await stack.client.get_workflow_handle(child_id).fetch_history(), raise_on_replay_failure=False)
+    assert replayed.replay_failure is None, replayed.replay_failure
+    plans = fakes.named("agent_plan")
+    assert [node.status for node in result.tree.children] == ["cancelled"]
+    assert [p.arg.depth for p in plans] == [0, 1, 2, 0], [(p.arg.depth, p.arg.goal) for p in plans]
+    assert result.llm_calls == 4
+    # The grandchild's reply may come with its cancel (then the SDK drops it, and its tokens are not known): its
+    # call counts all the same.
+    assert result.tokens in (10 + 110 + 1000, 10 + 110 + 1000 + 1000), result.tokens
+
+
 async def test_a_decision_that_comes_with_the_reviews_timeout_stands(env):
     """No worker runs while the review's timeout passes and a reviewer approves: both reach the agent in one
     workflow task. The approval it was sent stands; the timeout's rejection does not replace it."""

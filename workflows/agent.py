@@ -31,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
     from models.review import ReviewDecision, ReviewRecord
     from temporal import search_attributes as sa
     from temporal.errors import failure_detail
+    from workflows.children import started_child
     from workflows.dead_letters import ParkWithdrawn
     from workflows.failures import failure_reason
     from workflows.job import JobWorkflow
@@ -97,6 +98,10 @@ REVIEW_WAIT_NOT_CHARGED_PATCH = "agent-review-wait-not-charged"
 # agents were charged for it, so one that waited in line longer than its time budget (a capped tenant's
 # busy hour) came out of the line and asked a reviewer for time before doing any work.
 SLOT_WAIT_NOT_CHARGED_PATCH = "agent-slot-wait-not-charged"
+# A cancel that reaches an agent while it starts a sub-agent cancels that sub-agent once started
+# (workflows/children.py), and counts what it spent. Before, the sub-agent ran its plan and was terminated with
+# its parent, and that call counted nowhere in the tree's budget.
+CHILD_CANCEL_AFTER_START_PATCH = "agent-cancel-waits-for-its-sub-agents-start"
 
 
 def spent_before_failing(exc: ChildWorkflowError) -> Spend:
@@ -393,7 +398,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         self.steps.start(step, detail=goal)
         try:
             async with self.waits.child(child_id, step):  # waiting for a reviewer, it lends the tree's slot
-                handle = await workflow.start_child_workflow(
+                handle = await started_child(workflow.start_child_workflow(
                     AgentWorkflow.run,
                     AgentInput(tenant=inp.tenant, goal=goal, collection=inp.collection, depth=inp.depth + 1,
                                max_depth=self.max_depth, budget=budget, deadline=deadline_given,
@@ -403,7 +408,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                     search_attributes=TypedSearchAttributes([
                         SearchAttributePair(sa.JOB_KIND, "agent"), SearchAttributePair(sa.JOB_STATUS, "queued"),
                         SearchAttributePair(sa.COLLECTION, inp.collection),
-                        SearchAttributePair(sa.TENANT, inp.tenant)]))
+                        SearchAttributePair(sa.TENANT, inp.tenant)])), CHILD_CANCEL_AFTER_START_PATCH)
                 self._started[child_id] = handle
                 result = await handle
         except ChildWorkflowError as exc:

@@ -15,7 +15,6 @@ IngestDocumentWorkflow (one per document id = collection + content hash)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
 
 from temporalio import workflow
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -36,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
     from ragline.text import PASSWORD_REQUIRED, WRONG_PASSWORD
     from temporal import policies
     from temporal import search_attributes as sa
+    from workflows.children import started_child
     from workflows.failures import failure_reason, failure_type
     from workflows.job import JobWorkflow
 
@@ -66,10 +66,8 @@ OWN_PASSWORD_PATCH = "upload-tries-its-own-password"
 # upload, runs the document once itself. Before, it took that outcome as its own: a person cancelling
 # upload A failed upload B's copy of the file.
 OWN_RUN_PATCH = "upload-runs-a-document-another-upload-failed"
-# A cancel that reaches an upload while its document's job is being started waits for that start, then cancels
-# the job. Before, the SDK gave up on the start at once: the upload ended cancelled in the task that asked the
-# started job to cancel too, the server drops a request from a closed workflow, and the document's job (which an
-# upload's end leaves running) embedded and indexed the whole document for a cancelled upload.
+# A cancel that reaches an upload while its document's job is being started cancels that job once started
+# (workflows/children.py). Before, the document was embedded and indexed for a cancelled upload.
 CANCEL_AFTER_START_PATCH = "upload-cancel-waits-for-its-documents-start"
 
 
@@ -242,7 +240,7 @@ class IngestWorkflow(JobWorkflow):
         child_id = document_workflow_id(doc.tenant, doc.document_id)
         try:
             async with self.waits.child(child_id, step):  # parked for an operator, it lends this job's slot
-                return await _started(workflow.start_child_workflow(
+                return await (await started_child(workflow.start_child_workflow(
                     IngestDocumentWorkflow.run, doc, id=child_id, id_reuse_policy=reuse,
                     parent_close_policy=workflow.ParentClosePolicy.ABANDON,
                     search_attributes=TypedSearchAttributes([
@@ -252,7 +250,7 @@ class IngestWorkflow(JobWorkflow):
                         SearchAttributePair(sa.FILENAME, doc.filename[:256]),
                         SearchAttributePair(sa.DOCUMENT_ID, doc.document_id),
                         SearchAttributePair(sa.TENANT, doc.tenant),
-                    ])))
+                    ])), CANCEL_AFTER_START_PATCH))
         except WorkflowAlreadyStartedError:
             # Same bytes in the same collection: indexed already, or being indexed by another job.
             self.steps.start(step, detail=f"{child_id}, started by another upload")
@@ -278,24 +276,6 @@ class IngestWorkflow(JobWorkflow):
 
 _CANCELLED = (CANCELLED, CANCELLED_WITH_ITS_UPLOAD)
 
-
-async def _started(start: Awaitable[workflow.ChildWorkflowHandle]) -> DocumentOutcome:
-    """The document job's outcome, as `execute_child_workflow` gives it, except for a cancel that comes while the
-    job is being started: the job, once started, is cancelled like a running one (the upload waits for its end).
-    A start refused (another upload's run of the document) is that upload's, and not this one's to cancel."""
-    starting = asyncio.ensure_future(start)
-    try:
-        child = await asyncio.shield(starting)
-    except asyncio.CancelledError as cancel:
-        if not workflow.patched(CANCEL_AFTER_START_PATCH):
-            starting.cancel()  # as the SDK did: asks the job to cancel once started, and waits for nothing
-            raise
-        try:
-            child = await starting
-        except WorkflowAlreadyStartedError:
-            raise cancel from None
-        child.cancel()
-    return await child
 
 
 def _published(undone: PruneOutput | None, chunks: int) -> bool:
