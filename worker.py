@@ -17,6 +17,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -180,6 +181,10 @@ class RaglineWorker:
     async def shutdown(self) -> None:
         await asyncio.gather(*(w.shutdown() for w in self.workers))
 
+    @property
+    def is_running(self) -> bool:
+        return all(w.is_running for w in self.workers)
+
     async def __aenter__(self) -> "RaglineWorker":
         for w in self.workers:
             await w.__aenter__()
@@ -188,6 +193,19 @@ class RaglineWorker:
     async def __aexit__(self, *exc) -> None:
         for w in reversed(self.workers):
             await w.__aexit__(*exc)
+
+
+async def keep_alive(path: Path, every: float, worker: RaglineWorker) -> None:
+    """Touch `path` every `every` seconds while the worker runs. A liveness probe that finds it older than a few
+    periods restarts a worker whose event loop hangs (a sync call in an async step, say) or whose SDK workers
+    ended: its pollers would be up, or its process would be, and no task of its queues would run."""
+    while True:
+        if worker.is_running:
+            try:
+                path.touch()
+            except OSError as exc:
+                log.warning("cannot touch the worker's alive file", path=str(path), error=str(exc))
+        await asyncio.sleep(every)
 
 
 def fallback_model(settings: Settings) -> ChatModel | None:
@@ -424,10 +442,13 @@ async def main(argv: list[str] | None = None) -> int:
             current = asyncio.create_task(make_first_build_current(
                 client, settings.worker_deployment_name, settings.worker_build_id)) \
                 if settings.worker_build_id and role in ("all", "workflows") else None
+            alive = asyncio.create_task(keep_alive(settings.worker_alive_file, settings.worker_alive_every, worker)) \
+                if settings.worker_alive_file else None
             await stop.wait()
             log.info("worker stopping", role=role)
-            if current:
-                current.cancel()
+            for task in (current, alive):
+                if task:
+                    task.cancel()
     if poller:
         poller.cancel()
     if index is not None:

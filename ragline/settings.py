@@ -182,6 +182,10 @@ class Settings(BaseSettings):
     # worker_metrics_host:worker_metrics_port; 0 turns that off. The API serves its own at GET /metrics.
     worker_metrics_host: str = "127.0.0.1"
     worker_metrics_port: int = 9464
+    # A file the worker touches every worker_alive_every seconds while its event loop runs and every one of its
+    # task queues' workers runs: a liveness probe reads its age (deploy/k8s/workers.yaml). Unset: none.
+    worker_alive_file: Path | None = None
+    worker_alive_every: float = Field(default=10.0, gt=0)
     # Seconds between the worker's polls of the server's statistics (backlog, jobs waiting).
     metrics_poll_interval: float = 15.0
     # Ingestion counters carry the collection as a label (off: collections may be tenants, unbounded).

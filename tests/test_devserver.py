@@ -223,6 +223,44 @@ def test_the_worker_ends_when_make_run_is_killed_outright(tmp_path: Path, tempor
     _kill_supervisor_then_expect_the_end_of(parent, child)
 
 
+def test_a_worker_touches_its_alive_file_while_it_runs_and_not_while_it_hangs(tmp_path: Path, temporal_env) -> None:
+    """The real worker (role workflows) touches RAGLINE_WORKER_ALIVE_FILE while it polls; frozen (SIGSTOP, as a
+    hung event loop), it does not, so the file ages past what the liveness probe allows; thawed, it goes on."""
+    alive = tmp_path / "alive"
+    every = 0.3
+    env = {**os.environ, "RAGLINE_DATA_DIR": str(tmp_path), "RAGLINE_TASK_QUEUE": f"ragline-alive-{os.getpid()}",
+           "RAGLINE_TEMPORAL_ADDRESS": temporal_env.client.service_client.config.target_host,
+           "RAGLINE_LLM_BASE_URL": "http://127.0.0.1:9/v1", "RAGLINE_WORKER_METRICS_PORT": "0",
+           "RAGLINE_WORKER_ALIVE_FILE": str(alive), "RAGLINE_WORKER_ALIVE_EVERY": str(every)}
+    worker = subprocess.Popen([sys.executable, "worker.py", "--role", "workflows"], env=env,
+                              cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+
+    def touched_after(moment: float, within: float) -> bool:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if alive.exists() and alive.stat().st_mtime > moment:
+                return True
+            time.sleep(0.05)
+        return False
+
+    try:
+        assert touched_after(0, 60), "the worker never touched its alive file"
+        assert touched_after(alive.stat().st_mtime, 5 * every), "touched once, then not again"
+        worker.send_signal(signal.SIGSTOP)
+        frozen_at = time.time()
+        time.sleep(0.1)  # a touch on its way lands
+        last = alive.stat().st_mtime
+        assert not touched_after(last, 8 * every), "touched while frozen"
+        assert time.time() - alive.stat().st_mtime > 7 * every > 0 and last <= frozen_at + 0.1
+        worker.send_signal(signal.SIGCONT)
+        assert touched_after(last, 60), "not touched again once thawed"
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        worker.terminate()
+        worker.wait(timeout=30)
+
+
 def test_one_stop_delivered_twice_at_once_stops_make_run_gracefully(tmp_path: Path) -> None:
     """`kill -TERM -- -<pgid>` reaches the supervisor twice (directly, and passed on by make): that is one
     stop, not the "again" that kills everything at once. A second signal a moment later still is."""

@@ -4,6 +4,8 @@ Temporal server binaries) are parsed and checked against the code: names, ports,
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -144,6 +146,34 @@ def test_keda_scales_each_role_on_its_own_queues(objects, config):
 def test_the_build_id_is_the_image_tag(objects, config):
     for name, doc in _ragline_deployments(objects).items():
         assert _container(doc)["image"].rsplit(":", 1)[1] == config["RAGLINE_WORKER_BUILD_ID"], name
+
+
+def test_every_worker_is_restarted_once_its_alive_file_goes_stale(objects, tmp_path):
+    """Each worker role touches the file its env names (RAGLINE_WORKER_ALIVE_FILE), and its probes read that
+    file: run here as the kubelet runs them, they pass on a fresh file and fail on one older than a minute, or
+    on none (a worker not yet polling, at start)."""
+    workers = {name: doc for name, doc in _ragline_deployments(objects).items() if name.startswith("ragline-worker-")}
+    assert len(workers) == len(queues.ROLES) - 1  # every role but "all" (one process for make run)
+    for name, deployment in workers.items():
+        c = _container(deployment)
+        alive = _env(objects, deployment)["RAGLINE_WORKER_ALIVE_FILE"]
+        assert Settings(worker_alive_file=alive).worker_alive_file.parent.as_posix() == \
+            next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tmp"), name  # writable
+        for probe in ("startupProbe", "livenessProbe"):
+            command = c[probe]["exec"]["command"]
+            assert alive in command[-1], (name, probe)
+            here = tmp_path / f"{name}-{probe}"
+            run = [*command[:-1], command[-1].replace(alive, str(here))]
+            assert subprocess.run(run).returncode != 0, (name, probe, "no file yet")
+            here.touch()
+            assert subprocess.run(run).returncode == 0, (name, probe, "fresh")
+            if probe == "livenessProbe":
+                stale = time.time() - 120
+                os.utime(here, (stale, stale))
+                assert subprocess.run(run).returncode != 0, (name, probe, "two minutes old")
+        # A stale file fails the pod after some minutes, not at the first late touch (every 10 s by default).
+        live = c["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= 6 * Settings().worker_alive_every, name
 
 
 def test_api_ports_and_probe(objects):
