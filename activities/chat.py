@@ -188,7 +188,7 @@ class ChatActivities:
         history = "\n".join(recent_turns(req.history, room)) or "(none)"
         messages = prompts.messages("answer", passages=context, history=history, question=req.question)
         result = StreamedCompletion(model=model.model)
-        async with heartbeating(), AnswerDeltas(attempt, send=req.stream) as deltas:
+        async with heartbeating(), AnswerDeltas(req.attempts_before + attempt, send=req.stream) as deltas:
             async for piece in model.stream(messages, result, step="generate"):
                 await deltas.publish(piece)
         # A looping reply was stopped and cut by the stream: the deltas sent showed part of the loop, the
@@ -289,7 +289,7 @@ class AnswerDeltas:
         traceparent = tracing.current_traceparent()  # the attempt's span: same trace as the job's events
         self.unsent.append({
             **({"traceparent": traceparent} if traceparent else {}),
-            # Unique per scheduled step too: an operator's retry or the fallback numbers attempts from 1 again.
+            # The attempt numbers on across an operator's retry and the fallback (GenerateInput.attempts_before).
             "specversion": "1.0", "id": f"{info.workflow_id}/answer/{info.activity_id}/{self.attempt}/{self.index}",
             "source": "ragline/generate_answer", "type": "ragline.answer.delta", "time": now.isoformat(),
             "subject": info.workflow_id, "datacontenttype": "application/json",

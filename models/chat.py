@@ -268,6 +268,9 @@ class GenerateInput(BaseModel):
     history: list[HistoryItem] = []
     # Whether the answer streams to the job's events as it comes: not when a reviewer may hold it.
     stream: bool = True
+    # Attempts at the answer made before this activity (the configured model's before its fallback, the rounds
+    # before an operator's retry): its deltas' `attempt` numbers on from them, so each generation has its own.
+    attempts_before: int = 0
 
 
 class GenerateOutput(StreamedStepResult):

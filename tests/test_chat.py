@@ -640,6 +640,31 @@ async def test_a_retried_answer_streams_again_under_its_new_attempt(stack, chat_
     assert events[-1]["data"]["answer"] == answered.reply.strip()
 
 
+async def test_an_answer_an_operator_retries_streams_under_an_attempt_of_its_own(stack, chat_docs):
+    """The answer's stream breaks after its first piece, then the model is down until the step parks; an
+    operator retries it. The retry's deltas carry an attempt after every attempt made before (it was 1 again),
+    so a client that starts the answer over when the attempt changes shows the answer alone."""
+    with stack.llm.scope() as llm:
+        llm.script("answer", ["malformed", "503", "503", "503"])
+        accepted = await stack.chat(f"Who counts the herds? {llm.token}", collection="chat")
+        reading = asyncio.ensure_future(read_events(stack, accepted["job_id"]))
+        parked = await stack.wait_job(accepted["job_id"], until=("dead_lettered",))
+        [step] = [s for s in parked["steps"] if s["name"] == "generate_answer"]
+        r = await stack.http.post(f"/v1/jobs/{accepted['job_id']}/retry", json={"reason": "the model is back"})
+        assert r.status_code == 200 and r.json()["steps"] == ["generate_answer"], r.text
+        events = [e for _, e in await asyncio.wait_for(reading, 120)]
+        answered = llm.calls("answer")[-1]
+    deltas = [e["data"] for e in events if e["type"] == "ragline.answer.delta"]
+    assert deltas[0] == {"text": "Acc", "index": 1, "attempt": 1}  # the broken stream's piece
+    retry = deltas[1:]
+    assert {d["attempt"] for d in retry} == {step["attempts"] + 1}, (step, retry)
+    shown = ""
+    for previous, delta in zip([None, *deltas], deltas):  # a client that starts over on a new attempt
+        shown = delta["text"] if previous is None or delta["attempt"] != previous["attempt"] else shown + delta["text"]
+    assert shown == answered.reply == "".join(d["text"] for d in retry)
+    assert events[-1]["type"] == "ragline.job.completed" and events[-1]["data"]["answer"] == answered.reply.strip()
+
+
 async def test_a_held_answer_nobody_reviews_fails_the_turn_after_the_review_timeout(stack, chat_docs):
     """`require_review`: the answer waits for a reviewer at most RAGLINE_REVIEW_TIMEOUT (a server setting,
     any duration above 0, which the API that accepts a turn gives it). Nobody decides: the review is

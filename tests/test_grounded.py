@@ -14,7 +14,7 @@ from activities.chat import REPETITION_WARNING
 from devtools.scripted_llm import ScriptedLLM
 from ragline.prompts import no_documents_warning
 from tests.conftest import running_stack, worker_metrics_url
-from tests.helpers import eventually
+from tests.helpers import eventually, read_events
 
 POSTMORTEM = (
     "Postmortem of incident 4711. The root cause of incident 4711 was an expired TLS certificate on the "
@@ -263,11 +263,18 @@ async def test_a_cached_answer_goes_with_the_document_it_cites(trusted):
 
 
 async def test_the_fallback_model_answers_when_the_configured_one_keeps_failing(trusted, light_llm):
-    trusted.llm.script("answer", ["503"] * 4)  # generate_answer's every attempt (fast policies: 4)
-    result = (await ask(trusted, "How many orders failed during the outage?"))["result"]
+    """... and its answer streams under an attempt after the configured model's four (the first of which sent
+    a piece before its stream broke): it was attempt 1 again, and a client that starts the answer over when
+    the attempt changes showed the fallback's answer after that piece."""
+    trusted.llm.script("answer", ["malformed"] + ["503"] * 3)  # generate_answer's every attempt (fast policies: 4)
+    job = await ask(trusted, "How many orders failed during the outage?")
+    result = job["result"]
     assert result["fallback_model"] == "light" and result["model"] == "light"
     assert any("fallback" in w for w in result["warnings"]) and result["citations"]
     assert light_llm.count("answer", ok_only=True) == 1
+    deltas = [e["data"] for _, e in await read_events(trusted, job["job_id"]) if e["type"] == "ragline.answer.delta"]
+    assert deltas[0]["attempt"] == 1 and {d["attempt"] for d in deltas[1:]} == {5}, deltas
+    assert "".join(d["text"] for d in deltas[1:]).strip() == result["answer"]
 
 
 async def test_a_turn_is_dead_lettered_only_when_the_fallback_fails_too(trusted, light_llm):

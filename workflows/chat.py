@@ -287,11 +287,19 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
         fell_back = []
 
+        def numbered_on(arg: GenerateInput, _failure: Any = None) -> GenerateInput:
+            """A new generation of the answer (the fallback's, an operator's retry): its deltas' attempt follows
+            every attempt made before it. It began at 1 again, and a client that starts the answer over when the
+            attempt changes showed the new one after the old one's first pieces."""
+            return arg.model_copy(update={"attempts_before": sum(
+                self.steps.attempts(policies.activity_name(a))
+                for a in (ChatActivities.generate_answer, ChatActivities.generate_answer_fallback))})
+
         async def fall_back():
             fell_back.append(True)
-            return await self.step(ChatActivities.generate_answer_fallback, generate)
+            return await self.step(ChatActivities.generate_answer_fallback, numbered_on(generate), resume=numbered_on)
 
-        answer = await self.step(ChatActivities.generate_answer, generate,
+        answer = await self.step(ChatActivities.generate_answer, generate, resume=numbered_on,
                                  on_exhausted=fall_back if turn.fallback else None)
         fallback_model = (answer.model or "fallback") if fell_back else None
         citations = answer.citations
