@@ -312,9 +312,9 @@ class TurnView(BaseModel):
 
 class SessionView(BaseModel):
     session_id: str
-    turns: list[TurnView] = Field(description="In the order they were asked: the page's turns (the latest first "
-                                              "page by page), sorted by turn number")
-    next_cursor: str | None = Field(description="The session's earlier turns, if any: " + NEXT_CURSOR)
+    turns: list[TurnView] = Field(description="In the order they were asked: the page's turns (running ones, then "
+                                              "the latest ended, page by page), sorted by turn number")
+    next_cursor: str | None = Field(description="The session's other turns, if any: " + NEXT_CURSOR)
 
 
 class QueuePollers(BaseModel):

@@ -8,9 +8,10 @@ from pydantic import BeforeValidator, ConfigDict
 
 STRICT_INPUT = ConfigDict(strict=True, extra="forbid")
 
-# A text a person types must say something: at least one character that is not white space (a JSON
-# Schema pattern matches anywhere in the string, as pydantic's does, so the OpenAPI says the same).
-NOT_BLANK = r"\S"
+# A text a person types must say something: at least one character that is neither white space nor an invisible
+# zero-width one (ZWSP, ZWNJ, ZWJ, word joiner, BOM: a message of those reached the model as an empty question). A
+# JSON Schema pattern matches anywhere in the string, as pydantic's does, so the OpenAPI says the same.
+NOT_BLANK = r"[^\s\u200b-\u200d\u2060\ufeff]"
 
 
 def _integral(value: Any) -> Any:

@@ -574,8 +574,10 @@ async def test_unknown_session_and_bad_requests(stack):
     assert (await stack.http.get("/v1/chats/no-such-session")).status_code == 404
     assert (await stack.http.post("/v1/chats", json={"message": ""})).status_code == 422
     # Nothing but white space asks nothing: refused, naming the field, like a blank search or goal.
+    # So do invisible zero-width characters (ZWSP, a BOM): they reached the model as an empty question.
     for path, body in (("/v1/chats", {"message": " \n\t "}), ("/v1/search", {"query": "   "}),
-                       ("/v1/agents", {"goal": "\u3000"})):
+                       ("/v1/agents", {"goal": "\u3000"}), ("/v1/chats", {"message": "\u200b"}),
+                       ("/v1/search", {"query": "\ufeff \u200d"})):
         r = await stack.http.post(path, json=body)
         assert r.status_code == 422 and r.json()["error"]["problems"][0]["field"] in body, (path, r.text)
     r = await stack.http.post("/v1/chats", json={"message": "hi", "session_id": "../x"})

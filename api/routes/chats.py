@@ -130,8 +130,10 @@ async def _sent_before(client: Client, accepted: RecentlyAccepted, job_id: str, 
                                        503: TEMPORAL_DOWN}))
 async def get_chat(session_id: SESSION_ID, client: ClientDep, cursors: CursorsDep, caller: CallerDep,
                    timeout: RpcTimeoutDep, cursor: CursorDep = None,
-                   limit: Annotated[int, Query(ge=1, le=1000, description="At most this many turns, the latest "
-                                               "first; `next_cursor` pages back to earlier ones")] = 100,
+                   limit: Annotated[int, Query(ge=1, le=1000, description="At most this many turns: running ones "
+                                               "first (an earlier turn whose side steps still run too), then "
+                                               "ended ones, the latest ended first; each page in turn order; "
+                                               "`next_cursor` pages on")] = 100,
                    ) -> SessionView:
     if not await job_views.exists(client, session_workflow_id(caller.tenant, session_id), timeout):
         raise ApiError(404, "session_not_found", f"no chat session {session_id!r}")
