@@ -1677,6 +1677,34 @@ async def test_a_sub_agent_that_fails_still_counts_what_it_spent(env):
     assert (result.llm_calls, result.tokens) == (2 + 3, 10 + 30 + 2 * 2000)
 
 
+async def test_a_sub_agent_that_fails_shows_the_sub_agents_it_ran_in_the_tree(env):
+    """The child delegates once (its sub-agent finishes), then fails for good: the root's tree shows the
+    failed child with that sub-agent under it, as a finished child's tree does. It showed no children."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth == 1:
+            if not req.observations:
+                return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the north harbour"})])
+            raise ApplicationError("the model wrote no call it could read, twice", type="ModelReplyError",
+                                   non_retryable=True)
+        if req.depth == 2:
+            return finish("41 ships in the north harbour")
+        if not req.observations:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})])
+        return finish("the north could not be counted")
+
+    fakes = Fakes(plan=plan)
+    root_id = f"agent-{uuid.uuid4().hex[:8]}"
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=2),
+                                                   id=root_id, task_queue=queue)
+    [child] = result.tree.children
+    assert child.status == "failed" and "twice" in child.answer
+    [grandchild] = child.children
+    assert (grandchild.goal, grandchild.status, grandchild.answer, grandchild.job_id) == (
+        "Count the north harbour", "finished", "41 ships in the north harbour",
+        agent_workflow_id(agent_workflow_id(root_id, 1), 1))
+
+
 async def test_a_sub_agent_that_fails_after_a_review_keeps_the_decision_in_the_trees_record(env):
     """The child's delegation past the tree's depth waits for a reviewer, who tells it to revise; its next
     plan fails for good. Who decided what is still in the root's result (the Web UI and the CLI decide

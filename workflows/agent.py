@@ -59,6 +59,9 @@ GRANTED_DETAIL = "granted"
 # ... and the review decisions made in it (its own and its subtree's): a failed or cancelled sub-agent's are
 # still the tree's record of who decided what (earlier trees kept only a finished child's).
 DECISIONS_DETAIL = "decisions"
+# ... and its own subtree, as far as it got: the tree's view showed a failed sub-agent with no children, though
+# the sub-agents it had started ran (and spent).
+TREE_DETAIL = "tree"
 # A rejection anywhere in a tree stops the sub-agents running beside it: each is told (signal `stop`) and
 # finishes with what it has, a review it waits for withdrawn, and tells its own children. Earlier trees let
 # them run on (and ask people for decisions) until the last one ended.
@@ -120,6 +123,12 @@ def decided_before_failing(exc: ChildWorkflowError) -> list[ReviewRecord]:
     """The review decisions made in a failed sub-agent's subtree, from its failure (none from older code)."""
     decided = failure_detail(exc.cause, DECISIONS_DETAIL)
     return [ReviewRecord.model_validate(d) for d in decided] if isinstance(decided, list) else []
+
+
+def subtree_before_failing(exc: ChildWorkflowError) -> list[AgentNode]:
+    """A failed sub-agent's own sub-agents as its tree showed them when it failed (none from older code)."""
+    tree = failure_detail(exc.cause, TREE_DETAIL)
+    return [AgentNode.model_validate(n) for n in tree] if isinstance(tree, list) else []
 
 
 def normalise_goal(goal: str) -> str:
@@ -188,7 +197,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
 
     def failure_details(self) -> dict[str, Any]:
         return {SPENT_DETAIL: self.spent.model_dump(), GRANTED_DETAIL: self._granted().model_dump(),
-                DECISIONS_DETAIL: [d.model_dump(mode="json") for d in self._decisions()]}
+                DECISIONS_DETAIL: [d.model_dump(mode="json") for d in self._decisions()],
+                TREE_DETAIL: [n.model_dump(mode="json") for n in self.children]}
 
     def _decisions(self) -> list[ReviewRecord]:
         return [*self.reviews.history, *self.child_decisions]
@@ -428,6 +438,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                     self._cancelled_goals.append(goal)
                 return "(cancelled by a person: do not propose it again)", False
             node.status, node.answer = "failed", failure_reason(exc)
+            node.children = subtree_before_failing(exc)
             self.steps.fail(step, node.answer)
             return f"(failed: {node.answer})", False
         self.spent.add(Spend(llm_calls=result.llm_calls, tokens=result.tokens))
