@@ -44,7 +44,10 @@ router = APIRouter(prefix="/v1/chats", tags=["chat"])
 
 class ChatRequest(ChatQuestion):
     # Blank is refused here, at the door; the turn's own model stays as lenient as the histories it reads.
-    message: str = Field(min_length=1, max_length=MESSAGE_MAX_CHARS, pattern=NOT_BLANK)
+    message: str = Field(min_length=1, max_length=MESSAGE_MAX_CHARS, pattern=NOT_BLANK,
+                         description="The question. Besides its characters, its tokens are bounded by what the "
+                                     "model's context leaves beside the passages (RAGLINE_LLM_CONTEXT_TOKENS): "
+                                     "a longer one is 422 `message_too_long`, whose message says the bound")
     session_id: str | None = Field(None, pattern=SESSION_PATTERN,
                                    description="Continue a session; a new one is made when omitted")
 
