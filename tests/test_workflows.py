@@ -1677,22 +1677,27 @@ async def test_a_sub_agent_that_fails_still_counts_what_it_spent(env):
     assert (result.llm_calls, result.tokens) == (2 + 3, 10 + 30 + 2 * 2000)
 
 
-async def test_a_sub_agent_that_fails_shows_the_sub_agents_it_ran_in_the_tree(env):
-    """The child delegates once (its sub-agent finishes), then fails for good: the root's tree shows the
-    failed child with that sub-agent under it, as a finished child's tree does. It showed no children."""
+def child_delegates_then_fails(subgoal: str, grandchild_answer: str = "") -> Callable[[PlanInput], PlanOutput]:
+    """Plans for a root that delegates "Count the ships in the north" and then finishes, a child that delegates
+    `subgoal` once and then fails for good, and a grandchild (if it gets to run) that answers at once."""
     def plan(req: PlanInput) -> PlanOutput:
         if req.depth == 1:
             if not req.observations:
-                return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the north harbour"})])
+                return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": subgoal})])
             raise ApplicationError("the model wrote no call it could read, twice", type="ModelReplyError",
                                    non_retryable=True)
         if req.depth == 2:
-            return finish("41 ships in the north harbour")
+            return finish(grandchild_answer)
         if not req.observations:
             return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})])
         return finish("the north could not be counted")
+    return plan
 
-    fakes = Fakes(plan=plan)
+
+async def test_a_sub_agent_that_fails_shows_the_sub_agents_it_ran_in_the_tree(env):
+    """The child delegates once (its sub-agent finishes), then fails for good: the root's tree shows the
+    failed child with that sub-agent under it, as a finished child's tree does. It showed no children."""
+    fakes = Fakes(plan=child_delegates_then_fails("Count the north harbour", "41 ships in the north harbour"))
     root_id = f"agent-{uuid.uuid4().hex[:8]}"
     async with fake_worker(env, fakes) as queue:
         result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=2),
@@ -1709,17 +1714,7 @@ async def test_a_sub_agent_that_fails_after_a_review_keeps_the_decision_in_the_t
     """The child's delegation past the tree's depth waits for a reviewer, who tells it to revise; its next
     plan fails for good. Who decided what is still in the root's result (the Web UI and the CLI decide
     without the API: the job's record is the only one), as a finished child's decisions are."""
-    def plan(req: PlanInput) -> PlanOutput:
-        if req.depth == 1:
-            if not req.observations:
-                return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count by hand"})])
-            raise ApplicationError("the model wrote no call it could read, twice", type="ModelReplyError",
-                                   non_retryable=True)
-        if not req.observations:
-            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})])
-        return finish("the north could not be counted")
-
-    fakes = Fakes(plan=plan)
+    fakes = Fakes(plan=child_delegates_then_fails("Count by hand"))
     root_id = f"agent-{uuid.uuid4().hex[:8]}"
     async with fake_worker(env, fakes) as queue:
         root = await env.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=1),
