@@ -68,6 +68,11 @@ class TurnInput(BaseModel):
     # The tenant's fairness weight when the API accepted it (`[tenants.<name>] fairness_weight`): the turn's
     # job runs with it, whatever weight the session started with.
     fairness_weight: float | None = None
+    # RAGLINE_SESSION_MAX_QUEUED_TURNS when the API accepted it: the session takes the turn only while it holds
+    # fewer turns not yet answered (None: no bound, turns accepted before it had one).
+    session_max_queued: int | None = None
+    # Set by the session when it does not take the turn (SESSION_BUSY): its job starts only to fail saying so.
+    refused: str | None = None
 
 
 # The key of a failed turn's failure details that holds the answer it had shown (workflows/chat.py).
@@ -85,6 +90,11 @@ class SessionRun(BaseModel):
 class SessionRunning(BaseModel):
     running: bool
     first_run_id: str | None = None  # of the chain of the run that started the turn, when known
+
+
+def session_busy(queued: int) -> str:
+    return (f"its session already holds {queued} turns not yet answered (RAGLINE_SESSION_MAX_QUEUED_TURNS): this "
+            "message was not queued and no model was called for it; send it again once earlier turns have answers")
 
 
 SESSION_ENDED = ("its session's workflow ended (terminated by hand?) before it gave this turn its go: the turn "
@@ -108,6 +118,9 @@ class SessionState(BaseModel):
     history: list[HistoryItem] = []
     # Continue-as-new after this many turns even if the server does not ask (tests make it small).
     turns_per_run: int = 100
+    # ... and after this many messages, even while a turn runs: messages keep coming while a reviewer holds
+    # the turn at the head, each a signal and a child's start in this run's history.
+    submits_per_run: int = 1000
     # Set by the API when it starts the session again after a run of it ended idle (that run's id): the new
     # run takes up what that one left (turn numbers, seen, history) before it numbers any turn.
     resumed_from: str | None = None

@@ -219,6 +219,10 @@ class Settings(BaseSettings):
     # Jobs of one tenant running at once (ingest requests, chat turns, agent trees); more wait queued
     # (workflows/slot.py). `[tenants.<name>] max_running_jobs` in the keys file overrides it.
     tenant_max_running_jobs: int = Field(8, ge=1)
+    # Turns one chat session holds not yet answered (the running one included): a message past them is
+    # accepted (202), and its job fails at once with `SessionBusy`. Read by the API as it accepts a message,
+    # which carries it. It keeps a session whose head turn waits days for a reviewer within Temporal's limits.
+    session_max_queued_turns: int = Field(100, ge=1, le=1000)
     # Documents one tenant may hold at once in the vector store, over all its collections: a new document
     # past it fails with the reason (ragline/vectorstore.py). Unset: no cap. `[tenants.<name>] max_documents`
     # in the keys file overrides it.

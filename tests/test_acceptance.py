@@ -20,6 +20,7 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.service import RPCError
+from temporalio.worker import Replayer
 
 from api.app import create_app
 from api.job_views import RecentlyAccepted
@@ -28,6 +29,7 @@ from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack, serving_api
 from tests.helpers import delegate_until, eventually, read_events, session_turns, waiting_reviews
+import worker
 from worker import build_worker
 from workflows.chat import ChatSessionWorkflow
 
@@ -453,6 +455,85 @@ async def test_a_turn_waiting_for_its_go_waits_on_while_its_session_runs_on_in_a
         assert (await stack.http.get(f"/v1/jobs/{third}")).json()["status"] == "queued"
         await _approve(stack, second)  # and the third turn gets its go
         assert (await stack.wait_done(third, timeout=60))["status"] == "completed"
+    finally:
+        for job_id in jobs:
+            await stack.http.post(f"/v1/jobs/{job_id}/cancel")
+        await stack.client.get_workflow_handle(session_wf).terminate("test over")
+
+
+async def _runs_carrying(stack, session_wf: str) -> list[list[str]]:
+    """The job ids each continue-as-new of the session carried as its turns not yet run, oldest run first."""
+    carried = []
+    async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
+        handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
+        async for event in handle.fetch_history_events():
+            if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+                payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
+                (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
+                carried.append((execution.start_time, [t.job_id for t in state.pending]))
+    return [jobs for _, jobs in sorted(carried)]
+
+
+async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_continues_as_new_meanwhile(
+        stack, monkeypatch):
+    """Messages keep coming while a reviewer holds a session's running turn. Each waiting turn is a child
+    workflow of the session's run, and each message a signal and events in its history: Temporal fails every
+    step of a workflow with 2,000 children waiting, and terminates one whose history outgrows its limits. A
+    full session refuses a message (its job fails at once, SessionBusy, unnumbered, no model call), and a run
+    grown long continues as new while the turn waits, carrying it: once approved, every queued turn runs in
+    order, with the held answer in its history."""
+    tag = uuid.uuid4().hex[:8]
+    seed = await stack.upload((f"{tag}.txt", f"The {tag} herds are counted by Ada, from the hill, at dawn.".encode()),
+                              collection=tag)
+    await stack.wait_job(seed["job_id"])
+    session = f"full-{tag}"
+    session_wf = session_workflow_id(stack.tenant, session)
+    await stack.client.start_workflow(  # continues as new after four messages, even mid-turn
+        ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, submits_per_run=4),
+        id=session_wf, task_queue=stack.settings.task_queue,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                 SearchAttributePair(sa.SESSION, session),
+                                                 SearchAttributePair(sa.TENANT, stack.tenant)]))
+    monkeypatch.setattr(stack.settings, "session_max_queued_turns", 3)
+
+    async def ask(message: str, review: bool = False) -> str:
+        r = await stack.http.post("/v1/chats", json={"message": f"{message} {tag}", "session_id": session,
+                                                     "collection": tag, "require_review": review})
+        assert r.status_code == 202, r.text
+        return r.json()["job_id"]
+    first = await ask("Who counts the herds?", review=True)
+    jobs = [first]
+    try:
+        await waiting_reviews(stack, first, timeout=30)
+        jobs += [await ask("And from what?"), await ask("And how often?")]
+        refused = await ask("And where?")  # a fourth turn not yet answered: one too many
+        jobs.append(refused)
+        job = await stack.wait_done(refused, timeout=30)
+        assert job["status"] == "failed" and job["error"]["type"] == "SessionBusy", job
+        assert "3 turns not yet answered" in job["error"]["message"] and job["turn"] is None, job
+        # Four messages came to the run while its turn waited: it continued as new, carrying the three turns.
+        carried = await eventually(lambda: _runs_carrying(stack, session_wf), what="the session continued as new")
+        assert carried == [jobs[:3]], carried
+        assert (await stack.http.get(f"/v1/jobs/{first}")).json()["status"] == "waiting_review"
+        await _approve(stack, first)
+        ended = [await stack.wait_done(job_id, timeout=60) for job_id in jobs[:3]]
+        assert [(j["status"], j["turn"]) for j in ended] == [("completed", 1), ("completed", 2), ("completed", 3)]
+        asked = [c for c in stack.llm.calls if c["task"] == "answer" and tag in (c["question"] or "")]
+        assert [c["question"] for c in asked] == [f"{q} {tag}" for q in (
+            "Who counts the herds?", "And from what?", "And how often?")], asked
+        # The next run had the held turn's answer for the history of the turn after it.
+        assert ended[0]["result"]["answer"][:100] in asked[1]["text"], asked[1]["text"]
+        # Answered: the session takes a message again.
+        after = await ask("And since when?")
+        jobs.append(after)
+        assert (await stack.wait_done(after, timeout=60))["turn"] == 4
+        # Both runs of the session, and the refused turn's job, replay.
+        replayer = Replayer(workflows=worker.WORKFLOWS, data_converter=stack.client.data_converter)
+        runs = [e.run_id async for e in stack.client.list_workflows(f"WorkflowId = '{session_wf}'")]
+        for workflow_id, run_id in [*((session_wf, run) for run in runs), (refused, None)]:
+            history = await stack.client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+            replayed = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+            assert replayed.replay_failure is None, (workflow_id, run_id, replayed.replay_failure)
     finally:
         for job_id in jobs:
             await stack.http.post(f"/v1/jobs/{job_id}/cancel")

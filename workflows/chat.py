@@ -5,7 +5,10 @@ POST /v1/chats --signal-with-start `submit`--> ChatSessionWorkflow (id session-<
              seen before, start the turn's job at once (it waits, queued, for its go)
   loop:      for each turn in order -> signal `proceed` with the recent history -> await its answer (its
              summary and entities may still run: a later turn waiting asks for the answer as soon as it is final)
-  continue-as-new at a turn boundary; carried: turn counter, recent job ids, turns not yet run, history
+  continue-as-new at a turn boundary, or while the head turn waits (a reviewer holds it) once the run has
+             grown long; carried: turn counter, recent job ids, turns not yet run (the head too), history
+  full (RAGLINE_SESSION_MAX_QUEUED_TURNS turns not yet answered): a message is not numbered or queued; its
+             job starts only to fail at once (SessionBusy)
   idle ([sessions] idle, no turn to run): ends, returning what it would carry; the API starts it again for
              the next message with the ended run's id, and the new run takes that result up (session_left)
              before it numbers any turn
@@ -43,8 +46,7 @@ with workflow.unsafe.imports_passed_through():
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
         FINAL_ANSWER_DETAIL, SESSION_ENDED, RetrieveInput, SessionLeft, SessionRun, SessionState, SummaryOutput,
-        TurnAnswered,
-        TurnContext, TurnInput, TurnResult, Usage, session_workflow_id,
+        TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_busy, session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
     from models.review import ReviewDecision, without
@@ -110,6 +112,10 @@ CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH = "cancelled-turn-waits-for-its-answer
 # A session with no turn to run for [sessions] idle ends, its state its result; the API starts it again for
 # a later message, from what that run left. Earlier sessions waited for ever.
 SESSION_ENDS_IDLE_PATCH = "session-ends-when-idle"
+# A session whose run grew long (the server suggests continue-as-new, or [submits_per_run] messages came)
+# while its head turn waits (a reviewer holds it) continues as new then, carrying that turn too. Earlier
+# sessions waited for the turn's end: messages sent meanwhile grew the run towards the server's limits.
+SESSION_CONTINUES_MID_TURN_PATCH = "session-continues-as-new-while-its-turn-waits"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -159,7 +165,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     async def run(self, turn: TurnInput) -> TurnResult:
         self._turn = turn
         return await self.run_job(lambda: self._answer(turn),
-                                  accepted={"session_id": turn.session_id, "turn": turn.turn},
+                                  accepted={"session_id": turn.session_id, "turn": turn.turn or None},
                                   ready=lambda: self._go(turn))
 
     SLOT_BEFORE_WORK = False  # retrieval (no model call) runs while the slot is asked for
@@ -170,6 +176,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
     async def _go(self, turn: TurnInput) -> None:
         """The session's go: this turn is next in its session (the context came with the start when idle)."""
+        if turn.refused is not None:  # its session was full: it never takes a turn
+            raise ApplicationError(turn.refused, type="SessionBusy", non_retryable=True)
         self.context = self.context or turn.context
         if self.context is None:
             self.events.release()  # earlier turns of the session go first: `accepted` says which turn this is
@@ -485,6 +493,10 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                                          "warnings": warnings, "written_by_reviewer": True, "answered": True})
 
 
+class _GrewMidTurn(Exception):
+    """The session's run grew long while its head turn waits: it continues as new, carrying that turn."""
+
+
 @workflow.defn
 class ChatSessionWorkflow:
     @workflow.init
@@ -501,6 +513,9 @@ class ChatSessionWorkflow:
         # Started again after a run ended idle: turns wait here, unnumbered, until what it left is taken up.
         self.taking_up = state.resumed_from is not None
         self.held: list[TurnInput] = []
+        self.submits_this_run = 0
+        self.refusing: dict[str, asyncio.Future] = {}  # turns refused (session full) whose jobs are starting
+        self.stays_mid_turn = False  # replaying a run that did not continue as new while its turn waited
 
     @workflow.signal
     def submit(self, turn: TurnInput) -> None:
@@ -510,6 +525,11 @@ class ChatSessionWorkflow:
         if turn.job_id in self.seen:
             return  # the same request, resent
         self.seen.append(turn.job_id)
+        self.submits_this_run += 1
+        if turn.session_max_queued is not None and len(self.queue) >= turn.session_max_queued:
+            # Not numbered, not queued: its job (the 202 named it) starts only to fail with the reason.
+            self._refuse(turn.model_copy(update={"refused": session_busy(len(self.queue))}))
+            return
         turn = turn.model_copy(update={"turn": self.state.next_turn})
         if not self.busy and not self.queue:
             # Nothing runs before it: the go travels with the start, one signal round trip less.
@@ -517,6 +537,15 @@ class ChatSessionWorkflow:
         self.state.next_turn += 1
         self.queue.append(turn)
         self.starts[turn.job_id] = asyncio.ensure_future(self._start(turn))
+
+    def _refuse(self, turn: TurnInput) -> None:
+        started = self.refusing[turn.job_id] = asyncio.ensure_future(self._start_refused(turn))
+        started.add_done_callback(lambda _: self.refusing.pop(turn.job_id, None))
+
+    async def _start_refused(self, turn: TurnInput) -> None:
+        child = await self._start(turn)
+        if child is not None:  # its failure (SessionBusy) is all it does: nobody awaits it
+            child.add_done_callback(lambda ended: ended.cancelled() or ended.exception())
 
     @workflow.signal
     def turn_answered(self, told: TurnAnswered) -> None:
@@ -538,7 +567,7 @@ class ChatSessionWorkflow:
                     id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                     priority=policies.turn_priority(turn.tenant, turn.fairness_weight),
                     parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-                    memo={"turn": turn.turn, "message": turn.question.message[:500],
+                    memo={"turn": turn.turn or None, "message": turn.question.message[:500],
                           **({REQUEST_MEMO: turn.request} if turn.request else {})},
                     search_attributes=TypedSearchAttributes([
                         SearchAttributePair(sa.JOB_KIND, "chat"),
@@ -562,7 +591,11 @@ class ChatSessionWorkflow:
                 workflow.continue_as_new(self._carried())
             head = self.queue[0]
             self.busy = True
-            answer = await self._run_turn(head)
+            try:
+                answer = await self._run_turn(head)
+            except _GrewMidTurn:  # the next run awaits the turn
+                await self._settle()
+                workflow.continue_as_new(self._carried())
             self.busy = False
             if answer is not None:
                 self.state.history.append(HistoryItem(question=head.question.message[:HISTORY_ANSWER_CHARS],
@@ -595,8 +628,13 @@ class ChatSessionWorkflow:
             await workflow.get_external_workflow_handle(head.job_id).signal(ChatTurnWorkflow.proceed, context)
         except FailureError:
             pass  # it has ended already; its outcome is all that is left to read
-        outcome = await policies.execute(JobActivities.await_turn, AwaitTurnInput(workflow_id=head.job_id))
-        return self._told_at_the_end(head, outcome.answer)
+        ended = asyncio.ensure_future(
+            policies.execute(JobActivities.await_turn, AwaitTurnInput(workflow_id=head.job_id)))
+        while True:
+            await workflow.wait_condition(lambda: ended.done() or self._grown_mid_turn())
+            if ended.done():
+                return self._told_at_the_end(head, ended.result().answer)
+            self._carry_on_mid_turn()
 
     def _told_at_the_end(self, head: TurnInput, outcome: str | None) -> str | None:
         """The turn's answer from its end, or, when the end had none to carry (a cancel), what it told."""
@@ -613,11 +651,15 @@ class ChatSessionWorkflow:
         asked = False
         while True:
             await workflow.wait_condition(
-                lambda: outcome.done() or head.job_id in self.answered or (not asked and len(self.queue) > 1))
+                lambda: outcome.done() or head.job_id in self.answered or (not asked and len(self.queue) > 1)
+                or self._grown_mid_turn())
             if outcome.done():
                 return self._told_at_the_end(head, outcome.result())
             if head.job_id in self.answered:
                 return self.answered.pop(head.job_id) or None  # "": no answer, nothing for history
+            if self._grown_mid_turn():
+                self._carry_on_mid_turn()
+                continue
             asked = True
             try:
                 await child.signal(ChatTurnWorkflow.follow_up_waits)
@@ -679,11 +721,21 @@ class ChatSessionWorkflow:
     def _should_continue_as_new(self) -> bool:
         return self.turns_this_run >= self.state.turns_per_run or workflow.info().is_continue_as_new_suggested()
 
+    def _grown_mid_turn(self) -> bool:
+        return not self.stays_mid_turn and (self.submits_this_run >= self.state.submits_per_run
+                                            or workflow.info().is_continue_as_new_suggested())
+
+    def _carry_on_mid_turn(self) -> None:
+        """Continue as new (raises _GrewMidTurn), unless replaying a run that waited on."""
+        if workflow.patched(SESSION_CONTINUES_MID_TURN_PATCH):
+            raise _GrewMidTurn
+        self.stays_mid_turn = True
+
     async def _settle(self) -> None:
         """Before continue-as-new: every accepted turn's job has been started and every signal handled."""
         while True:
             await workflow.wait_condition(workflow.all_handlers_finished)
-            starting = [f for f in self.starts.values() if not f.done()]
+            starting = [f for f in (*self.starts.values(), *self.refusing.values()) if not f.done()]
             if not starting:
                 return
             await asyncio.gather(*starting)

@@ -81,7 +81,8 @@ async def post_chat(req: ChatRequest, request: Request, client: ClientDep, calle
                              review_timeout_seconds=review_timeout_seconds(settings),
                              traceparent=tracing.current_traceparent(),
                              fallback=bool(settings.fallback_llm_base_url), request=digest,
-                             accepted_at=datetime.now(timezone.utc), fairness_weight=caller.fairness_weight)
+                             accepted_at=datetime.now(timezone.utc), fairness_weight=caller.fairness_weight,
+                             session_max_queued=settings.session_max_queued_turns)
             starting(request, job_id)
             session = await _submit(client, settings.task_queue, turn, caller.priority, timeout)
             accepted.add(job_id, digest, turn.accepted_at, session.result_run_id)
