@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from temporalio.client import (
     Client, Schedule, ScheduleActionStartWorkflow, ScheduleAlreadyRunningError, ScheduleIntervalSpec,
     ScheduleOverlapPolicy, SchedulePolicy, ScheduleSpec, ScheduleUpdate,
@@ -42,4 +44,7 @@ async def ensure_blob_sweep(client: Client, settings: Settings) -> None:
     try:
         await client.create_schedule(BLOB_SWEEP, schedule)
     except ScheduleAlreadyRunningError:
-        await handle.update(lambda _: ScheduleUpdate(schedule=schedule))
+        # What an operator set by hand (paused, with a note: README, "Blob sweep") stays: a worker's restart
+        # brings the schedule to its settings, not out of a pause.
+        await handle.update(lambda described: ScheduleUpdate(
+            schedule=dataclasses.replace(schedule, state=described.description.schedule.state)))

@@ -207,7 +207,12 @@ async def test_the_schedule_follows_the_settings(stack):
         await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(update={"blob_sweep_every": "1d"}))
         await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(
             update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"}))
+        # An operator pauses it (README: while the visibility store is rebuilt); a worker starts again.
+        await handle.pause(note="visibility rebuilt")
+        await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(
+            update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"}))
         described = await handle.describe()
+        assert described.schedule.state.paused and described.schedule.state.note == "visibility rebuilt"
         assert described.schedule.spec.intervals == [ScheduleIntervalSpec(every=schedules.parse_duration("6h"))]
         [arg] = described.schedule.action.args
         assert await stack.client.data_converter.decode([arg]) == [{"min_age_seconds": 2 * DAY, "dry_run": False}]
