@@ -71,6 +71,8 @@ class CursorSigner:
 
     def encode(self, query: str, token: bytes) -> str:
         """Opaque to the client; valid only with the same query (tenant and filters)."""
+        if self._source is not None and self._source.refresh_due():  # rotated: sign with the new current key
+            self._keys = self._derived(self._source.keys)
         return base64.urlsafe_b64encode(_tag(self._keys[0], query, token) + token).decode().rstrip("=")
 
     def decode(self, query: str, cursor: str) -> bytes:

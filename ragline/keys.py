@@ -197,7 +197,8 @@ def remove(path: Path, name: str | None = None, *, key_id: str | None = None) ->
         return 0
     tables = _tables(path.read_text(encoding="utf-8"))
     kept = [t for t in tables if (tomllib.loads(t).get("keys") or [{}])[0].get("sha256") not in gone]
-    text = "".join(kept)
+    # Never an empty file: a running API takes one for an edit under way and keeps the keys it read.
+    text = "".join(kept) or "# every key was removed (python -m ragline.keys revoke): no request is let in\n"
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:

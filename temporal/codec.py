@@ -26,6 +26,7 @@ The keys file (RAGLINE_CODEC_KEYS_FILE, TOML):
 from __future__ import annotations
 
 import base64
+import time
 import os
 import secrets
 import sys
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import structlog
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from temporalio.api.common.v1 import Payload
 from temporalio.converter import PayloadCodec
@@ -46,6 +48,8 @@ ENCODING = b"binary/encrypted"
 UNENCRYPTED = UNENCRYPTED_ENCODING.encode()  # what a payload that came in plain is marked (temporal/converter.py)
 KEY_ID = "encryption-key-id"
 NONCE_BYTES = 12
+
+log = structlog.get_logger("ragline.codec")
 
 
 class CodecError(ValueError):
@@ -130,12 +134,15 @@ def rotate(path: Path) -> str:
 class KeysFile:
     """The keys file of a running process, read again when it has changed: a key that `rotate` added (in
     another process, or on a volume every pod mounts) is known without a restart. A process that started
-    after the rotation encrypts with the new key at once; one that started before reads those payloads
-    (and from then on encrypts with it too)."""
+    before the rotation reads payloads under the new key at once, and writes with it within CHECK_EVERY
+    seconds (each write looks at the file that often)."""
+
+    CHECK_EVERY = 5.0
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._seen = self._changed_at()
+        self._checked = time.monotonic()
         self.keys = load_or_create(path)
 
     def _changed_at(self) -> tuple[int, int, int] | None:
@@ -147,11 +154,23 @@ class KeysFile:
 
     def refresh(self) -> bool:
         """Read the file again if it changed since; True when it did (and reads)."""
+        self._checked = time.monotonic()
         changed = self._changed_at()
         if changed is None or changed == self._seen:
             return False
         self.keys, self._seen = load_keys(self.path), changed
         return True
+
+    def refresh_due(self) -> bool:
+        """As refresh, at most every CHECK_EVERY seconds, for writes: a file that does not read (an edit by
+        hand under way) leaves the keys as they were, and is looked at again next time."""
+        if time.monotonic() - self._checked < self.CHECK_EVERY:
+            return False
+        try:
+            return self.refresh()
+        except CodecError as exc:
+            log.warning("codec keys file changed but does not read; the keys read before stay in use: %s", exc)
+            return False
 
 
 class EncryptionCodec(PayloadCodec):
@@ -164,6 +183,8 @@ class EncryptionCodec(PayloadCodec):
         self._ciphers = {key_id: AESGCM(raw) for key_id, raw in keys.keys.items()}
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        if self._file is not None and self._file.refresh_due():  # rotated: write with the new current key
+            self._use(self._file.keys)
         cipher = self._ciphers[self.current]
         out = []
         for p in payloads:

@@ -392,6 +392,19 @@ async def test_keys_command_prints_a_key_once_and_stores_only_its_hash(stack, tm
     assert elsewhere.returncode == 1 and "no keys file at" in elsewhere.stderr and "none.toml" in elsewhere.stderr
 
 
+def test_revoking_the_last_key_locks_it_out_of_a_running_api(tmp_path):
+    """The keys file README shows starts with `[[keys]]`: revoking its only key left an empty file, which a
+    running API takes for an edit under way, keeping the revoked key in force until its restart."""
+    path = tmp_path / "keys.toml"
+    key = "rgl_" + "k" * 40
+    path.write_text(f'[[keys]]\ntenant = "acme"\nsha256 = "{api_keys.digest(key)}"\nname = "only"\n')
+    ring = api_keys.KeyRing(path)
+    assert ring.find(key).name == "only"
+    assert api_keys.remove(path, "only") == 1
+    assert ring.find(key) is None and len(ring) == 0
+    assert api_keys.load(path).keys == []
+
+
 def test_a_broken_edit_of_the_keys_file_keeps_the_keys_read_before(tmp_path):
     """A typo while an operator edits the keys file must not lock every key out (a 500 on every request)."""
     path = tmp_path / "keys.toml"
@@ -1197,6 +1210,35 @@ async def test_a_process_started_before_a_rotation_reads_what_one_started_after_
     assert running_api.decode("tenant=acme", cursor) == b"page-token"
     with pytest.raises(ApiError, match="cursor"):
         running_api.decode("tenant=globex", cursor)
+
+
+async def test_a_process_started_before_a_rotation_writes_with_the_new_key_soon_after(tmp_path, monkeypatch):
+    """Every process of a running deployment predates a rotation: none meets a payload under the new key, so
+    each must look at the file as it writes, or it writes with the old key until restarted (and once the old
+    key is dropped, as README says, processes started since cannot read what the others wrote)."""
+    from api.cursors import CursorSigner
+
+    path = tmp_path / "codec.toml"
+    running = codec_mod.EncryptionCodec(codec_mod.KeysFile(path))
+    running_api = CursorSigner.for_deployment(path)
+    plain = Payload(metadata={"encoding": b"json/plain"}, data=b'"turn"')
+    [before] = await running.encode([plain])
+    new_id = codec_mod.rotate(path)
+    monkeypatch.setattr(codec_mod.KeysFile, "CHECK_EVERY", 0.0)  # a few seconds on
+    [after] = await running.encode([plain])
+    assert before.metadata["encryption-key-id"] != after.metadata["encryption-key-id"] == new_id.encode()
+    # The old key dropped: a process started now reads what the running one writes, and its cursors.
+    keys = codec_mod.load_keys(path)
+    codec_mod._write(path, codec_mod.CodecKeys(current=new_id, keys={new_id: keys.keys[new_id]}), exclusive=False)
+    cursor = running_api.encode("tenant=acme", b"page-token")
+    started_now = codec_mod.EncryptionCodec(codec_mod.KeysFile(path))
+    [opened] = await started_now.decode([after])
+    assert opened.data == b'"turn"'
+    assert CursorSigner.for_deployment(path).decode("tenant=acme", cursor) == b"page-token"
+    # A hand edit under way (not TOML yet) leaves the running process writing with the keys it has.
+    path.write_text("current = ")
+    [during] = await running.encode([plain])
+    assert during.metadata["encryption-key-id"] == new_id.encode()
 
 
 # -- sensitive data ----------------------------------------------------------------------------------
