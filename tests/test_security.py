@@ -1123,6 +1123,9 @@ async def test_a_decision_to_a_job_whose_workflow_task_keeps_failing_says_so(scr
                 return r.json()["error"] if r.status_code == 409 and r.json()["error"]["code"] == "job_stuck" else None
             error = await eventually(refused_as_stuck, what="the review refused as job_stuck")
             assert "workflow task keeps failing" in error["message"] and error["job_id"] == job_id, error
+            # Its review still waits: the list says it cannot read it now, rather than leave it out.
+            listed = (await stack.http.get("/v1/reviews")).json()
+            assert listed["unreadable"] == [job_id] and listed["reviews"] == [], listed
             await stack.client.get_workflow_handle(job_id).terminate("test: stuck on a foreign key")
     finally:
         await env.shutdown()

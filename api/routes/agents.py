@@ -126,8 +126,13 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
     async def item(execution) -> ReviewItem | None:
         try:
             request = await client.get_workflow_handle(execution.id).query("review_request", rpc_timeout=timeout)
-        except WorkflowQueryFailedError:
-            return None  # it ended a moment ago
+        except WorkflowQueryFailedError as exc:
+            # It ended a moment ago, or it runs and its worker cannot answer (its workflow task fails: a
+            # codec key it lacks, say): then its review still waits, and the list says so.
+            if await _still_runs(execution.id):
+                log.warning("review request unreadable", job_id=execution.id, error=str(exc))
+                unreadable.append(execution.id)
+            return None
         except RPCError as exc:  # no worker answered in time: the review still waits, say so
             log.warning("review request unreadable", job_id=execution.id, error=str(exc))
             unreadable.append(execution.id)
@@ -138,6 +143,13 @@ async def list_reviews(client: ClientDep, caller: CallerDep, timeout: RpcTimeout
                           kind=execution.typed_search_attributes.get(sa.JOB_KIND), **request)
         # A held answer is for reviewers' eyes: a member sees that it waits, not what it says.
         return item if caller.is_reviewer else item.model_copy(update=item.as_a_member_sees())
+
+    async def _still_runs(workflow_id: str) -> bool:
+        try:
+            desc = await job_views.describe_or_none(client, workflow_id, timeout)
+        except RPCError:
+            return True  # not known to have ended
+        return desc is not None and desc.status not in job_views.ENDED
 
     reviews = [i for i in await job_views.gather_reads(item(e) for e in executions) if i]
     return ReviewList(reviews=reviews, unreadable=sorted(unreadable), more=more)
