@@ -28,8 +28,9 @@ RETRY_EVERY = timedelta(seconds=1)
 PATIENCE = timedelta(minutes=2)
 
 
-async def current_build(client: Client, deployment: str) -> tuple[str | None, bytes] | None:
-    """The deployment's current build id (None: none yet) and its conflict token; None when the server
+async def current_build(client: Client, deployment: str) -> tuple[str | None, bytes, bool] | None:
+    """The deployment's current build id (None: none), its conflict token, and whether its current version
+    was ever set (a deployment with none since then was made unversioned by an operator); None when the server
     does not know the deployment yet."""
     try:
         described = await client.workflow_service.describe_worker_deployment(DescribeWorkerDeploymentRequest(
@@ -41,13 +42,14 @@ async def current_build(client: Client, deployment: str) -> tuple[str | None, by
     routing = described.worker_deployment_info.routing_config
     current = routing.current_deployment_version.build_id if routing.HasField("current_deployment_version") \
         else None
-    return current or None, described.conflict_token
+    return current or None, described.conflict_token, routing.HasField("current_version_changed_time")
 
 
 async def make_first_build_current(client: Client, deployment: str, build_id: str, *,
                                    patience: timedelta = PATIENCE) -> str | None:
     """Makes `build_id` the deployment's current version if it has none; the build that is current then
-    (this one, or the one found), or None when the server did not take it within `patience`."""
+    (this one, or the one found), or None when the server did not take it within `patience`, or when an
+    operator made the deployment unversioned (that stays so until they make a build current)."""
     deadline = time.monotonic() + patience.total_seconds()
     while True:
         try:
@@ -57,6 +59,11 @@ async def make_first_build_current(client: Client, deployment: str, build_id: st
                     log.info("worker deployment has a current version: this build waits to be made current",
                              deployment=deployment, current=found[0], build_id=build_id)
                 return found[0]
+            if found is not None and found[2]:
+                log.warning("worker deployment was made unversioned (set-current-version --unversioned): this "
+                            "build is not made current; no versioned job runs until an operator makes a build "
+                            "current", deployment=deployment, build_id=build_id)
+                return None
             if found is not None:
                 await client.workflow_service.set_worker_deployment_current_version(
                     SetWorkerDeploymentCurrentVersionRequest(

@@ -13,14 +13,19 @@ import asyncio
 import concurrent.futures
 import json
 import uuid
+from datetime import timedelta
 
 import pytest
+from temporalio import common, workflow
 from temporalio.api.enums.v1 import VersioningBehavior
+from temporalio.common import WorkerDeploymentVersion
+from temporalio.worker import Worker, WorkerDeploymentConfig
 
 import worker as worker_module
 from devtools.devserver import temporal_binary
 from models.chat import session_workflow_id
 from ragline.vectorstore import open_index
+from temporal.deployment import current_build, make_first_build_current
 from tests.conftest import running_stack
 from tests.helpers import eventually, waiting_reviews
 from worker import build_worker
@@ -167,3 +172,38 @@ async def test_a_new_build_takes_new_jobs_and_open_sessions_while_a_pinned_job_f
                 await task
             executor.shutdown(wait=False, cancel_futures=True)
             index.close()
+
+
+@workflow.defn(name="RolloutProbe", sandboxed=False)
+class _Probe:
+    @workflow.run
+    async def run(self) -> None:
+        return None
+
+
+async def test_a_first_deploys_build_is_made_current_but_not_over_an_operators_unversioned(temporal_env):
+    """A first deploy has no current version: the workflows role makes its build current (else no job runs).
+    An operator who later sets the deployment unversioned (`set-current-version --unversioned`) means it:
+    a versioned worker's restart must not make its build current again."""
+    client = temporal_env.client
+    uid = uuid.uuid4().hex[:8]
+    deployment, queue = f"ragline-first-{uid}", f"first-{uid}"
+
+    def versioned(build_id: str) -> Worker:
+        return Worker(client, task_queue=queue, workflows=[_Probe], deployment_config=WorkerDeploymentConfig(
+            version=WorkerDeploymentVersion(deployment_name=deployment, build_id=build_id),
+            use_worker_versioning=True, default_versioning_behavior=common.VersioningBehavior.PINNED))
+
+    async with versioned("1.0"):
+        assert await make_first_build_current(client, deployment, "1.0", patience=timedelta(seconds=30)) == "1.0"
+        proc = await asyncio.create_subprocess_exec(
+            temporal_binary(), "worker", "deployment", "set-current-version", "--deployment-name", deployment,
+            "--unversioned", "--address", client.service_client.config.target_host, "--yes",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await proc.communicate()
+        assert proc.returncode == 0, out.decode(errors="replace")
+        found = await current_build(client, deployment)
+        assert found is not None and found[0] is None
+    async with versioned("1.1"):  # a pod of the next build starts
+        assert await make_first_build_current(client, deployment, "1.1", patience=timedelta(seconds=5)) is None
+        assert (await current_build(client, deployment))[0] is None
