@@ -68,7 +68,9 @@ STREAM_RESPONSES = {
     200: {"description": "Server-Sent Events: `id` is the event's offset in the job's stream (send it back as "
                          "Last-Event-ID to resume), `data` a CloudEvent as JSON",
           "content": {"text/event-stream": {"itemSchema": {
-              "type": "object", "required": ["data"],
+              # Not every frame is an event: a keep-alive comment, and the `retry:` a stream ends with when its
+              # job's events cannot be read for now, carry no `data` (an EventSource dispatches nothing for them).
+              "type": "object",
               "properties": {"data": {"type": "string", "contentMediaType": "application/json",
                                       "contentSchema": JobEvent.model_json_schema()},
                              "event": {"type": "string"}, "id": {"type": "string"},
