@@ -165,9 +165,11 @@ class RaglineWorker:
     """One SDK worker per task queue of the role (temporal/queues.py), run together, each with its
     own slot count: main (workflows and I/O-bound activities), cpu, llm and vector."""
 
-    def __init__(self, workers: list[Worker], role: str = "all", activity_slots: dict[str, int] | None = None) -> None:
+    def __init__(self, workers: list[Worker], role: str = "all", activity_slots: dict[str, int] | None = None,
+                 models: list[ChatModel] | None = None) -> None:
         self.workers = workers
         self.role = role
+        self._models = models or []  # their HTTP connections close once the workers have stopped
         # The most activities it runs at once per task queue (the capacity the alerts compare backlogs with).
         self.activity_slots = activity_slots or {}
 
@@ -180,6 +182,12 @@ class RaglineWorker:
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(w.shutdown() for w in self.workers))
+        await self._close_models()
+
+    async def _close_models(self) -> None:
+        models, self._models = self._models, []
+        for model in models:
+            await model.close()
 
     @property
     def is_running(self) -> bool:
@@ -193,6 +201,7 @@ class RaglineWorker:
     async def __aexit__(self, *exc) -> None:
         for w in reversed(self.workers):
             await w.__aexit__(*exc)
+        await self._close_models()
 
 
 async def keep_alive(path: Path, every: float, worker: RaglineWorker) -> None:
@@ -329,14 +338,14 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
     if "embedder" in needs:
         _prepare_relevance(embedder, executor, remote=bool(settings.embeddings_base_url))
     store = index if index is not None else _Unavailable("vector store", role)
-    model = ChatModel(settings)
+    model, fallback = ChatModel(settings), fallback_model(settings)
     activities = [
         *activities_of(IngestActivities(settings, blobs, embedder, store)),
         *activities_of(SearchActivities(embedder, store)),
         *activities_of(JobActivities(client)),
         *activities_of(GateActivities(client, settings)),
         *activities_of(ChatActivities(settings, blobs, embedder, store, model,
-                                      cache=AnswerCache(settings.answer_cache_size), fallback=fallback_model(settings))),
+                                      cache=AnswerCache(settings.answer_cache_size), fallback=fallback)),
         *activities_of(AgentActivities(embedder, store, model)),
         *activities_of(EvaluationActivities(settings, blobs, embedder, store, model)),
         *activities_of(BlobActivities(client, blobs)),
@@ -367,7 +376,7 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
                               **threads, **common))
         if mine:
             activity_slots[name] = activity_slot_limit(settings, kind)
-    return RaglineWorker(workers, role, activity_slots)
+    return RaglineWorker(workers, role, activity_slots, models=[m for m in (model, fallback) if m is not None])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
