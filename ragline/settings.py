@@ -222,7 +222,7 @@ class Settings(BaseSettings):
     # Turns one chat session holds not yet answered (the running one included): a message past them is
     # accepted (202), and its job fails at once with `SessionBusy`. Read by the API as it accepts a message,
     # which carries it. It keeps a session whose head turn waits days for a reviewer within Temporal's limits.
-    session_max_queued_turns: int = Field(100, ge=1, le=1000)
+    session_max_queued_turns: int = Field(100, ge=1, le=500)  # (500 keep a session's carried state under 2 MB)
     # Documents one tenant may hold at once in the vector store, over all its collections: a new document
     # past it fails with the reason (ragline/vectorstore.py). Unset: no cap. `[tenants.<name>] max_documents`
     # in the keys file overrides it.

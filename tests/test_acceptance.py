@@ -24,7 +24,7 @@ from temporalio.worker import Replayer
 
 from api.app import create_app
 from api.job_views import RecentlyAccepted
-from models.chat import SessionState, session_workflow_id
+from models.chat import SessionState, TurnInput, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack, serving_api
@@ -461,8 +461,8 @@ async def test_a_turn_waiting_for_its_go_waits_on_while_its_session_runs_on_in_a
         await stack.client.get_workflow_handle(session_wf).terminate("test over")
 
 
-async def _runs_carrying(stack, session_wf: str) -> list[list[str]]:
-    """The job ids each continue-as-new of the session carried as its turns not yet run, oldest run first."""
+async def _runs_carrying(stack, session_wf: str) -> list[list[TurnInput]]:
+    """The turns not yet run each continue-as-new of the session carried, oldest run first."""
     carried = []
     async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
         handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
@@ -470,8 +470,8 @@ async def _runs_carrying(stack, session_wf: str) -> list[list[str]]:
             if event.HasField("workflow_execution_continued_as_new_event_attributes"):
                 payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
                 (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
-                carried.append((execution.start_time, [t.job_id for t in state.pending]))
-    return [jobs for _, jobs in sorted(carried)]
+                carried.append((execution.start_time, state.pending))
+    return [turns for _, turns in sorted(carried, key=lambda run: run[0])]
 
 
 async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_continues_as_new_meanwhile(
@@ -505,7 +505,8 @@ async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_contin
     jobs = [first]
     try:
         await waiting_reviews(stack, first, timeout=30)
-        jobs += [await ask("And from what?"), await ask("And how often?")]
+        long = "And how often? " + "Tell every count of the herds, " * 200  # 6,200 characters
+        jobs += [await ask("And from what?"), await ask(long)]
         refused = await ask("And where?")  # a fourth turn not yet answered: one too many
         jobs.append(refused)
         job = await stack.wait_done(refused, timeout=30)
@@ -513,14 +514,16 @@ async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_contin
         assert "3 turns not yet answered" in job["error"]["message"] and job["turn"] is None, job
         # Four messages came to the run while its turn waited: it continued as new, carrying the three turns.
         carried = await eventually(lambda: _runs_carrying(stack, session_wf), what="the session continued as new")
-        assert carried == [jobs[:3]], carried
+        assert [[t.job_id for t in turns] for turns in carried] == [jobs[:3]], carried
+        # What the next run needs of a waiting turn (its job has the question): what goes into the history.
+        assert max(len(t.question.message) for t in carried[0]) == 600
         assert (await stack.http.get(f"/v1/jobs/{first}")).json()["status"] == "waiting_review"
         await _approve(stack, first)
         ended = [await stack.wait_done(job_id, timeout=60) for job_id in jobs[:3]]
         assert [(j["status"], j["turn"]) for j in ended] == [("completed", 1), ("completed", 2), ("completed", 3)]
         asked = [c for c in stack.llm.calls if c["task"] == "answer" and tag in (c["question"] or "")]
         assert [c["question"] for c in asked] == [f"{q} {tag}" for q in (
-            "Who counts the herds?", "And from what?", "And how often?")], asked
+            "Who counts the herds?", "And from what?", long)], asked
         # The next run had the held turn's answer for the history of the turn after it.
         assert ended[0]["result"]["answer"][:100] in asked[1]["text"], asked[1]["text"]
         # Answered: the session takes a message again.

@@ -676,8 +676,11 @@ class ChatSessionWorkflow:
         return result.answer if result.answered else None
 
     def _carried(self) -> SessionState:
-        return self.state.model_copy(update={"pending": list(self.queue), "seen": list(self.seen),
-                                             "resumed_from": None})
+        # A waiting turn's job has its question already: the next run keeps what goes into the history. (Whole
+        # messages, 8,000 characters each, would take a full session's input past Temporal's 2 MB.)
+        pending = [turn.model_copy(update={"question": turn.question.model_copy(
+            update={"message": turn.question.message[:HISTORY_ANSWER_CHARS]})}) for turn in self.queue]
+        return self.state.model_copy(update={"pending": pending, "seen": list(self.seen), "resumed_from": None})
 
     async def _take_up(self, run_id: str) -> None:
         """What the session's run that ended idle left (turn numbers, history, the requests it saw), before
