@@ -8,6 +8,7 @@ Here the first client of a job starts its subscription and the others read what 
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -16,10 +17,15 @@ from typing import Any
 
 from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
-from temporalio.client import Client
-from temporalio.contrib.workflow_streams import WorkflowStreamClient
+from temporalio.api.common.v1 import Payload
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.contrib.workflow_streams import PollInput, PollResult, WorkflowStreamClient, WorkflowStreamItem
 
 from models.jobs import EVENTS_TOPIC
+from workflows.events import POLL_UPDATE, POLLS_SPENT
+
+# Reading a stream by query (once its job has answered all the polls it takes): this often at most.
+QUERY_EVERY = timedelta(seconds=1)
 
 
 class _Shared:
@@ -35,17 +41,46 @@ class _Shared:
 
     async def _pump(self, client: Client, job_id: str, cooldown: timedelta) -> None:
         try:
-            async for item in WorkflowStreamClient.create(client, job_id).subscribe(
-                    EVENTS_TOPIC, from_offset=0, poll_cooldown=cooldown):
-                async with self._arrived:
-                    self.items.append(item)
-                    self._arrived.notify_all()
+            try:
+                async for item in WorkflowStreamClient.create(client, job_id).subscribe(
+                        EVENTS_TOPIC, from_offset=len(self.items), poll_cooldown=cooldown):
+                    await self._add(item)
+            except WorkflowUpdateFailedError as exc:
+                if getattr(exc.cause, "type", None) != POLLS_SPENT:
+                    raise
+                await self._by_query(client, job_id, max(cooldown, QUERY_EVERY))
         except Exception as exc:  # noqa: BLE001 - every reader gets it
             self.error = exc
         finally:
             async with self._arrived:
                 self.ended = True
                 self._arrived.notify_all()
+
+    async def _add(self, item: WorkflowStreamItem) -> None:
+        async with self._arrived:
+            self.items.append(item)
+            self._arrived.notify_all()
+
+    async def _by_query(self, client: Client, job_id: str, every: timedelta) -> None:
+        """The rest of the stream read by query (no Update: the job keeps its last ones for decisions), every
+        `every` while the job runs; to the end once it has ended."""
+        handle = client.get_workflow_handle(job_id)
+        converter = client.data_converter.payload_converter
+        ended = False
+        while True:
+            result: PollResult = await handle.query(POLL_UPDATE, PollInput(topics=[EVENTS_TOPIC],
+                                                                          from_offset=len(self.items)),
+                                                    result_type=PollResult)
+            for wire in result.items:
+                payload = Payload.FromString(base64.b64decode(wire.data))
+                await self._add(WorkflowStreamItem(topic=wire.topic, data=converter.from_payload(payload),
+                                                   offset=wire.offset))
+            if result.more_ready:
+                continue
+            if ended:
+                return
+            await asyncio.sleep(every.total_seconds())
+            ended = (await handle.describe()).status != WorkflowExecutionStatus.RUNNING  # then one more read
 
     async def read(self, start: int) -> AsyncIterator[Any]:
         position = 0

@@ -15,8 +15,9 @@ import httpx
 import pytest
 from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType, PendingActivityState
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateStage
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.contrib.workflow_streams import PollInput, PollResult
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 import worker
@@ -30,6 +31,7 @@ from tests.conftest import running_stack, shared_pdf
 from tests.helpers import eventually, read_events, waiting_reviews
 from models.chat import ChatQuestion, SessionState, TurnInput, session_workflow_id, turn_job_id
 from models.jobs import JobProgress, StepState
+from workflows import events as events_mod
 from workflows.events import JobEvents
 
 
@@ -131,6 +133,69 @@ async def test_many_watchers_of_one_job_share_one_poll_and_leave_room_for_a_deci
     # more polls than events (a held answer's steps go out as they happen); twelve pollers would make
     # about twelve times as many.
     assert len(polls) <= len(seen[0]), (len(polls), len(seen[0]))
+
+
+async def _held_turn(stack, tag: str) -> str:
+    """A chat turn whose answer waits for a reviewer: its job publishes nothing meanwhile."""
+    seed = await stack.upload((f"{tag}.txt", f"High tide at {tag} harbour is at noon.".encode()), collection=tag)
+    await stack.wait_job(seed["job_id"])
+    r = await stack.http.post("/v1/chats", json={"message": f"When is high tide at {tag}?", "collection": tag,
+                                                 "require_review": True})
+    job_id = r.json()["job_id"]
+    await waiting_reviews(stack, job_id)
+    return job_id
+
+
+async def test_polls_whose_readers_went_away_leave_room_for_a_decision(stack):
+    """A poll waits in the job until its next event, and Temporal keeps it in flight after its reader has gone:
+    an SSE client that reconnects, an API process restarted. A held answer publishes nothing until its review,
+    so ten gone readers took every Update the job may have in flight, and the reviewer's decision was refused
+    (502) until the review timed out. The oldest waiting polls now return empty once newer ones wait."""
+    job_id = await _held_turn(stack, f"gone{uuid.uuid4().hex[:8]}")
+    handle = stack.client.get_workflow_handle(job_id)
+    end = await handle.query("__temporal_workflow_stream_offset", result_type=int)
+    gone = []
+    for _ in range(12):  # each reader polls from the end, then goes away without its answer
+        try:
+            gone.append(await handle.start_update(
+                events_mod.POLL_UPDATE, PollInput(topics=["events"], from_offset=end),
+                wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=PollResult))
+        except RPCError as exc:  # refused: every Update the job may have in flight is taken
+            assert exc.status == RPCStatusCode.RESOURCE_EXHAUSTED, exc
+    # The oldest came back empty while the job still waits for its review; five wait on.
+    early = [await asyncio.wait_for(poll.result(), 10) for poll in gone[:7]]
+    assert all(result.items == [] and result.next_offset == end for result in early), early
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "ana"})
+    assert r.status_code == 200, r.text
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+
+
+async def test_a_job_past_its_polls_streams_on_by_query_and_still_takes_a_decision(stack, monkeypatch):
+    """Temporal takes 2,000 Updates per run, stream polls and decisions alike: a long watched job (a large
+    document's batches) or a thousand reconnects used them all, its stream died and an operator's retry
+    was refused. Polls stop before (here after 3): the stream goes on by query, decisions still land."""
+    monkeypatch.setattr(events_mod, "MAX_POLLS_PER_RUN", 3)
+    job_id = await _held_turn(stack, f"spent{uuid.uuid4().hex[:8]}")
+    handle = stack.client.get_workflow_handle(job_id)
+    for _ in range(3):  # a reader reconnecting from the start: each poll answers at once
+        await handle.execute_update(events_mod.POLL_UPDATE, PollInput(topics=["events"], from_offset=0),
+                                    result_type=PollResult)
+    with pytest.raises(WorkflowUpdateFailedError) as refused:
+        await handle.execute_update(events_mod.POLL_UPDATE, PollInput(topics=["events"], from_offset=0),
+                                    result_type=PollResult)
+    assert refused.value.cause.type == events_mod.POLLS_SPENT
+    # While the job runs (its answer waits for review), a stream opened now shows what happened so far ...
+    so_far = await asyncio.wait_for(read_events(stack, job_id, stop_after=1), 30)
+    assert so_far[0][1]["type"] == "ragline.job.accepted", so_far
+    # ... and, to the end, what comes next.
+    reading = asyncio.create_task(read_events(stack, job_id))
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "ana"})
+    assert r.status_code == 200, r.text
+    events = await asyncio.wait_for(reading, 60)
+    assert [int(i) for i, _ in events] == list(range(len(events)))
+    types = [e["type"] for _, e in events]
+    assert types[0] == "ragline.job.accepted" and "ragline.answer.completed" in types, types
+    assert types[-1] == "ragline.job.completed", types
 
 
 @dataclasses.dataclass

@@ -12,12 +12,14 @@ end), which carries them out in order in one read."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from temporalio import workflow
-from temporalio.contrib.workflow_streams import PublishInput, WorkflowStream
+from temporalio.contrib.workflow_streams import PollInput, PollResult, PublishInput, WorkflowStream
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from models.jobs import EVENTS_TOPIC
@@ -33,8 +35,22 @@ TERMINAL_EVENT_STANDS_PATCH = "cancel-after-terminal-event-changes-nothing"
 HOLD_PATCH = "events-ride-along"
 # The events that wait for the next one a person waits for, in a job that holds them.
 RIDE_ALONG = frozenset({"ragline.job.accepted", "ragline.step.started", "ragline.step.completed"})
-# The signal that carries what activities and clients publish into the stream (the library's protocol).
+# The signal that carries what activities and clients publish into the stream, and the Update that polls
+# it (the library's protocol).
 PUBLISH_SIGNAL = "__temporal_workflow_stream_publish"
+POLL_UPDATE = "__temporal_workflow_stream_poll"
+# Temporal admits 10 Updates in flight per workflow and 2,000 per run, and a reviewer's decision or an
+# operator's retry is an Update too. A poll waits in the workflow until the next event, and the server keeps
+# it in flight after its reader has gone (an SSE client that reconnects, an API restarted): past
+# MAX_WAITING_POLLS waiting, the oldest returns empty (a reader still there polls again); past
+# MAX_POLLS_PER_RUN accepted, polls are refused (POLLS_SPENT) and the API reads the stream by query.
+MAX_WAITING_POLLS = 5
+MAX_POLLS_PER_RUN = 1500
+POLLS_SPENT = "StreamPollsSpent"
+STREAM_DRAINING = "StreamDraining"  # the library's types: a poll sent while the run ends is asked again,
+TRUNCATED_OFFSET = "TruncatedOffset"  # one for events no longer kept starts over
+# Histories recorded before a poll could be answered early (past MAX_WAITING_POLLS) replay without that.
+POLLS_BOUNDED_PATCH = "stream-polls-bounded"
 
 
 class JobEvents:
@@ -57,6 +73,49 @@ class JobEvents:
             append_published(batch)
 
         workflow.set_signal_handler(PUBLISH_SIGNAL, publish_after_held)
+        self._polls = 0  # accepted this run
+        self._waiting_polls: deque[object] = deque()
+        self._answered_early: set[object] = set()
+        self._bounded: bool | None = None
+        workflow.set_update_handler(POLL_UPDATE, self._bounded_poll, validator=self._validate_poll)
+
+    async def _bounded_poll(self, poll: PollInput) -> PollResult:
+        """The library's poll, answered empty should MAX_WAITING_POLLS newer ones wait (a gone reader's). Its
+        wait and batch are the library's own (`WorkflowStream._on_poll`), inline rather than awaited as a task
+        of their own: a poll's answer must leave in the workflow task, and among its commands, where it did.
+        (It reads the stream's private state: tests/test_events.py and the replay tests fail should that change.)"""
+        self._polls += 1
+        mine = object()
+        self._waiting_polls.append(mine)
+        if len(self._waiting_polls) > MAX_WAITING_POLLS and self._polls_bounded():
+            self._answered_early.add(self._waiting_polls.popleft())
+        stream = self.stream
+        try:
+            await workflow.wait_condition(
+                lambda: poll.from_offset < stream._base_offset
+                or len(stream._log) > poll.from_offset - stream._base_offset
+                or stream._detaching or mine in self._answered_early)
+        finally:
+            if mine in self._waiting_polls:
+                self._waiting_polls.remove(mine)
+            self._answered_early.discard(mine)
+        if poll.from_offset != 0 and poll.from_offset < stream._base_offset:
+            raise ApplicationError(f"Requested offset {poll.from_offset} has been truncated. Current base offset "
+                                   f"is {stream._base_offset}.", type=TRUNCATED_OFFSET)
+        return stream._collect_batch(poll)  # (answered early: nothing new, an empty batch)
+
+    def _validate_poll(self, _poll: PollInput) -> None:
+        # (A validator issues no command, and a refused Update leaves no trace in the history: no patch.)
+        if self.stream._detaching:
+            raise ApplicationError("the job's stream is closing", type=STREAM_DRAINING)
+        if self._polls >= MAX_POLLS_PER_RUN:
+            raise ApplicationError(f"this job's stream has answered {self._polls} polls: read it by query",
+                                   type=POLLS_SPENT)
+
+    def _polls_bounded(self) -> bool:
+        if self._bounded is None:
+            self._bounded = workflow.patched(POLLS_BOUNDED_PATCH)
+        return self._bounded
 
     def traceparent(self) -> str | None:
         if self._traceparent is None:
