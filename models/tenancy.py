@@ -45,6 +45,8 @@ class SlotGrant(BaseModel):
     running: int
     limit: int
     position: int = 0  # in the line when not granted: 1 is next
+    # The gate took no more (MAX_IN_GATE jobs of the tenant run or wait): why. The job fails with it.
+    refused: str | None = None
 
 
 class GateState(BaseModel):

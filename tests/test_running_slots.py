@@ -26,6 +26,7 @@ from devtools.scripted_llm import last_user_message
 from ragline import keys as api_keys
 from models.tenancy import GateState, JobIds, SlotRequest
 from tests.helpers import WaitsForSlot, delegate_until, eventually, plan_depth, read_events, until_waited
+from workflows import gate as gate_module
 from workflows.gate import TenantGateWorkflow
 
 
@@ -172,6 +173,59 @@ async def test_a_capped_tenant_runs_one_job_at_a_time_and_queues_the_rest(stack)
         spans = sorted([await _busy_span(stack, j) for j in [ingest, *chats]])
         for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
             assert start >= end, spans
+
+
+async def test_a_gate_holding_all_it_may_refuses_the_next_job_which_fails_saying_so(stack, monkeypatch):
+    """The gate carries every job of its tenant that runs or waits through its continue-as-new, and Temporal
+    refuses an input over 2 MB: at about 15,000 queued jobs its every workflow task failed, and every job of
+    the tenant, queued and new, waited for ever. Past MAX_IN_GATE (here 2) a new job fails at once, saying
+    why; the jobs it holds run on, and once one has ended the gate takes jobs again."""
+    monkeypatch.setattr(gate_module, "MAX_IN_GATE", 2)
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http)
+        async with _a_turn_holding_the_slot(stack, http) as held:
+            waiting = await _ask(http, f"When is the lamp lit? (1) {held.others.token}")
+            await _in_line(stack, tenant, waiting)
+            refused = await _ask(http, f"When is the lamp lit? (2) {held.others.token}")
+            assert await _wait_status(http, refused, "failed", "completed") == "failed"
+            job = (await http.get(f"/v1/jobs/{refused}")).json()
+            assert job["error"]["type"] == "TenantBusy", job
+            assert f"2 jobs of tenant {tenant} already run or wait" in job["error"]["message"], job
+            assert held.others.count("answer") == 0  # no model call for it
+            held.release.set()
+            for job_id in (held.holder, waiting):
+                assert await _wait_status(http, job_id, "completed", "failed") == "completed"
+        again = await _ask(http, "When is the lamp lit? (3)")
+        assert await _wait_status(http, again, "completed", "failed") == "completed"
+
+
+async def test_a_gate_has_a_bounded_number_of_answers_on_their_way_and_every_job_hears(stack, monkeypatch):
+    """Temporal fails a workflow task that would leave over 2,000 signals pending: a gate answering thousands
+    of jobs at once (a burst, or a raised limit granting its whole line) stalled its tenant. Here at most one
+    answer is on its way at a time, and every job still hears its standing and runs."""
+    monkeypatch.setattr(gate_module, "MAX_SENDING", 1)
+    tenant, key = _capped_tenant(stack, limit=1)
+    async with _client(stack, key) as http:
+        await _seed(http)
+        async with _a_turn_holding_the_slot(stack, http) as held:
+            waiting = await asyncio.gather(*(_ask(http, f"When is the lamp lit? ({n}) {held.others.token}")
+                                             for n in range(4)))
+            await _in_line(stack, tenant, *waiting)
+            held.release.set()
+            for job_id in (held.holder, *waiting):
+                assert await _wait_status(http, job_id, "completed", "failed") == "completed"
+    on_the_way, most = set(), 0
+    async for event in stack.client.get_workflow_handle(gate_id(tenant, stack.settings.task_queue)
+                                                        ).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
+            on_the_way.add(event.event_id)
+        elif event.event_type == EventType.EVENT_TYPE_EXTERNAL_WORKFLOW_EXECUTION_SIGNALED:
+            on_the_way.discard(event.external_workflow_execution_signaled_event_attributes.initiated_event_id)
+        elif event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_FAILED:
+            on_the_way.discard(event.signal_external_workflow_execution_failed_event_attributes.initiated_event_id)
+        most = max(most, len(on_the_way))
+    assert most == 1, most
 
 
 async def test_a_job_waiting_for_a_person_lends_its_slot(stack):

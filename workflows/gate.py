@@ -31,6 +31,16 @@ with workflow.unsafe.imports_passed_through():
 
 
 FREED_SLOT_PATCH = "gate-grants-a-reasked-slot"  # histories from before replay without the grant
+# A gate holding MAX_IN_GATE jobs refuses the next (it fails saying so). Earlier gates queued every job: its
+# input, which carries them all through continue-as-new, outgrew Temporal's 2 MB at about 15,000, and the
+# gate's every workflow task failed, every job of the tenant waiting for ever.
+IN_GATE_BOUND_PATCH = "gate-refuses-past-its-bound"
+MAX_IN_GATE = 4000  # job ids of up to 123 characters, each twice (in line, and its ticket): about 1 MB
+# At most this many of the gate's answers on their way at once: Temporal fails a workflow task that would
+# have more than 2,000 signals pending (a raised limit granting thousands, a burst of thousands of asks).
+# Earlier gates sent every answer at once.
+MAX_SENDING = 1000
+SENDS_BOUNDED_PATCH = "gate-answers-at-most-1000-at-once"
 # Histories from before told jobs while ending, and could not end while a steady stream kept them telling.
 OWED_PATCH = "gate-ends-without-new-signals"
 
@@ -41,6 +51,7 @@ class TenantGateWorkflow:
     def __init__(self, state: GateState) -> None:
         self.state = state
         self._notifying = 0
+        self._sending = 0
         self._ending = False
 
     @workflow.run
@@ -76,6 +87,11 @@ class TenantGateWorkflow:
             state.limit = req.limit
             self._grant_next()
         known = req.job_id in state.holders or req.job_id in state.waiting
+        # (A job asking again for the slot it lent, its ticket past 1, has run: it is never refused.)
+        if not known and req.ticket == 1 and not self._ending and len(state.holders) + len(state.waiting) >= \
+                MAX_IN_GATE and workflow.patched(IN_GATE_BOUND_PATCH):
+            self._refuse(req)
+            return
         if not known or state.tickets.get(req.job_id) != req.ticket:
             # A holder asking with a new ticket lost its release on the way (release_slot gave up): the
             # slot it held goes to the first in line before it queues again, or no one would get it.
@@ -114,6 +130,14 @@ class TenantGateWorkflow:
             state.holders.append(job_id)
             self._tell(job_id)
 
+    def _refuse(self, req: SlotRequest) -> None:
+        state = self.state
+        self._notifying += 1
+        asyncio.create_task(self._send(req.job_id, SlotGrant(  # noqa: RUF006 (awaited through _notifying)
+            ticket=req.ticket, granted=False, running=len(state.holders), limit=state.limit,
+            refused=f"{len(state.holders) + len(state.waiting)} jobs of tenant {state.tenant} already run or wait "
+                    f"to run ({state.limit} at once): this one was not queued; send it again once fewer wait")))
+
     def _tell(self, job_id: str) -> None:
         """Signal the job its standing: granted, or its place in line."""
         state = self.state
@@ -128,6 +152,10 @@ class TenantGateWorkflow:
         asyncio.create_task(self._send(job_id, standing))  # noqa: RUF006 (awaited through _notifying)
 
     async def _send(self, job_id: str, standing: SlotGrant) -> None:
+        if self._sending >= MAX_SENDING and workflow.patched(SENDS_BOUNDED_PATCH):
+            while self._sending >= MAX_SENDING:  # (woken together, the first to go takes the free place)
+                await workflow.wait_condition(lambda: self._sending < MAX_SENDING)
+        self._sending += 1
         try:
             await workflow.get_external_workflow_handle(job_id).signal("slot_update", standing)
         except Exception:  # noqa: BLE001 - the job is gone: its place goes to the next in line
@@ -135,6 +163,7 @@ class TenantGateWorkflow:
             if self.state.tickets.get(job_id) == standing.ticket:
                 self._drop(job_id)
         finally:
+            self._sending -= 1
             self._notifying -= 1
 
     def _stuck(self) -> bool:

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 
 from temporalio import workflow
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities.gate import GateActivities
@@ -92,6 +93,9 @@ class RunningSlot:
         await workflow.wait_condition(lambda: self._standing is not None or withdrawn())
         if withdrawn():
             return
+        if self._standing.refused is not None:  # the gate holds all it may: nothing to give back
+            self._asked = False
+            raise ApplicationError(self._standing.refused, type="TenantBusy", non_retryable=True)
         if not self._standing.granted:
             self.waiting = True
             self._on_change()
