@@ -1801,11 +1801,13 @@ async def test_a_sub_agent_cancelled_while_it_starts_its_own_counts_what_that_on
     assert replayed.replay_failure is None, replayed.replay_failure
     plans = fakes.named("agent_plan")
     assert [node.status for node in result.tree.children] == ["cancelled"]
-    assert [p.arg.depth for p in plans] == [0, 1, 2, 0], [(p.arg.depth, p.arg.goal) for p in plans]
-    assert result.llm_calls == 4
+    # The cancel may reach the grandchild before its first workflow task has asked for its plan: then it made none.
+    depths = [p.arg.depth for p in plans]
+    assert depths in ([0, 1, 2, 0], [0, 1, 0]), [(p.arg.depth, p.arg.goal) for p in plans]
+    assert result.llm_calls == len(plans)  # every plan made in the tree, counted
     # The grandchild's reply may come with its cancel (then the SDK drops it, and its tokens are not known): its
     # call counts all the same.
-    assert result.tokens in (10 + 110 + 1000, 10 + 110 + 1000 + 1000), result.tokens
+    assert result.tokens in ((10 + 110 + 1000, 10 + 110 + 1000 + 1000) if 2 in depths else (10 + 110 + 1000,))
 
 
 async def test_a_decision_that_comes_with_the_reviews_timeout_stands(env):
