@@ -116,6 +116,12 @@ SESSION_ENDS_IDLE_PATCH = "session-ends-when-idle"
 # while its head turn waits (a reviewer holds it) continues as new then, carrying that turn too. Earlier
 # sessions waited for the turn's end: messages sent meanwhile grew the run towards the server's limits.
 SESSION_CONTINUES_MID_TURN_PATCH = "session-continues-as-new-while-its-turn-waits"
+# A session holding RAGLINE_SESSION_MAX_QUEUED_TURNS turns not yet answered refuses the next (SessionBusy).
+# Earlier sessions queued every turn (an older API's turn carries no bound; a newer one's, replayed, must not).
+SESSION_REFUSES_PATCH = "session-refuses-past-its-bound"
+# A turn a run did not start (carried over a continue-as-new) is asked for its answer when a later turn
+# waits, as a started one is; earlier runs waited for its whole job (its summary and entities too).
+CARRIED_TURN_ASKED_PATCH = "carried-turn-asked-for-its-answer"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -526,7 +532,8 @@ class ChatSessionWorkflow:
             return  # the same request, resent
         self.seen.append(turn.job_id)
         self.submits_this_run += 1
-        if turn.session_max_queued is not None and len(self.queue) >= turn.session_max_queued:
+        if turn.session_max_queued is not None and len(self.queue) >= turn.session_max_queued \
+                and workflow.patched(SESSION_REFUSES_PATCH):
             # Not numbered, not queued: its job (the 202 named it) starts only to fail with the reason.
             self._refuse(turn.model_copy(update={"refused": session_busy(len(self.queue))}))
             return
@@ -628,12 +635,27 @@ class ChatSessionWorkflow:
             await workflow.get_external_workflow_handle(head.job_id).signal(ChatTurnWorkflow.proceed, context)
         except FailureError:
             pass  # it has ended already; its outcome is all that is left to read
+        asks = workflow.patched(CARRIED_TURN_ASKED_PATCH)
         ended = asyncio.ensure_future(
             policies.execute(JobActivities.await_turn, AwaitTurnInput(workflow_id=head.job_id)))
+        asked = False
         while True:
-            await workflow.wait_condition(lambda: ended.done() or self._grown_mid_turn())
+            await workflow.wait_condition(
+                lambda: ended.done() or self._grown_mid_turn()
+                or (asks and (head.job_id in self.answered or (not asked and len(self.queue) > 1))))
             if ended.done():
                 return self._told_at_the_end(head, ended.result().answer)
+            if asks and head.job_id in self.answered:
+                ended.cancel()  # its answer is final: the next turn goes, whatever its side steps still do
+                return self.answered.pop(head.job_id) or None
+            if asks and not asked and len(self.queue) > 1:
+                asked = True
+                try:
+                    await workflow.get_external_workflow_handle(head.job_id).signal(
+                        ChatTurnWorkflow.follow_up_waits)
+                except FailureError:
+                    pass  # it has ended: its outcome is coming
+                continue
             self._carry_on_mid_turn()
 
     def _told_at_the_end(self, head: TurnInput, outcome: str | None) -> str | None:
