@@ -64,7 +64,10 @@ class _Shared:
     async def _by_query(self, client: Client, job_id: str, every: timedelta) -> None:
         """The rest of the stream read by query (no Update: the job keeps its last ones for decisions), every
         `every` while the job runs; to the end once it has ended."""
-        handle = client.get_workflow_handle(job_id)
+        # Pinned to the run that refused the poll (the latest a moment ago): a later run of the id (a document
+        # uploaded again) is not read after it.
+        run_id = (await client.get_workflow_handle(job_id).describe()).run_id
+        handle = client.get_workflow_handle(job_id, run_id=run_id)
         converter = client.data_converter.payload_converter
         ended = False
         while True:

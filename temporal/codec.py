@@ -179,8 +179,10 @@ class EncryptionCodec(PayloadCodec):
         self._use(keys.keys if isinstance(keys, KeysFile) else keys)
 
     def _use(self, keys: CodecKeys) -> None:
-        self.current = keys.current
+        # The ciphers first: an encode on another thread (the blob sweep decodes off the event loop) meanwhile
+        # finds the key it is told to use.
         self._ciphers = {key_id: AESGCM(raw) for key_id, raw in keys.keys.items()}
+        self.current = keys.current
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         if self._file is not None and self._file.refresh_due():  # rotated: write with the new current key
