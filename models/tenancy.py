@@ -36,6 +36,7 @@ class SlotRequest(BaseModel):
     job_id: str
     ticket: int = 1  # which of the job's requests (it asks again after lending its slot)
     limit: int | None = None  # the tenant's cap as the worker reads it now (the gate keeps the latest)
+    refusable: bool = False  # the job fails on a refusal (SlotGrant.refused); an older build's would wait for ever
 
 
 class SlotGrant(BaseModel):

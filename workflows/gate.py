@@ -88,8 +88,8 @@ class TenantGateWorkflow:
             self._grant_next()
         known = req.job_id in state.holders or req.job_id in state.waiting
         # (A job asking again for the slot it lent, its ticket past 1, has run: it is never refused.)
-        if not known and req.ticket == 1 and not self._ending and len(state.holders) + len(state.waiting) >= \
-                MAX_IN_GATE and workflow.patched(IN_GATE_BOUND_PATCH):
+        if not known and req.ticket == 1 and req.refusable and not self._ending and \
+                len(state.holders) + len(state.waiting) >= MAX_IN_GATE and workflow.patched(IN_GATE_BOUND_PATCH):
             self._refuse(req)
             return
         if not known or state.tickets.get(req.job_id) != req.ticket:

@@ -210,4 +210,4 @@ class RunningSlot:
         await self.acquire(takes_slot=True)
 
     def _request(self, tenant: str) -> SlotRequest:
-        return SlotRequest(tenant=tenant, job_id=workflow.info().workflow_id, ticket=self._ticket)
+        return SlotRequest(tenant=tenant, job_id=workflow.info().workflow_id, ticket=self._ticket, refusable=True)
