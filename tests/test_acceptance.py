@@ -184,6 +184,19 @@ async def test_a_session_that_ended_idle_goes_on_from_what_it_left_at_the_next_m
     await stack.client.get_workflow_handle(session_wf).terminate("test over")
 
 
+async def _runs_carrying(stack, session_wf: str) -> list[list[TurnInput]]:
+    """The turns not yet run each continue-as-new of the session carried, oldest run first."""
+    carried = []
+    async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
+        handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
+        async for event in handle.fetch_history_events():
+            if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+                payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
+                (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
+                carried.append((execution.start_time, state.pending))
+    return [turns for _, turns in sorted(carried, key=lambda run: run[0])]
+
+
 async def test_continue_as_new_carries_the_turns_still_waiting(stack):
     tag = uuid.uuid4().hex[:8]
     seed = await stack.upload((f"{tag}.txt", f"The {tag} tower has ninety steps.".encode()), collection=tag)
@@ -207,14 +220,7 @@ async def test_continue_as_new_carries_the_turns_still_waiting(stack):
     session_wf = session_workflow_id(stack.tenant, session)
 
     async def continued() -> list[int] | None:  # visibility lists a run a moment after its start
-        carried = []
-        async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
-            handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
-            async for event in handle.fetch_history_events():
-                if event.HasField("workflow_execution_continued_as_new_event_attributes"):
-                    payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
-                    (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
-                    carried.append(len(state.pending))
+        carried = [len(pending) for pending in await _runs_carrying(stack, session_wf)]
         return carried if len(carried) >= 2 else None
     carried = await eventually(continued, what="the session's runs that continued as new, listed")
     assert any(carried), carried
@@ -459,19 +465,6 @@ async def test_a_turn_waiting_for_its_go_waits_on_while_its_session_runs_on_in_a
         for job_id in jobs:
             await stack.http.post(f"/v1/jobs/{job_id}/cancel")
         await stack.client.get_workflow_handle(session_wf).terminate("test over")
-
-
-async def _runs_carrying(stack, session_wf: str) -> list[list[TurnInput]]:
-    """The turns not yet run each continue-as-new of the session carried, oldest run first."""
-    carried = []
-    async for execution in stack.client.list_workflows(f"WorkflowId = '{session_wf}'"):
-        handle = stack.client.get_workflow_handle(session_wf, run_id=execution.run_id)
-        async for event in handle.fetch_history_events():
-            if event.HasField("workflow_execution_continued_as_new_event_attributes"):
-                payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
-                (state,) = await stack.client.data_converter.decode(payloads, [SessionState])
-                carried.append((execution.start_time, state.pending))
-    return [turns for _, turns in sorted(carried, key=lambda run: run[0])]
 
 
 async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_continues_as_new_meanwhile(

@@ -18,6 +18,7 @@ from datetime import timedelta
 import pytest
 from temporalio import common, workflow
 from temporalio.api.enums.v1 import VersioningBehavior
+from temporalio.api.workflowservice.v1 import DescribeWorkerDeploymentRequest
 from temporalio.common import WorkerDeploymentVersion
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
@@ -205,5 +206,11 @@ async def test_a_first_deploys_build_is_made_current_but_not_over_an_operators_u
         found = await current_build(client, deployment)
         assert found is not None and found[0] is None
     async with versioned("1.1"):  # a pod of the next build starts
+        async def known() -> bool:  # its pollers made it known: the server would take it as current now
+            described = await client.workflow_service.describe_worker_deployment(DescribeWorkerDeploymentRequest(
+                namespace=client.namespace, deployment_name=deployment))
+            versions = described.worker_deployment_info.version_summaries
+            return "1.1" in {v.deployment_version.build_id for v in versions}
+        await eventually(known, timeout=30, what="build 1.1 known to the server")
         assert await make_first_build_current(client, deployment, "1.1", patience=timedelta(seconds=5)) is None
         assert (await current_build(client, deployment))[0] is None

@@ -202,19 +202,25 @@ async def test_a_gate_holding_all_it_may_refuses_the_next_job_which_fails_saying
 
 async def test_a_gate_has_a_bounded_number_of_answers_on_their_way_and_every_job_hears(stack, monkeypatch):
     """Temporal fails a workflow task that would leave over 2,000 signals pending: a gate answering thousands
-    of jobs at once (a burst, or a raised limit granting its whole line) stalled its tenant. Here at most one
+    of jobs at once (a raised limit granting its whole line, a burst) stalled its tenant. Here at most one
     answer is on its way at a time, and every job still hears its standing and runs."""
     monkeypatch.setattr(gate_module, "MAX_SENDING", 1)
     tenant, key = _capped_tenant(stack, limit=1)
     async with _client(stack, key) as http:
         await _seed(http)
         async with _a_turn_holding_the_slot(stack, http) as held:
-            waiting = await asyncio.gather(*(_ask(http, f"When is the lamp lit? ({n}) {held.others.token}")
-                                             for n in range(4)))
+            waiting = [await _ask(http, f"When is the lamp lit? ({n}) {held.others.token}") for n in range(4)]
             await _in_line(stack, tenant, *waiting)
-            held.release.set()
-            for job_id in (held.holder, *waiting):
+            # An operator raises the tenant's limit: the next job's ask carries it, and the gate grants its
+            # whole line at once.
+            path = stack.settings.effective_api_keys_file
+            path.write_text(path.read_text().replace(f"[tenants.{tenant}]\nmax_running_jobs = 1\n",
+                                                     f"[tenants.{tenant}]\nmax_running_jobs = 10\n"))
+            waiting.append(await _ask(http, f"When is the lamp lit? (late) {held.others.token}"))
+            for job_id in waiting:
                 assert await _wait_status(http, job_id, "completed", "failed") == "completed"
+            held.release.set()
+            assert await _wait_status(http, held.holder, "completed", "failed") == "completed"
     on_the_way, most = set(), 0
     async for event in stack.client.get_workflow_handle(gate_id(tenant, stack.settings.task_queue)
                                                         ).fetch_history_events():
