@@ -7,12 +7,14 @@ tenant's jobs costs it a few workflow tasks, however many jobs there are:
   acquire (from the job's acquire_slot activity, which starts the gate, in a trace of its own, only
            when its signal finds none: a tenant's first job): the job runs at once while fewer than
            `limit` run and nobody waits, otherwise it joins the back of the line; either way the job
-           hears its standing (`slot_update`)
+           hears its standing (`slot_update`). Past MAX_IN_GATE jobs running or waiting, a new one hears
+           that it is refused, and fails (TenantBusy)
   release the job ended, or waits for a person: the next in line hears it may run
   sweep   while anyone waits and every slot is taken: drop holders that ended without releasing
           (terminated by hand), found through the worker's client, every `[running_slots] sweep`
   continue-as-new when the history grows long, carrying holders, the line and their tickets; what
           jobs must hear meanwhile is told by the next run
+  answers are signals, at most MAX_SENDING on their way at once
 
 Jobs hold a slot only while they run: see workflows/slot.py for the job's side.
 """
