@@ -26,11 +26,11 @@ The keys file (RAGLINE_CODEC_KEYS_FILE, TOML):
 from __future__ import annotations
 
 import base64
-import time
 import os
 import secrets
 import sys
 import tempfile
+import time
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -169,7 +169,8 @@ class KeysFile:
         try:
             return self.refresh()
         except CodecError as exc:
-            log.warning("codec keys file changed but does not read; the keys read before stay in use: %s", exc)
+            log.warning("codec keys file changed but does not read; the keys read before stay in use",
+                        path=str(self.path), error=str(exc))
             return False
 
 
