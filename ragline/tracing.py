@@ -7,6 +7,8 @@ activity attempt to the model call.
   * unset: nothing is recorded or exported (sampler always-off), but every request still gets a trace
     id that rides along (headers, CloudEvents `traceparent`, log lines), so correlation is free;
   * tests pass an exporter (in-memory): every span is recorded and handed to it at once.
+Either way a span leaves without the text of a failure it recorded (`_failure_texts_out`): a failure's
+message may hold what Ragline encrypts everywhere else (a reviewer's comment, an operator's discard reason).
 
 Temporal carries the context in its `_tracer-data` header (temporalio.contrib.opentelemetry, on the
 client only: workers built from that client inherit it); httpx is instrumented, so the `openai`
@@ -48,17 +50,60 @@ def configure(service_name: str = "ragline", exporter=None) -> None:
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
     if exporter is not None:
         provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider.add_span_processor(SimpleSpanProcessor(_failure_texts_out(exporter)))
     elif exporting():
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER, default parent-based on
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        provider.add_span_processor(BatchSpanProcessor(_failure_texts_out(OTLPSpanExporter())))
     else:
         provider = TracerProvider(resource=resource, sampler=ALWAYS_OFF)
     trace.set_tracer_provider(provider)
     propagate.set_global_textmap(TraceParentOnly())
     HTTPXClientInstrumentor().instrument()
+
+
+# An exception event's free text; its `exception.type` stays.
+_FAILURE_TEXTS = frozenset({"exception.message", "exception.stacktrace"})
+
+
+def _failure_type(description: str | None) -> str | None:
+    """A span status's description ("AnswerRejected: answer rejected by ed: <comment>") cut to its type."""
+    head, colon, _ = (description or "").partition(":")
+    return head if colon and head.replace(".", "").isidentifier() else None
+
+
+def _without_failure_texts(span):  # noqa: ANN001, ANN202 - ReadableSpan in and out
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.trace import Status
+
+    events = [Event(e.name, {k: v for k, v in (e.attributes or {}).items() if k not in _FAILURE_TEXTS}, e.timestamp)
+              if e.name == "exception" else e for e in span.events]
+    status = Status(span.status.status_code, _failure_type(span.status.description)) \
+        if span.status.description else span.status
+    return ReadableSpan(name=span.name, context=span.context, parent=span.parent, resource=span.resource,
+                        attributes=span.attributes, events=events, links=span.links, kind=span.kind, status=status,
+                        start_time=span.start_time, end_time=span.end_time,
+                        instrumentation_scope=span.instrumentation_scope)
+
+
+def _failure_texts_out(exporter):  # noqa: ANN001, ANN202
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    class FailureTextsOut(SpanExporter):
+        """Hands spans on with each failure's type and without its text (message, stack trace): Temporal's
+        tracing interceptor and the OpenTelemetry SDK record an exception's message on the span it ends."""
+
+        def export(self, spans):  # noqa: ANN001, ANN202
+            return exporter.export([_without_failure_texts(s) for s in spans])
+
+        def shutdown(self) -> None:
+            exporter.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return exporter.force_flush(timeout_millis)
+
+    return FailureTextsOut()
 
 
 class _Without(Getter):

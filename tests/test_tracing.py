@@ -14,7 +14,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from ragline import keys as api_keys
 from ragline.tracing import add_trace_id
-from tests.helpers import read_events
+from tests.helpers import eventually, read_events, waiting_reviews
 from tests.pdfgen import pdf_bytes
 
 
@@ -198,3 +198,36 @@ async def test_a_job_of_a_tenant_named_like_a_scrape_path_is_traced_too(spans):
         for path in ("/metrics", "/healthz"):
             r = await http.get(path)
             assert "X-Trace-Id" not in r.headers, path
+
+
+async def test_a_reviewers_comment_leaves_in_no_span_of_the_rejected_turns_trace(stack, spans):
+    """A rejection fails the turn with the reviewer's comment, which Temporal keeps encrypted; the spans that
+    record that failure (the job's, the session's) are exported with its type and without its text."""
+    up = await stack.upload(("herds.txt", b"The herds are counted each spring by the rangers of the valley."),
+                            collection="trace-review")
+    await stack.wait_done(up["job_id"])
+    secret = f"CONFIDENTIAL-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope() as mine:
+        r = await stack.http.post("/v1/chats", json={"message": f"Who counts the herds? {mine.token}",
+                                                     "collection": "trace-review", "require_review": True})
+        assert r.status_code == 202, r.text
+        trace_id, job_id = r.headers["x-trace-id"], r.json()["job_id"]
+        await waiting_reviews(stack, job_id, timeout=30)
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "reject", "reviewer": "editor", "comment": f"{secret} census figures"})
+        assert r.status_code == 200, r.text
+        job = await stack.wait_done(job_id, timeout=60)
+    assert job["status"] == "failed" and secret in job["error"]["message"]  # the person who asked reads it
+
+    async def recorded() -> list:  # the job's last span ends as its workflow task completes
+        tree = _trace(spans, trace_id)
+        return list(tree.values()) if any(s.name == "CompleteWorkflow:ChatTurnWorkflow" for s in tree.values()) else []
+
+    trace = await eventually(recorded, timeout=10, what="the turn's CompleteWorkflow span")
+    failed = [e for s in trace for e in s.events if e.name == "exception"]
+    assert failed and all(e.attributes.get("exception.type") for e in failed), \
+        [(s.name, [dict(e.attributes) for e in s.events]) for s in trace]
+    for s in trace:
+        texts = [s.status.description or "", *(str(v) for v in (s.attributes or {}).values()),
+                 *(str(v) for e in s.events for v in (e.attributes or {}).values())]
+        assert not [t for t in texts if "census" in t or secret in t], (s.name, texts)
