@@ -382,6 +382,9 @@ class EvaluationView(BaseModel):
     updated_at: datetime | None = None
     # The report once the job completed; its per-question `outcomes` only from GET /v1/evaluations/{id}.
     report: EvaluationReport | None = None
+    withheld: list[str] = Field([], description=(
+        '["answer"]: with RAGLINE_REVIEW_UNSUPPORTED_ANSWERS, the outcomes\' answers (the model\'s, reviewed by '
+        "nobody) are for reviewer keys only; a member key reads them without"))
 
 
 class EvaluationList(BaseModel):

@@ -789,3 +789,20 @@ async def test_unsupported_answers_are_held_when_configured(temporal_env, script
                                                                          "comment": "unsupported"})
         job = await stack.wait_done(held["job_id"])
         assert job["status"] == "failed" and "answer rejected by ed: unsupported" in job["error"]["message"]
+
+        # An evaluation's answers are the model's, reviewed by nobody: a member key reads how right they were,
+        # not what they say.
+        with scripted_llm.scope() as llm:
+            llm.script_fn("answer", lambda request: "Probably somewhere warm, I would guess.")
+            golden = json.dumps({"question": f"Where do puffins nest in spring? {llm.token}",
+                                 "expected_document": "birds.txt", "expected_answer": "the cliffs"})
+            r = await stack.member_http.post("/v1/evaluations?collection=birds&answers=true", content=golden.encode())
+            assert r.status_code == 202, r.text
+            evaluation_id = r.json()["job_id"]
+            assert (await stack.wait_done(evaluation_id))["status"] == "completed"
+        as_member = (await stack.member_http.get(f"/v1/evaluations/{evaluation_id}")).json()
+        as_reviewer = (await stack.http.get(f"/v1/evaluations/{evaluation_id}")).json()
+        assert as_member["withheld"] == ["answer"] and as_reviewer["withheld"] == []
+        [seen], [told] = as_member["report"]["outcomes"], as_reviewer["report"]["outcomes"]
+        assert told["answer"] == "Probably somewhere warm, I would guess." and told["answer_correct"] is False
+        assert seen["answer"] is None and seen["answer_correct"] is False

@@ -103,7 +103,7 @@ async def list_evaluations(client: ClientDep, cursors: CursorsDep, caller: Calle
 @router.get("/{job_id}", summary="One evaluation, with every golden question's outcome once it completed",
             responses=error_responses({404: "job_not_found", 422: INVALID_REQUEST, 503: TEMPORAL_DOWN}))
 async def get_evaluation(job_id: JOB_ID, client: ClientDep, caller: CallerDep, blobs: BlobsDep,
-                         timeout: RpcTimeoutDep) -> EvaluationView:
+                         settings: SettingsDep, timeout: RpcTimeoutDep) -> EvaluationView:
     """The report as listed, and per question: the expected document's rank, whether the relevance gate
     let it through, the top hits, and with `answers=true` the answer and whether it (and its citation)
     was right: what to look at when a number is lower than it should be."""
@@ -122,5 +122,13 @@ async def get_evaluation(job_id: JOB_ID, client: ClientDep, caller: CallerDep, b
         out: EvaluationOutput = await handle.result(rpc_timeout=timeout)
         # The full report (outcomes too) was claim-checked into the blob store: history keeps it small.
         report = EvaluationReport.model_validate_json(await run_in_threadpool(blobs.get, out.report_ref))
+    withheld = []
+    if report is not None and settings.review_unsupported_answers and not caller.is_reviewer \
+            and any(o.answer is not None for o in report.outcomes):
+        # The model's answers were reviewed by nobody: where answers wait for a reviewer, only reviewers read
+        # them (a member learns from `answer_correct` whether each was right).
+        report = report.model_copy(update={"outcomes": [o.model_copy(update={"answer": None})
+                                                        for o in report.outcomes]})
+        withheld = ["answer"]
     return EvaluationView(job_id=job.job_id, collection=job.collection, status=job.status,
-                          created_at=job.created_at, updated_at=job.updated_at, report=report)
+                          created_at=job.created_at, updated_at=job.updated_at, report=report, withheld=withheld)
