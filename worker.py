@@ -414,7 +414,7 @@ async def main(argv: list[str] | None = None) -> int:
     tracing.configure("ragline-worker")
     address = f"{settings.worker_metrics_host}:{settings.worker_metrics_port}" if settings.worker_metrics_port else None
     try:
-        runtime = worker_runtime(address)
+        runtime = worker_runtime(address, settings.step_sla)
     except ValueError as exc:
         log.error("cannot serve worker metrics (RAGLINE_WORKER_METRICS_PORT)", address=address, error=str(exc))
         return 4

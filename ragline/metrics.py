@@ -39,8 +39,18 @@ POLL_ERRORS = "ragline_telemetry_poll_errors"           # counter -> _total
 ANSWER_CACHE_LOOKUPS = "ragline_answer_cache_lookups"   # counter -> _total {result=hit|miss}
 
 # Bucket bounds (seconds) for the histograms above: the SDK's defaults are in milliseconds.
-DURATION_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600]
-HISTOGRAM_BUCKETS = {name: DURATION_BUCKETS for name in (STEP_DURATION, MODEL_DURATION, EMBEDDING_DURATION)}
+# Twice each default step SLA below (4, 10, 20, 60, 120) is a bound: the latency alert (p95 over twice the SLA)
+# then decides at a bound. Inside a bucket histogram_quantile guesses, near the bucket's top: a p95 of 2.6 s
+# in a 2.5-5 bucket read 4.9 s, "over twice" a 2 s SLA.
+DURATION_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 4, 5, 10, 20, 30, 60, 120, 300, 600]
+# RAGLINE_STEP_SLA may say at most this much: twice it is the highest bound.
+MAX_STEP_SLA_SECONDS = DURATION_BUCKETS[-1] / 2
+
+
+def histogram_buckets(step_sla: dict[str, float] | None = None) -> dict[str, list[float]]:
+    """The worker's latency histograms' bounds, with twice each overridden SLA (RAGLINE_STEP_SLA) among them."""
+    steps = sorted({*DURATION_BUCKETS, *(2 * seconds for seconds in (step_sla or {}).values())})
+    return {STEP_DURATION: steps, MODEL_DURATION: DURATION_BUCKETS, EMBEDDING_DURATION: DURATION_BUCKETS}
 
 # What each step should take (seconds) before an operator cares: the p95 alert fires at twice this.
 # Override any with RAGLINE_STEP_SLA='{"generate_answer": 90}'. Steps that wait by design (await_*) have none.

@@ -134,6 +134,17 @@ class Settings(BaseSettings):
             raise ValueError(f"must be at least 1d (Temporal's minimum): {value!r}")
         return value
 
+    @field_validator("step_sla")
+    @classmethod
+    def _slas(cls, value: dict[str, float]) -> dict[str, float]:
+        """Twice an SLA must be a bound of the step latency histogram (ragline/metrics.py), which ends at 600 s:
+        above it the alert could never fire."""
+        from ragline.metrics import MAX_STEP_SLA_SECONDS
+
+        if wrong := {step: seconds for step, seconds in value.items() if not 0 < seconds <= MAX_STEP_SLA_SECONDS}:
+            raise ValueError(f"each step's SLA must be more than 0 and at most {MAX_STEP_SLA_SECONDS:g} seconds: {wrong}")
+        return value
+
     @field_validator("review_timeout")
     @classmethod
     def _a_duration(cls, value: str) -> str:

@@ -39,13 +39,14 @@ def core_logging() -> LoggingConfig:
                          forwarding=LogForwardingConfig(logger=logging.getLogger(logs.CORE_LOGGER)))
 
 
-def worker_runtime(metrics_address: str | None = None) -> Runtime:
+def worker_runtime(metrics_address: str | None = None, step_sla: dict[str, float] | None = None) -> Runtime:
     """The worker process's Runtime: the core's lines forwarded (`core_logging`), and with `metrics_address`
-    its metrics (the SDK's and Ragline's) served at http://<metrics_address>/metrics. Build it once per
+    its metrics (the SDK's and Ragline's) served at http://<metrics_address>/metrics (`step_sla`: RAGLINE_STEP_SLA,
+    whose doubles become bounds of the step latency histogram). Build it once per
     process (the port binds at once), before any client that should use it."""
     return Runtime(telemetry=TelemetryConfig(logging=core_logging(), metrics=PrometheusConfig(
         bind_address=metrics_address, counters_total_suffix=True, durations_as_seconds=True,
-        histogram_bucket_overrides=metrics.HISTOGRAM_BUCKETS) if metrics_address else None))
+        histogram_bucket_overrides=metrics.histogram_buckets(step_sla)) if metrics_address else None))
 
 
 class StepTelemetry(Interceptor):

@@ -276,3 +276,26 @@ async def test_prometheus_scrapes_a_live_stack_counts_jobs_and_fires_an_alert(te
         finally:
             await prom.stop()
     print(f"\nPrometheus test took {time.monotonic() - started:.1f} s", file=sys.stderr)
+
+
+async def test_twice_each_steps_sla_is_a_bound_of_its_latency_histogram():
+    """The latency alert compares a step's p95 with twice its SLA. Between two bounds histogram_quantile guesses
+    near the upper one: a 2.6 s p95 in a 2.5-5 s bucket read 4.9 s, over twice a 2 s SLA. Twice each SLA, the
+    defaults' and RAGLINE_STEP_SLA's, is a bound of the histogram the worker exports; an SLA past what the
+    histogram can show is refused at start."""
+    from ragline import metrics
+    from ragline.settings import Settings
+    from temporal.telemetry import worker_runtime
+
+    settings = Settings(step_sla={"generate_answer": 45})
+    port = free_port()
+    runtime = worker_runtime(f"127.0.0.1:{port}", settings.step_sla)
+    metrics.step_attempt(runtime.metric_meter.with_additional_attributes({"activity_type": "generate_answer"}),
+                         2.6, "completed", retry=False)
+    async with httpx.AsyncClient(timeout=5) as http:
+        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    bounds = {float(m) for m in re.findall(r'^ragline_step_duration_seconds_bucket\{[^}]*le="([0-9.]+)"', text, re.M)}
+    slas = {**metrics.DEFAULT_STEP_SLA_SECONDS, **settings.step_sla}
+    assert {2 * seconds for seconds in slas.values()} <= bounds, sorted(bounds)
+    with pytest.raises(ValueError, match="at most 300 seconds"):
+        Settings(step_sla={"generate_answer": 400})
