@@ -182,6 +182,15 @@ def install(app: FastAPI) -> None:
     async def _rpc(request: Request, exc: RPCError) -> JSONResponse:
         if exc.status == RPCStatusCode.UNAVAILABLE:
             err = temporal_unavailable(exc)
+            if (job := getattr(request.state, "starting", None)) is not None:
+                # A connection lost as the start went out may have recorded it: "nothing recorded" would have a
+                # caller without a key send it again, and run it twice.
+                return JSONResponse(_body(err.code, "the workflow service (Temporal) is not reachable: this request "
+                                          "was most likely not recorded, but a connection lost as it went out may "
+                                          f"have recorded it; look at {job['status_url']} before sending it again "
+                                          "without an Idempotency-Key. Sent again with the same Idempotency-Key, it "
+                                          "is recorded once", reason=str(exc), **job),
+                                    status_code=503, headers=err.headers)
             return JSONResponse(_body(err.code, err.message, reason=str(exc)), status_code=503, headers=err.headers)
         if exc.status in (RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.CANCELLED):
             return JSONResponse(_timed_out(request, exc), status_code=504, headers=RETRY_AFTER)

@@ -94,7 +94,8 @@ class SessionRunning(BaseModel):
 
 def session_busy(queued: int) -> str:
     return (f"its session already holds {queued} turns not yet answered (RAGLINE_SESSION_MAX_QUEUED_TURNS): this "
-            "message was not queued and no model was called for it; send it again once earlier turns have answers")
+            "message was not queued and no model was called for it; send it again once earlier turns have answers (under a "
+            "new Idempotency-Key, if it had one: this one now names this failed job)")
 
 
 SESSION_ENDED = ("its session's workflow ended (terminated by hand?) before it gave this turn its go: the turn "

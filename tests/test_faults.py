@@ -218,6 +218,9 @@ async def test_temporal_restart_mid_run(private_llm, tmp_path):
             await server.stop()
             down = await stack.http.post("/v1/chats", json={"message": "anyone there?", "collection": "restart"})
             assert down.status_code == 503 and down.json()["error"]["code"] == "temporal_unavailable"
+            # Which job it would have been, and how to send it again safely: a start may be recorded as it fails.
+            assert down.json()["error"]["status_url"] == f"{stack.base_url}/v1/jobs/{down.json()['error']['job_id']}"
+            assert "same Idempotency-Key" in down.json()["error"]["message"], down.text
             health = await stack.http.get("/healthz")
             assert health.status_code == 503
             assert "Temporal" in health.json()["components"]["temporal"]["reason"]

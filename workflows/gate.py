@@ -138,7 +138,8 @@ class TenantGateWorkflow:
         asyncio.create_task(self._send(req.job_id, SlotGrant(  # noqa: RUF006 (awaited through _notifying)
             ticket=req.ticket, granted=False, running=len(state.holders), limit=state.limit,
             refused=f"{len(state.holders) + len(state.waiting)} jobs of tenant {state.tenant} already run or wait "
-                    f"to run ({state.limit} at once): this one was not queued; send it again once fewer wait")))
+                    f"to run ({state.limit} at once): this one was not queued; send it again once fewer wait (under a new "
+                    "Idempotency-Key, if it had one: this one now names this failed job)")))
 
     def _tell(self, job_id: str) -> None:
         """Signal the job its standing: granted, or its place in line."""
