@@ -143,6 +143,22 @@ def test_keda_scales_each_role_on_its_own_queues(objects, config):
         assert scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
 
 
+def test_keda_holds_each_roles_backlog_under_the_alerts_line(objects):
+    """The backlog alert (deploy/prometheus/rules.yml) fires once a queue's backlog is over 80% of its workers'
+    activity slots. KEDA holds a role's backlog at up to targetQueueSize per pod: were that over 80% of a pod's
+    slots, the alert would fire ("add workers") while KEDA scales as designed (vector: 20 queued per pod of 8
+    slots)."""
+    from worker import activity_slot_limit
+
+    for role in ROLES:
+        settings = _settings(_env(objects, objects[("Deployment", f"ragline-worker-{role}")]))
+        for t in objects[("ScaledObject", f"ragline-worker-{role}")]["spec"]["triggers"]:
+            kind = next(k for k in queues.ROLES[role]
+                        if queues.queue_name(settings.task_queue, k) == t["metadata"]["taskQueue"])
+            slots = activity_slot_limit(settings, kind)
+            assert int(t["metadata"]["targetQueueSize"]) <= 0.8 * slots, (role, kind, slots)
+
+
 def test_the_build_id_is_the_image_tag(objects, config):
     for name, doc in _ragline_deployments(objects).items():
         assert _container(doc)["image"].rsplit(":", 1)[1] == config["RAGLINE_WORKER_BUILD_ID"], name
