@@ -71,8 +71,10 @@ class TurnInput(BaseModel):
     # RAGLINE_SESSION_MAX_QUEUED_TURNS when the API accepted it: the session takes the turn only while it holds
     # fewer turns not yet answered (None: no bound, turns accepted before it had one).
     session_max_queued: int | None = None
-    # Set by the session when it does not take the turn (SESSION_BUSY): its job starts only to fail saying so.
+    # Set by the session when it does not take the turn (SESSION_BUSY): its job starts only to fail saying so,
+    # with error type `refused_type` (None: SessionBusy).
     refused: str | None = None
+    refused_type: str | None = None
 
 
 # The key of a failed turn's failure details that holds the answer it had shown (workflows/chat.py).
@@ -96,6 +98,12 @@ def session_busy(queued: int) -> str:
     return (f"its session already holds {queued} turns not yet answered (RAGLINE_SESSION_MAX_QUEUED_TURNS): this "
             "message was not queued and no model was called for it; send it again once earlier turns have answers (under a "
             "new Idempotency-Key, if it had one: this one now names this failed job)")
+
+
+# A keyed turn sent again after the job its key names is gone (Temporal's retention): the session knows the id.
+KEY_EXPIRED = ("this request ran before under its Idempotency-Key, and that turn's job is past Temporal's retention "
+               "(its answer is gone): nothing ran for it now; send it again under a new Idempotency-Key")
+KEY_EXPIRED_TYPE = "IdempotencyKeyExpired"
 
 
 SESSION_ENDED = ("its session's workflow ended (terminated by hand?) before it gave this turn its go: the turn "

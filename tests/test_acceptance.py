@@ -23,8 +23,9 @@ from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
 from api.app import create_app
+from api import job_views
 from api.job_views import RecentlyAccepted
-from models.chat import SessionState, TurnInput, session_workflow_id
+from models.chat import KEY_EXPIRED_TYPE, SessionState, TurnInput, session_workflow_id
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack, serving_api
@@ -598,12 +599,13 @@ async def test_a_turn_whose_job_is_gone_is_not_found_rather_than_queued_for_ever
         assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", (path, r.text)
 
 
-async def test_a_keyed_turn_sent_again_after_its_job_is_gone_reads_not_found_past_a_continue_as_new(
+async def test_a_keyed_turn_sent_again_after_its_job_is_gone_fails_saying_so_past_a_continue_as_new(
         stack, monkeypatch):
     """A keyed turn ran in an earlier run of its session (it continued as new since), its job is gone, and the
-    same request comes again through another API process: the session drops it (it remembers the job id)
-    and the turn reads 404, as README says. Its new run's history had the resent `submit` and no start of the
-    job (an earlier run started it), so the turn read `queued` for ever, and its stream never ended."""
+    same request comes again through another API process (202: the API finds no job). The session remembers the
+    job id: it runs nothing again, and the job under that id fails at once saying why, for every API process.
+    The session used to drop it: the 202 named a job that read `queued` for ever (its new run's history had the
+    resent `submit` and no start of the job), then 404, and a person sent it again under the same key."""
     tag = uuid.uuid4().hex[:8]
     session = f"gone-can-{tag}"
     session_wf = session_workflow_id(stack.tenant, session)
@@ -618,6 +620,7 @@ async def test_a_keyed_turn_sent_again_after_its_job_is_gone_reads_not_found_pas
     r = await stack.http.post("/v1/chats", json=body, headers=keyed)
     job_id = r.json()["job_id"]
     assert (await stack.wait_done(job_id))["status"] == "completed"
+    calls = len(stack.llm.calls_for(containing=tag))
 
     async def continued() -> bool:
         return (await stack.client.get_workflow_handle(session_wf).describe()).run_id != first_run.result_run_id
@@ -632,8 +635,14 @@ async def test_a_keyed_turn_sent_again_after_its_job_is_gone_reads_not_found_pas
                 httpx.AsyncClient(base_url=url, timeout=30, headers=dict(stack.http.headers)) as other:
             again = await other.post("/v1/chats", json=body, headers=keyed)
             assert again.status_code == 202 and again.json()["job_id"] == job_id, again.text
-            for api in (other, stack.http):
-                r = await api.get(f"/v1/jobs/{job_id}")
-                assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found", r.text
+            # (Until the session has started it, the API reads the id as a job its session started and is gone.)
+            await eventually(lambda: job_views.exists(stack.client, job_id, timedelta(seconds=10)),
+                             what="the job under the key's id")
+            job = await stack.wait_done(job_id)
+            assert job["status"] == "failed" and job["error"]["type"] == KEY_EXPIRED_TYPE, job
+            assert "new Idempotency-Key" in job["error"]["message"] and job["turn"] is None, job
+            r = await other.get(f"/v1/jobs/{job_id}")
+            assert r.json()["status"] == "failed" and r.json()["error"]["type"] == KEY_EXPIRED_TYPE, r.text
+        assert len(stack.llm.calls_for(containing=tag)) == calls  # no model call ran again
     finally:
         await stack.client.get_workflow_handle(session_wf).terminate("test over")

@@ -45,8 +45,9 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
-        FINAL_ANSWER_DETAIL, SESSION_ENDED, RetrieveInput, SessionLeft, SessionRun, SessionState, SummaryOutput,
-        TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_busy, session_workflow_id,
+        FINAL_ANSWER_DETAIL, KEY_EXPIRED, KEY_EXPIRED_TYPE, SESSION_ENDED, RetrieveInput, SessionLeft, SessionRun,
+        SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_busy,
+        session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
     from models.review import ReviewDecision, without
@@ -119,6 +120,10 @@ SESSION_CONTINUES_MID_TURN_PATCH = "session-continues-as-new-while-its-turn-wait
 # A session holding RAGLINE_SESSION_MAX_QUEUED_TURNS turns not yet answered refuses the next (SessionBusy).
 # Earlier sessions queued every turn (an older API's turn carries no bound; a newer one's, replayed, must not).
 SESSION_REFUSES_PATCH = "session-refuses-past-its-bound"
+# A keyed turn sent again that names a job this session started and no longer holds (gone past the retention:
+# the API found no job) gets a job that fails at once saying so; earlier sessions dropped it, and the person's
+# 202 named a job that never came.
+RESENT_AFTER_GONE_PATCH = "resent-turn-whose-job-is-gone-fails-saying-so"
 # A turn a run did not start (carried over a continue-as-new) is asked for its answer when a later turn
 # waits, as a started one is; earlier runs waited for its whole job (its summary and entities too).
 CARRIED_TURN_ASKED_PATCH = "carried-turn-asked-for-its-answer"
@@ -183,7 +188,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     async def _go(self, turn: TurnInput) -> None:
         """The session's go: this turn is next in its session (the context came with the start when idle)."""
         if turn.refused is not None:  # its session was full: it never takes a turn
-            raise ApplicationError(turn.refused, type="SessionBusy", non_retryable=True)
+            raise ApplicationError(turn.refused, type=turn.refused_type or "SessionBusy", non_retryable=True)
         self.context = self.context or turn.context
         if self.context is None:
             self.events.release()  # earlier turns of the session go first: `accepted` says which turn this is
@@ -528,8 +533,12 @@ class ChatSessionWorkflow:
         if self.taking_up:
             self.held.append(turn)
             return
-        if turn.job_id in self.seen:
-            return  # the same request, resent
+        if turn.job_id in self.seen:  # the same request, resent
+            if self._started_before(turn.job_id) and workflow.patched(RESENT_AFTER_GONE_PATCH):
+                # The API found no job under its id: gone (or, in a race, started a moment ago, where this start
+                # fails and changes nothing).
+                self._refuse(turn.model_copy(update={"refused": KEY_EXPIRED, "refused_type": KEY_EXPIRED_TYPE}))
+            return
         self.seen.append(turn.job_id)
         self.submits_this_run += 1
         if turn.session_max_queued is not None and len(self.queue) >= turn.session_max_queued \
@@ -544,6 +553,12 @@ class ChatSessionWorkflow:
         self.state.next_turn += 1
         self.queue.append(turn)
         self.starts[turn.job_id] = asyncio.ensure_future(self._start(turn))
+
+    def _started_before(self, job_id: str) -> bool:
+        """A job id this session has seen and is not starting now, queueing or refusing: its job was started
+        (by this run or an earlier one) and has left the queue."""
+        return job_id not in self.starts and job_id not in self.refusing \
+            and all(t.job_id != job_id for t in self.queue)
 
     def _refuse(self, turn: TurnInput) -> None:
         started = self.refusing[turn.job_id] = asyncio.ensure_future(self._start_refused(turn))
