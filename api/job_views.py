@@ -258,13 +258,13 @@ async def accepted_turn(client: Client, tenant: str, job_id: str, rpc_timeout: t
     delay = 0.02
     try:
         while True:
-            turn = await _submitted(client, handle, tenant, job_id, rpc_timeout)
+            turn, task_running = await _submitted(client, handle, tenant, job_id, rpc_timeout)
             if turn is not None:
                 return turn
             # A signal that reaches a workflow while one of its workflow tasks runs is held back by the
             # server ("buffered") and enters the history only when that task completes: a turn accepted
             # a moment ago may not be there yet. Look again once the running task is done.
-            if not await _task_running(handle, rpc_timeout) or asyncio.get_running_loop().time() > deadline:
+            if not task_running or asyncio.get_running_loop().time() > deadline:
                 return None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -274,42 +274,87 @@ async def accepted_turn(client: Client, tenant: str, job_id: str, rpc_timeout: t
         raise
 
 
+class _Submits(BaseModel):
+    """What one read of a session run's history says of the turns sent to it, by job id (not whole messages:
+    a long session's would weigh megabytes)."""
+    submitted: set[str] = set()  # job ids a `submit` of this tenant sent
+    started: set[str] = set()  # job ids the run started or tried to (the job existed), or took as seen
+
+
+# (session workflow id, run id, history length) -> its turns, while that run's history has not grown: a flood of
+# reads of ids it never took (any key may send them) costs a look at the run and one read of its history, where
+# each read fetched and decrypted every message the session was sent.
+_SUBMITS: OrderedDict[tuple[str, str, int], _Submits] = OrderedDict()
+_SUBMITS_KEPT = 256
+
+
 async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id: str,
-                     rpc_timeout: timedelta) -> TurnInput | None:
+                     rpc_timeout: timedelta) -> tuple[TurnInput | None, bool]:
     """The session's `submit` signal for `job_id`, if its history has it and the session has not started
     the job: a job the session started and that is gone (past the retention, deleted) is no job at all,
-    not one still queued (its stream would wait for ever for events that never come)."""
-    submitted, started = None, False
-    async for event in handle.fetch_history_events(rpc_timeout=rpc_timeout):
+    not one still queued (its stream would wait for ever for events that never come). And whether a workflow
+    task of the session runs now."""
+    desc = await handle.describe(rpc_timeout=rpc_timeout)
+    task_running = desc.raw_description.HasField("pending_workflow_task") and \
+        desc.raw_description.pending_workflow_task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
+    # Pinned to the run described: the history read is the one its length names, or longer.
+    run = client.get_workflow_handle(handle.id, run_id=desc.run_id)
+    key = (handle.id, desc.run_id, desc.raw_description.workflow_execution_info.history_length)
+    if (turns := _SUBMITS.get(key)) is None:
+        turns = await _read_submits(client, run, tenant, rpc_timeout)
+        _SUBMITS[key] = turns
+        while len(_SUBMITS) > _SUBMITS_KEPT:
+            _SUBMITS.popitem(last=False)
+    else:
+        _SUBMITS.move_to_end(key)
+    if job_id not in turns.submitted:
+        return None, task_running
+    if job_id in turns.started and not await exists(client, job_id, rpc_timeout):
+        return None, task_running
+    # (Started a moment ago, after the caller found no job: read as just accepted, the job shows next time.)
+    return await _submit_of(client, run, tenant, job_id, rpc_timeout), task_running
+
+
+async def _submits(client: Client, run: WorkflowHandle, tenant: str,
+                   rpc_timeout: timedelta) -> AsyncIterator[tuple[str, str | TurnInput]]:
+    """The run's history as ("started", job id) for each job it started, tried to start (the job existed) or
+    took as seen, and ("submitted", turn) for each turn a `submit` of this tenant sent."""
+    async for event in run.fetch_history_events(rpc_timeout=rpc_timeout):
         if event.HasField("workflow_execution_started_event_attributes"):
-            # An earlier run of the session (before a continue-as-new) took it: it started its job then.
+            # An earlier run of the session (before a continue-as-new) took these: it started their jobs then.
             (state,) = await client.data_converter.decode(
                 event.workflow_execution_started_event_attributes.input.payloads, [SessionState])
-            started = job_id in state.seen
+            for job_id in state.seen:
+                yield "started", job_id
         elif event.HasField("child_workflow_execution_started_event_attributes"):
-            attrs = event.child_workflow_execution_started_event_attributes
-            started = started or attrs.workflow_execution.workflow_id == job_id
+            yield "started", event.child_workflow_execution_started_event_attributes.workflow_execution.workflow_id
         elif event.HasField("start_child_workflow_execution_failed_event_attributes"):  # it existed then
-            started = started or event.start_child_workflow_execution_failed_event_attributes.workflow_id == job_id
-        if submitted is not None or not event.HasField("workflow_execution_signaled_event_attributes"):
-            continue
-        signaled = event.workflow_execution_signaled_event_attributes
-        if signaled.signal_name != "submit":
-            continue  # payloads are encrypted: no peeking at the bytes before decoding
-        (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
-        if turn.job_id == job_id and turn.tenant == tenant:
-            submitted = turn
-    if submitted is not None and started and not await exists(client, job_id, rpc_timeout):
-        return None
-    # (Started a moment ago, after the caller found no job: read as just accepted, the job shows next time.)
-    return submitted
+            yield "started", event.start_child_workflow_execution_failed_event_attributes.workflow_id
+        elif event.HasField("workflow_execution_signaled_event_attributes"):
+            signaled = event.workflow_execution_signaled_event_attributes
+            if signaled.signal_name != "submit":
+                continue  # payloads are encrypted: no peeking at the bytes before decoding
+            (turn,) = await client.data_converter.decode(signaled.input.payloads, [TurnInput])
+            if turn.tenant == tenant:
+                yield "submitted", turn
 
 
-async def _task_running(handle: WorkflowHandle, rpc_timeout: timedelta) -> bool:
-    desc = await handle.describe(rpc_timeout=rpc_timeout)
-    started = PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
-    return desc.raw_description.HasField("pending_workflow_task") and \
-        desc.raw_description.pending_workflow_task.state == started
+async def _read_submits(client: Client, run: WorkflowHandle, tenant: str, rpc_timeout: timedelta) -> _Submits:
+    turns = _Submits()
+    async for what, item in _submits(client, run, tenant, rpc_timeout):
+        if what == "started":
+            turns.started.add(item)
+        else:
+            turns.submitted.add(item.job_id)
+    return turns
+
+
+async def _submit_of(client: Client, run: WorkflowHandle, tenant: str, job_id: str,
+                     rpc_timeout: timedelta) -> TurnInput | None:
+    async for what, item in _submits(client, run, tenant, rpc_timeout):
+        if what == "submitted" and item.job_id == job_id:
+            return item
+    return None
 
 
 async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta, *,

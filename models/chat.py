@@ -96,8 +96,8 @@ class SessionRunning(BaseModel):
 
 def session_busy(queued: int) -> str:
     return (f"its session already holds {queued} turns not yet answered (RAGLINE_SESSION_MAX_QUEUED_TURNS): this "
-            "message was not queued and no model was called for it; send it again once earlier turns have answers (under a "
-            "new Idempotency-Key, if it had one: this one now names this failed job)")
+            "message was not queued and no model was called for it; send it again once earlier turns have answers "
+            "(under a new Idempotency-Key, if it had one: this one now names this failed job)")
 
 
 # A keyed turn sent again after the job its key names is gone (Temporal's retention): the session knows the id.

@@ -646,3 +646,45 @@ async def test_a_keyed_turn_sent_again_after_its_job_is_gone_fails_saying_so_pas
         assert len(stack.llm.calls_for(containing=tag)) == calls  # no model call ran again
     finally:
         await stack.client.get_workflow_handle(session_wf).terminate("test over")
+
+
+async def test_reads_of_turn_ids_a_session_never_took_read_its_history_once(stack, monkeypatch):
+    """Any key may ask for `chat-<a session>.<any digest>`: each such read looked through the session's whole
+    history (every message it was sent, decrypted) for a turn accepted and not started yet. While the history
+    has not grown, the reads now share one look; a message sent since is read again (it may be the one)."""
+    tag = uuid.uuid4().hex[:8]
+    session = f"flood-{tag}"
+    first = await stack.chat(f"Where is the {tag} mill?", collection=f"flood-{tag}", session_id=session)
+    await stack.wait_done(first["job_id"])
+    wf_id = session_workflow_id(stack.tenant, session)
+    reads: list[str] = []
+    read_submits = job_views._read_submits
+
+    async def counted(client, handle, tenant, rpc_timeout):  # noqa: ANN001, ANN202
+        if handle.id == wf_id:
+            reads.append(handle.run_id)
+        return await read_submits(client, handle, tenant, rpc_timeout)
+
+    monkeypatch.setattr(job_views, "_read_submits", counted)
+
+    async def unknown() -> int:
+        r = await stack.http.get(f"/v1/jobs/{stack.tenant}.chat-{session}.{uuid.uuid4().hex[:20]}")
+        return r.status_code
+
+    async def settled(job_id: str) -> bool:
+        """The session has taken the turn's end and has no workflow task to run: its history stays as it is
+        (until its idle timer, some seconds on)."""
+        handle = stack.client.get_workflow_handle(wf_id)
+        ended = [e async for e in handle.fetch_history_events()
+                 if e.HasField("child_workflow_execution_completed_event_attributes")
+                 and e.child_workflow_execution_completed_event_attributes.workflow_execution.workflow_id == job_id]
+        return bool(ended) and not (await handle.describe()).raw_description.HasField("pending_workflow_task")
+
+    await eventually(lambda: settled(first["job_id"]), what="the session settled after its first turn")
+    assert [await unknown() for _ in range(10)] == [404] * 10
+    assert 1 <= len(reads) <= 2, reads  # once; twice if the session's idle timer fired meanwhile
+    second = await stack.chat(f"And who built the {tag} mill?", collection=f"flood-{tag}", session_id=session)
+    await stack.wait_done(second["job_id"])
+    await eventually(lambda: settled(second["job_id"]), what="the session settled after its second turn")
+    before = len(reads)
+    assert await unknown() == 404 and len(reads) == before + 1, reads  # the session's history has grown since
