@@ -93,6 +93,12 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
         forgotten = (await stack.http.get(f"/v1/jobs/{turns[2]['job_id']}")).json()
         assert forgotten["status"] == "queued" and {forgotten["created_at"]} == created
         other_stream = asyncio.ensure_future(read_events(stack, turns[2]["job_id"]))
+        # The keyed turn's key with another question, on an API process that did not take the first: with no
+        # job to compare with yet, it is let through (README), and the session, which knows the job id, drops it.
+        keyed_body = {"message": f"Keyed question about {tag}?", "collection": tag, "session_id": session}
+        changed_body = {**keyed_body, "message": f"Another keyed question about {tag}?"}
+        r = await stack.http.post("/v1/chats", json=changed_body, headers={"Idempotency-Key": "same"})
+        assert r.status_code == 202 and r.json()["job_id"] == keyed[0]["job_id"], r.text
 
         # A worker comes: everything accepted runs, the session's turns in acceptance order.
         index = open_index(stack.settings)
@@ -102,6 +108,13 @@ async def test_posts_answer_202_without_a_worker_and_run_in_order_once_one_start
                 done = [await stack.wait_done(job_id, timeout=120) for job_id in job_ids]
                 events = [e for _, e in await asyncio.wait_for(stream, 60)]
                 other_events = [e for _, e in await asyncio.wait_for(other_stream, 60)]
+                # Once its job is there, the job decides, not what this process let through before: the first
+                # question is the key's (a duplicate), the other is refused.
+                again = await stack.http.post("/v1/chats", json=keyed_body, headers={"Idempotency-Key": "same"})
+                assert again.status_code == 202 and again.json()["duplicate"] is True, again.text
+                changed = await stack.http.post("/v1/chats", json=changed_body, headers={"Idempotency-Key": "same"})
+                assert changed.status_code == 422, changed.text
+                assert changed.json()["error"]["code"] == "idempotency_key_reused", changed.text
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             index.close()

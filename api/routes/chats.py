@@ -116,14 +116,14 @@ async def _submit(client: Client, task_queue: str, turn: TurnInput, priority: Pr
 
 async def _sent_before(client: Client, accepted: RecentlyAccepted, job_id: str, key: str, digest: str,
                        timeout: timedelta) -> bool:
-    """Whether this keyed turn was accepted before: by this process a moment ago, or its job exists
-    (then nothing is written). Another question under the same key is refused. A resend that another
-    API process took and its session has not started yet is let through: the session skips a job id
-    it has seen."""
-    if job_id in accepted:
+    """Whether this keyed turn was accepted before: its job exists (then nothing is written), or this process
+    took it a moment ago. Another question under the same key is refused. The job's memo decides where there
+    is a job: what this process took may be a question it let through, before the session had started the
+    job, under a key another process had taken first. A resend that another API process took and its session
+    has not started yet is let through: the session skips a job id it has seen."""
+    found, recorded = await recorded_request(client, job_id, timeout)
+    if not found and job_id in accepted:
         found, recorded = True, accepted.request(job_id)
-    else:
-        found, recorded = await recorded_request(client, job_id, timeout)
     if found:
         ensure_same_request(key, recorded, digest)
     return found
