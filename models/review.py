@@ -32,6 +32,9 @@ class ReviewDecision(BaseModel):
     # The review this decides, by its `requested_at` (GET /v1/reviews, the `review_request` query): a
     # decision sent twice, or late, is refused instead of deciding a review the person has not seen.
     requested_at: AwareDatetime | None = Field(None, strict=False)
+    # Set by the API: the name of the key that decided (`reviewer` is what the person typed). Whatever a
+    # caller sends here is replaced; a decision from the Web UI or the CLI has none.
+    key: str | None = Field(None, max_length=200)
 
 
 class ReviewRequest(BaseModel):
@@ -89,6 +92,7 @@ class ReviewRecord(BaseModel):
     depth: int
     decision: Literal["approve", "reject", "revise"]
     reviewer: str
+    key: str | None = None  # the API key that decided, by name (ReviewDecision.key)
     comment: str = ""
     instructions: str | None = None
     extra_depth: int = 0

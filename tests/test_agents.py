@@ -107,14 +107,17 @@ async def test_reject_finishes_with_a_partial_answer(stack):
                                   json={"decision": "approve", "reviewer": "ana", "requested_at": earlier})
         assert (r.status_code, r.json()["error"]["code"]) == (409, "not_waiting_for_review"), r.text
         assert "is not the review this job waits on" in r.json()["error"]["message"]
+        # The name a reviewer types is theirs to choose; the key that decided is recorded beside it, whatever
+        # the body claims.
         r = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
                                   json={"decision": "reject", "reviewer": "ana", "comment": "deep enough",
-                                        "requested_at": review["requested_at"]})
+                                        "requested_at": review["requested_at"], "key": "acme-operator"})
         assert r.status_code == 200, r.text
         job = await stack.wait_done(job_id)
     stopped = _node_at(job["result"]["tree"], 1)
     assert stopped["status"] == "stopped" and stopped["answer"].startswith("Stopped")
-    assert job["result"]["decisions"][0]["comment"] == "deep enough"
+    decided = job["result"]["decisions"][0]
+    assert (decided["comment"], decided["reviewer"], decided["key"]) == ("deep enough", "ana", "acme-reviewer")
     again = await stack.http.post(f"/v1/jobs/{review['job_id']}/review",
                                   json={"decision": "approve", "reviewer": "ana"})
     assert again.status_code == 409

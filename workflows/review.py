@@ -85,9 +85,10 @@ class Reviews:
                     self._withdraw(reason)
                 raise
         record = ReviewRecord(reason=reason, detail=detail, proposed_action=proposed_action, depth=depth,
-                              decision=decision.decision, reviewer=decision.reviewer, comment=decision.comment,
-                              instructions=decision.instructions, extra_depth=decision.extra_depth,
-                              extra_budget=decision.extra_budget, decided_at=workflow.now(), withheld=list(withheld))
+                              decision=decision.decision, reviewer=decision.reviewer, key=decision.key,
+                              comment=decision.comment, instructions=decision.instructions,
+                              extra_depth=decision.extra_depth, extra_budget=decision.extra_budget,
+                              decided_at=workflow.now(), withheld=list(withheld))
         self.history.append(record)
         self.pending = None
         self._on_change()

@@ -175,6 +175,7 @@ async def review_job(job_id: JOB_ID, decision: ReviewDecision, client: ClientDep
     with audit.recorded(settings, action="review", job_id=job_id, decision=decision.decision,
                         reviewer=decision.reviewer, comment=decision.comment or None, **caller.on_record):
         reviewer_only(caller)  # in the block: a member's try is audited too
+        decision = decision.model_copy(update={"key": caller.name})  # who decided, whatever name was typed
         # The id as asked: an error names the job the caller sent, not its scoped form.
         ack = await job_views.send_update(
             client, caller.tenant, job_id, "review", decision, ReviewAck, timeout,
