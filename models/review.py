@@ -34,7 +34,8 @@ class ReviewDecision(BaseModel):
     requested_at: AwareDatetime | None = Field(None, strict=False)
     # Set by the API: the name of the key that decided (`reviewer` is what the person typed). Whatever a
     # caller sends here is replaced; a decision from the Web UI or the CLI has none.
-    key: str | None = Field(None, max_length=200)
+    key: str | None = Field(None, max_length=200, description="set by the API to the deciding key's name; "
+                            "what a request sends here is replaced")
 
 
 class ReviewRequest(BaseModel):
