@@ -43,7 +43,7 @@ ANSWER_CACHE_LOOKUPS = "ragline_answer_cache_lookups"   # counter -> _total {res
 # then decides at a bound. Inside a bucket histogram_quantile guesses, near the bucket's top: a p95 of 2.6 s
 # in a 2.5-5 bucket read 4.9 s, "over twice" a 2 s SLA.
 DURATION_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 4, 5, 10, 20, 30, 60, 120, 300, 600]
-# RAGLINE_STEP_SLA may say at most this much: twice it is the highest bound.
+# RAGLINE_STEP_SLA must say less: twice it is the highest bound, which a p95 past every bound reads as.
 MAX_STEP_SLA_SECONDS = DURATION_BUCKETS[-1] / 2
 
 

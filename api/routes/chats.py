@@ -122,7 +122,7 @@ async def _sent_before(client: Client, accepted: RecentlyAccepted, job_id: str, 
     job, under a key another process had taken first. A resend that another API process took and its session
     has not started yet is let through: the session skips a job id it has seen."""
     found, recorded = await recorded_request(client, job_id, timeout)
-    if not found and job_id in accepted:
+    if not found and accepted.just_accepted(job_id) is not None:  # a moment ago: its job is not started yet
         found, recorded = True, accepted.request(job_id)
     if found:
         ensure_same_request(key, recorded, digest)
