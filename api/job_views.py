@@ -279,13 +279,17 @@ class _Submits(BaseModel):
     a long session's would weigh megabytes)."""
     submitted: set[str] = set()  # job ids a `submit` of this tenant sent
     started: set[str] = set()  # job ids the run started or tried to (the job existed), or took as seen
+    # Started, then sent again since (a resend after the job was gone): the session starts a job for it
+    # (workflows/chat.py, IdempotencyKeyExpired), so it reads as accepted, not as gone.
+    resent: set[str] = set()
+    history_length: int = 0
 
 
-# (session workflow id, run id, history length) -> its turns, while that run's history has not grown: a flood of
-# reads of ids it never took (any key may send them) costs a look at the run and one read of its history, where
-# each read fetched and decrypted every message the session was sent.
-_SUBMITS: OrderedDict[tuple[str, str, int], _Submits] = OrderedDict()
-_SUBMITS_KEPT = 256
+# (session workflow id, run id) -> its turns, as its history was that long: a flood of reads of ids it never took
+# (any key may send them) costs a look at the run and, while its history has not grown, no read of it, where each
+# read fetched and decrypted every message the session was sent.
+_SUBMITS: OrderedDict[tuple[str, str], _Submits] = OrderedDict()
+_SUBMITS_KEPT = 64
 
 
 async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id: str,
@@ -299,17 +303,17 @@ async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id
         desc.raw_description.pending_workflow_task.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
     # Pinned to the run described: the history read is the one its length names, or longer.
     run = client.get_workflow_handle(handle.id, run_id=desc.run_id)
-    key = (handle.id, desc.run_id, desc.raw_description.workflow_execution_info.history_length)
-    if (turns := _SUBMITS.get(key)) is None:
+    key, length = (handle.id, desc.run_id), desc.raw_description.workflow_execution_info.history_length
+    if (turns := _SUBMITS.get(key)) is None or turns.history_length != length:
         turns = await _read_submits(client, run, tenant, rpc_timeout)
+        turns.history_length = length
         _SUBMITS[key] = turns
         while len(_SUBMITS) > _SUBMITS_KEPT:
             _SUBMITS.popitem(last=False)
-    else:
-        _SUBMITS.move_to_end(key)
+    _SUBMITS.move_to_end(key)
     if job_id not in turns.submitted:
         return None, task_running
-    if job_id in turns.started and not await exists(client, job_id, rpc_timeout):
+    if job_id in turns.started and job_id not in turns.resent and not await exists(client, job_id, rpc_timeout):
         return None, task_running
     # (Started a moment ago, after the caller found no job: read as just accepted, the job shows next time.)
     return await _submit_of(client, run, tenant, job_id, rpc_timeout), task_running
@@ -344,17 +348,22 @@ async def _read_submits(client: Client, run: WorkflowHandle, tenant: str, rpc_ti
     async for what, item in _submits(client, run, tenant, rpc_timeout):
         if what == "started":
             turns.started.add(item)
+            turns.resent.discard(item)
         else:
             turns.submitted.add(item.job_id)
+            if item.job_id in turns.started:
+                turns.resent.add(item.job_id)
     return turns
 
 
 async def _submit_of(client: Client, run: WorkflowHandle, tenant: str, job_id: str,
                      rpc_timeout: timedelta) -> TurnInput | None:
+    """The `submit` that sent `job_id`: its latest (a resend after its job was gone is the one a job comes for)."""
+    found = None
     async for what, item in _submits(client, run, tenant, rpc_timeout):
         if what == "submitted" and item.job_id == job_id:
-            return item
-    return None
+            found = item
+    return found
 
 
 async def wait_until_created(client: Client, tenant: str, job_id: str, rpc_timeout: timedelta, *,

@@ -74,17 +74,33 @@ def _failure_type(description: str | None) -> str | None:
 
 
 def _without_failure_texts(span):  # noqa: ANN001, ANN202 - ReadableSpan in and out
+    from opentelemetry.attributes import BoundedAttributes
     from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.trace import Status
 
-    events = [Event(e.name, {k: v for k, v in (e.attributes or {}).items() if k not in _FAILURE_TEXTS}, e.timestamp)
-              if e.name == "exception" else e for e in span.events]
+    class Scrubbed(ReadableSpan):
+        """The span's copy, with the counts of what its limits dropped (OTLP exports them) kept."""
+
+        @property
+        def dropped_events(self) -> int:
+            return span.dropped_events
+
+        @property
+        def dropped_links(self) -> int:
+            return span.dropped_links
+
+    def scrubbed(event):  # noqa: ANN001, ANN202
+        kept = BoundedAttributes(maxlen=None, attributes={
+            k: v for k, v in (event.attributes or {}).items() if k not in _FAILURE_TEXTS}, immutable=False)
+        kept.dropped = event.dropped_attributes
+        return Event(event.name, kept, event.timestamp)
+
+    events = [scrubbed(e) if e.name == "exception" else e for e in span.events]
     status = Status(span.status.status_code, _failure_type(span.status.description)) \
         if span.status.description else span.status
-    return ReadableSpan(name=span.name, context=span.context, parent=span.parent, resource=span.resource,
-                        attributes=span.attributes, events=events, links=span.links, kind=span.kind, status=status,
-                        start_time=span.start_time, end_time=span.end_time,
-                        instrumentation_scope=span.instrumentation_scope)
+    return Scrubbed(name=span.name, context=span.context, parent=span.parent, resource=span.resource,
+                    attributes=span.attributes, events=events, links=span.links, kind=span.kind, status=status,
+                    start_time=span.start_time, end_time=span.end_time, instrumentation_scope=span.instrumentation_scope)
 
 
 def _failure_texts_out(exporter):  # noqa: ANN001, ANN202
