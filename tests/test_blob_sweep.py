@@ -209,6 +209,10 @@ async def test_the_schedule_follows_the_settings(stack):
             update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"}))
         # An operator pauses it (README: while the visibility store is rebuilt); a worker starts again.
         await handle.pause(note="visibility rebuilt")
+
+        async def paused() -> bool:  # the server's scheduler takes the pause a moment after the call returns
+            return (await handle.describe()).schedule.state.paused
+        await eventually(paused, what="the schedule paused")
         await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(
             update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"}))
         described = await handle.describe()
