@@ -7,7 +7,7 @@ activity attempt to the model call.
   * unset: nothing is recorded or exported (sampler always-off), but every request still gets a trace
     id that rides along (headers, CloudEvents `traceparent`, log lines), so correlation is free;
   * tests pass an exporter (in-memory): every span is recorded and handed to it at once.
-Either way a span leaves without the text of a failure it recorded (`_failure_texts_out`): a failure's
+Either way a span leaves without the text of a failure it recorded (`_FailureTextsOut`): a failure's
 message may hold what Ragline encrypts everywhere else (a reviewer's comment, an operator's discard reason).
 
 Temporal carries the context in its `_tracer-data` header (temporalio.contrib.opentelemetry, on the
@@ -23,7 +23,11 @@ from contextlib import contextmanager
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.propagators.textmap import CarrierT, Getter, default_getter
+from opentelemetry.trace import Status
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _configured = False
@@ -50,12 +54,12 @@ def configure(service_name: str = "ragline", exporter=None) -> None:
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
     if exporter is not None:
         provider = TracerProvider(resource=resource, sampler=ALWAYS_ON)
-        provider.add_span_processor(SimpleSpanProcessor(_failure_texts_out(exporter)))
+        provider.add_span_processor(SimpleSpanProcessor(_FailureTextsOut(exporter)))
     elif exporting():
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider = TracerProvider(resource=resource)  # sampler from OTEL_TRACES_SAMPLER, default parent-based on
-        provider.add_span_processor(BatchSpanProcessor(_failure_texts_out(OTLPSpanExporter())))
+        provider.add_span_processor(BatchSpanProcessor(_FailureTextsOut(OTLPSpanExporter())))
     else:
         provider = TracerProvider(resource=resource, sampler=ALWAYS_OFF)
     trace.set_tracer_provider(provider)
@@ -73,23 +77,27 @@ def _failure_type(description: str | None) -> str | None:
     return head if colon and head.replace(".", "").isidentifier() else None
 
 
-def _without_failure_texts(span):  # noqa: ANN001, ANN202 - ReadableSpan in and out
-    from opentelemetry.attributes import BoundedAttributes
-    from opentelemetry.sdk.trace import Event, ReadableSpan
-    from opentelemetry.trace import Status
+class _Scrubbed(ReadableSpan):
+    """A span's copy that keeps the counts of what its limits dropped (OTLP exports them; a copy counts 0)."""
 
-    class Scrubbed(ReadableSpan):
-        """The span's copy, with the counts of what its limits dropped (OTLP exports them) kept."""
+    def __init__(self, span: ReadableSpan, events: list[Event], status: Status) -> None:
+        super().__init__(name=span.name, context=span.context, parent=span.parent, resource=span.resource,
+                         attributes=span.attributes, events=events, links=span.links, kind=span.kind, status=status,
+                         start_time=span.start_time, end_time=span.end_time,
+                         instrumentation_scope=span.instrumentation_scope)
+        self._dropped = (span.dropped_events, span.dropped_links)
 
-        @property
-        def dropped_events(self) -> int:
-            return span.dropped_events
+    @property
+    def dropped_events(self) -> int:
+        return self._dropped[0]
 
-        @property
-        def dropped_links(self) -> int:
-            return span.dropped_links
+    @property
+    def dropped_links(self) -> int:
+        return self._dropped[1]
 
-    def scrubbed(event):  # noqa: ANN001, ANN202
+
+def _without_failure_texts(span: ReadableSpan) -> ReadableSpan:
+    def scrubbed(event: Event) -> Event:
         kept = BoundedAttributes(maxlen=None, attributes={
             k: v for k, v in (event.attributes or {}).items() if k not in _FAILURE_TEXTS}, immutable=False)
         kept.dropped = event.dropped_attributes
@@ -98,28 +106,24 @@ def _without_failure_texts(span):  # noqa: ANN001, ANN202 - ReadableSpan in and 
     events = [scrubbed(e) if e.name == "exception" else e for e in span.events]
     status = Status(span.status.status_code, _failure_type(span.status.description)) \
         if span.status.description else span.status
-    return Scrubbed(name=span.name, context=span.context, parent=span.parent, resource=span.resource,
-                    attributes=span.attributes, events=events, links=span.links, kind=span.kind, status=status,
-                    start_time=span.start_time, end_time=span.end_time, instrumentation_scope=span.instrumentation_scope)
+    return _Scrubbed(span, events, status)
 
 
-def _failure_texts_out(exporter):  # noqa: ANN001, ANN202
-    from opentelemetry.sdk.trace.export import SpanExporter
+class _FailureTextsOut(SpanExporter):
+    """Hands spans on with each failure's type and without its text (message, stack trace): Temporal's
+    tracing interceptor and the OpenTelemetry SDK record an exception's message on the span it ends."""
 
-    class FailureTextsOut(SpanExporter):
-        """Hands spans on with each failure's type and without its text (message, stack trace): Temporal's
-        tracing interceptor and the OpenTelemetry SDK record an exception's message on the span it ends."""
+    def __init__(self, exporter: SpanExporter) -> None:
+        self._exporter = exporter
 
-        def export(self, spans):  # noqa: ANN001, ANN202
-            return exporter.export([_without_failure_texts(s) for s in spans])
+    def export(self, spans):  # noqa: ANN001, ANN201 - Sequence[ReadableSpan] -> SpanExportResult
+        return self._exporter.export([_without_failure_texts(s) for s in spans])
 
-        def shutdown(self) -> None:
-            exporter.shutdown()
+    def shutdown(self) -> None:
+        self._exporter.shutdown()
 
-        def force_flush(self, timeout_millis: int = 30000) -> bool:
-            return exporter.force_flush(timeout_millis)
-
-    return FailureTextsOut()
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
 
 
 class _Without(Getter):
