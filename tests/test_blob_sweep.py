@@ -201,25 +201,43 @@ async def _gone(client, workflow_id: str) -> bool:
     return False
 
 
-async def test_the_schedule_follows_the_settings(stack):
+async def test_the_schedule_follows_the_settings(stack, monkeypatch):
     handle = stack.client.get_schedule_handle(schedules.BLOB_SWEEP)
+    service = stack.client.workflow_service
+    updates = []
+
+    async def update_schedule(req, *args, _update=service.update_schedule, **kwargs):
+        updates.append(req.schedule_id)
+        return await _update(req, *args, **kwargs)
+    monkeypatch.setattr(service, "update_schedule", update_schedule)
+    every_6h = stack.settings.model_copy(update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"})
     try:
         await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(update={"blob_sweep_every": "1d"}))
-        await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(
-            update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"}))
+        await schedules.ensure_blob_sweep(stack.client, every_6h)
+        assert updates == [schedules.BLOB_SWEEP]
         # An operator pauses it (README: while the visibility store is rebuilt); a worker starts again.
         await handle.pause(note="visibility rebuilt")
 
         async def paused() -> bool:  # the server's scheduler takes the pause a moment after the call returns
             return (await handle.describe()).schedule.state.paused
         await eventually(paused, what="the schedule paused")
-        await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(
-            update={"blob_sweep_every": "6h", "blob_sweep_min_age": "2d"}))
+        # Nothing changed: no update is sent, which could undo a pause taken since it read the schedule.
+        await schedules.ensure_blob_sweep(stack.client, every_6h)
+        assert updates == [schedules.BLOB_SWEEP]
         described = await handle.describe()
         assert described.schedule.state.paused and described.schedule.state.note == "visibility rebuilt"
         assert described.schedule.spec.intervals == [ScheduleIntervalSpec(every=schedules.parse_duration("6h"))]
         [arg] = described.schedule.action.args
         assert await stack.client.data_converter.decode([arg]) == [{"min_age_seconds": 2 * DAY, "dry_run": False}]
+        # Settings that changed are brought in, and the pause stays.
+        await schedules.ensure_blob_sweep(stack.client, every_6h.model_copy(update={"blob_sweep_min_age": "3d"}))
+        assert updates == [schedules.BLOB_SWEEP] * 2
+
+        async def brought_in() -> bool:
+            [arg] = (await handle.describe()).schedule.action.args
+            return await stack.client.data_converter.decode([arg]) == [{"min_age_seconds": 3 * DAY, "dry_run": False}]
+        await eventually(brought_in, what="the new minimum age in the schedule")
+        assert (await handle.describe()).schedule.state.paused
     finally:
         await schedules.ensure_blob_sweep(stack.client, stack.settings.model_copy(update={"blob_sweep_every": "0s"}))
     with pytest.raises(RPCError):
