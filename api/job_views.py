@@ -290,6 +290,7 @@ class _Submits(BaseModel):
 # read fetched and decrypted every message the session was sent.
 _SUBMITS: OrderedDict[tuple[str, str], _Submits] = OrderedDict()
 _SUBMITS_KEPT = 64
+_READING: dict[tuple[str, str, int], asyncio.Future[_Submits]] = {}
 
 
 async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id: str,
@@ -305,7 +306,11 @@ async def _submitted(client: Client, handle: WorkflowHandle, tenant: str, job_id
     run = client.get_workflow_handle(handle.id, run_id=desc.run_id)
     key, length = (handle.id, desc.run_id), desc.raw_description.workflow_execution_info.history_length
     if (turns := _SUBMITS.get(key)) is None or turns.history_length != length:
-        turns = await _read_submits(client, run, tenant, rpc_timeout)
+        # Reads that miss together share one (a flood of unknown ids arrives at once, not one by one).
+        if (reading := _READING.get((*key, length))) is None:
+            reading = _READING[(*key, length)] = asyncio.ensure_future(_read_submits(client, run, tenant, rpc_timeout))
+            reading.add_done_callback(lambda _: _READING.pop((*key, length), None))
+        turns = await asyncio.shield(reading)  # one caller gone does not cancel the others' read
         turns.history_length = length
         _SUBMITS[key] = turns
         while len(_SUBMITS) > _SUBMITS_KEPT:
@@ -522,8 +527,8 @@ MAX_TURNS_AHEAD = 100
 async def turns_ahead(client: Client, tenant: str, job_id: str, turn: int | None,
                       rpc_timeout: timedelta) -> list[TurnAhead]:
     """The earlier turns of a queued turn's session that are still open and have no answer yet (all of the
-    session's such turns when `turn` is not numbered yet), read from visibility: a person learns that turn 3, dead-lettered,
-    is what holds turn 4, and that cancelling or retrying it lets the session go on. Best effort: a
+    session's such turns when `turn` is not numbered yet), read from visibility: a person learns that turn 3,
+    dead-lettered, is what holds turn 4, and that cancelling or retrying it lets the session go on. Best effort: a
     listing that fails leaves the field empty, a turn whose memo cannot be read shows without its number,
     rather than failing the whole read."""
     session_id = session_of_turn(job_id)
