@@ -175,24 +175,35 @@ def worker_metrics_targets(settings: Settings) -> dict[str, str]:
             for spec in worker_specs(settings)}
 
 
-def prometheus_config(settings: Settings) -> str:
+def temporal_metrics_target(settings: Settings) -> str:
+    """Where the dev server `make run` starts serves its own metrics: its port + 11."""
+    return f"{_connect_host(settings.temporal_host)}:{settings.temporal_port + 11}"
+
+
+def prometheus_config(settings: Settings, *, scrape_temporal: bool = True) -> str:
     """deploy/prometheus/prometheus.yml with its targets set to where this run's processes listen: every
     worker process of RAGLINE_WORKERS among them (a scrape of the first alone left the model's errors, the
-    llm queue's slots and the other roles' steps out of every alert)."""
+    llm queue's slots and the other roles' steps out of every alert). `scrape_temporal=False` leaves out the
+    Temporal server's job: one this run did not start may serve its metrics elsewhere, or not at all."""
     text = (PROMETHEUS_DIR / "prometheus.yml").read_text()
     api = f"{_connect_host(settings.api_host)}:{settings.api_port}"
     workers = ", ".join(f'"{target}"' for target in worker_metrics_targets(settings).values())
-    temporal = f"{_connect_host(settings.temporal_host)}:{settings.temporal_port + 11}"
     for default, actual in (('"127.0.0.1:8000"', f'"{api}"'), ('"127.0.0.1:9464"', workers),
-                            ('"127.0.0.1:7244"', f'"{temporal}"')):
+                            ('"127.0.0.1:7244"', f'"{temporal_metrics_target(settings)}"')):
         text = text.replace(default, actual)
+    if not scrape_temporal:
+        text = re.sub(r"(?ms)^  - job_name: temporal\n.*?(?=^  - job_name:|\Z)", "", text)
     return text
+
+
+def prometheus_folder(settings: Settings) -> Path:
+    return Path(settings.data_dir) / "prometheus"
 
 
 def prometheus_spec(settings: Settings) -> ProcessSpec:
     """RAGLINE_PROMETHEUS=1: Debian's Prometheus on deploy/prometheus/ (the Makefile installs it then),
     its config and time series in <data_dir>/prometheus."""
-    folder = Path(settings.data_dir) / "prometheus"
+    folder = prometheus_folder(settings)
     port_check = port_free("127.0.0.1", settings.prometheus_port, "RAGLINE_PROMETHEUS_PORT")
 
     def preflight() -> str | None:
@@ -640,6 +651,8 @@ class Supervisor:
             self.devserver = DevServer(s, ui_codec_endpoint=self._ui_codec_endpoint())
             await self._unless_stopped(self.devserver.start())
             say(f"Temporal: ready (pid {self.devserver.pid})")
+        if s.prometheus and self.devserver is None:
+            await self._unless_stopped(self._scrape_temporal_if_it_answers())
 
         for spec in self.specs:
             if self.stop_requested.is_set():
@@ -650,6 +663,20 @@ class Supervisor:
             await m.start()
             await self._unless_stopped(m.wait_ready())
             say(f"{spec.name} is ready (pid {m.proc.pid})")  # type: ignore[union-attr]
+
+    async def _scrape_temporal_if_it_answers(self) -> None:
+        """A Temporal server this run did not start is scraped where a dev server serves its metrics (port + 11)
+        only if something answers there; else its target would be down for ever, and RaglineTargetDown firing."""
+        s = self.settings
+        target = temporal_metrics_target(s)
+        try:
+            answers = await http_ready(f"http://{target}/metrics", require_ok=True)()
+        except Exception:  # noqa: BLE001 - refused, timed out, not HTTP: nothing to scrape there
+            answers = False
+        if not answers:
+            (prometheus_folder(s) / "prometheus.yml").write_text(prometheus_config(s, scrape_temporal=False))
+            say(f"Prometheus: not scraping the Temporal server (no metrics at {target}; its own are where its "
+                "operator set them)")
 
     def _prepare_security(self) -> None:
         """A fresh data folder gets its keys: the payload encryption key, and one API key for tenant

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from devtools.supervisor import prometheus_config, worker_specs
+from devtools.supervisor import Supervisor, prometheus_config, prometheus_folder, temporal_metrics_target, worker_specs
 from ragline.settings import Settings
 from tests.conftest import TEMPORAL_METRICS_PORT, free_port, running_stack, worker_metrics_url
 from tests.helpers import eventually
@@ -112,6 +112,50 @@ def test_make_runs_prometheus_scrapes_every_worker_process_of_a_scale_out(tmp_pa
     scraped = [t for c in jobs["ragline-worker"]["static_configs"] for t in c["targets"]]
     given = [f"127.0.0.1:{spec.env['RAGLINE_WORKER_METRICS_PORT']}" for spec in worker_specs(settings)]
     assert sorted(scraped) == sorted(given) and len(set(given)) == 5, (scraped, given)
+
+
+async def test_make_run_on_a_temporal_it_did_not_start_scrapes_its_metrics_only_where_they_answer(tmp_path):
+    """`RAGLINE_PROMETHEUS=1 make run` on a Temporal server already running: its metrics were scraped at port + 11
+    (where the dev server make run starts serves them), and where nothing answered RaglineTargetDown fired for
+    ever. That target is now kept only if metrics answer there."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the library's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"# a Temporal server's metrics\n")
+
+        def log_message(self, *args) -> None:  # noqa: ANN002
+            pass
+
+    async def scraped_jobs(temporal_port: int) -> set[str]:
+        supervisor = Supervisor(Settings(data_dir=tmp_path, prometheus=True,
+                                         temporal_address=f"127.0.0.1:{temporal_port}"), specs=[])
+        written = prometheus_folder(supervisor.settings) / "prometheus.yml"
+        written.parent.mkdir(parents=True, exist_ok=True)
+        written.write_text(prometheus_config(supervisor.settings))  # as the preflight writes it
+        await supervisor._scrape_temporal_if_it_answers()
+        shutil.copy(RULES, written.parent / "rules.yml")
+        done = subprocess.run([_require("promtool"), "check", "config", str(written)], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        config = yaml.safe_load(written.read_text())
+        targets = {t for j in config["scrape_configs"] for c in j["static_configs"] for t in c["targets"]}
+        assert (temporal_metrics_target(supervisor.settings) in targets) == ("temporal" in {
+            j["job_name"] for j in config["scrape_configs"]})
+        return {j["job_name"] for j in config["scrape_configs"]}
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert await scraped_jobs(server.server_address[1] - 11) == {"ragline-api", "ragline-worker", "temporal"}
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Nothing at port + 11 (the port just closed).
+    assert await scraped_jobs(server.server_address[1] - 11) == {"ragline-api", "ragline-worker"}
 
 
 def _metric_names(expr: str) -> set[str]:
