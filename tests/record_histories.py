@@ -1,5 +1,8 @@
 """Record the histories the replay test (tests/test_replay.py) replays: `python -m tests.record_histories`.
 
+`python -m tests.record_histories SCENARIO...` records only the scenarios named (those in ALONE): it replaces
+their files alone, so a scenario added for a new patch leaves every other recorded history as it was.
+
 Runs each scenario against a fresh dev server with the real worker (role all), the real API and the
 scripted model, and saves every workflow's history (`WorkflowHistory.to_json()`) under
 tests/histories/<scenario>--<WorkflowType>--<n>.json (their workflow ids in
@@ -22,7 +25,8 @@ answer cut as it looped, a reply of markers only, an evaluation, a search, a blo
 one running job whose second turn waits for its slot (the gate's history too), and a turn whose cancel comes
 in one workflow task with its session's ask for the answer (real workflows on fake activities: the workflow
 worker stopped meanwhile), which awaits the answer the ask sends before it ends, and a session that ends
-idle and is started again by a later message.
+idle and is started again by a later message, and a keyed turn sent again once its job is gone past its
+session's continue-as-new (a job refused at once: IdempotencyKeyExpired).
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
@@ -34,19 +38,23 @@ import os
 import sys
 import tempfile
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
-from temporalio.client import WorkflowFailureError
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
+from temporalio.client import WorkflowExecutionDescription, WorkflowFailureError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
+from api.job_views import RecentlyAccepted
 from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM, last_user_message
 from models.blobs import SweepInput
-from models.chat import HistoryItem, SessionState, session_workflow_id
+from models.chat import KEY_EXPIRED_TYPE, HistoryItem, SessionState, session_workflow_id
 from ragline import keys as api_keys
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
@@ -99,10 +107,74 @@ async def _session_looks(client, job_id: str, count: int) -> bool:
     return looks >= count
 
 
-async def record() -> list[Path]:
+async def _resent_after_gone(stack) -> list[Path]:
+    """A keyed turn ran in its session's first run (which continued as new), its job is deleted, and the same
+    request comes again once the API no longer takes it for one just accepted: the session, which remembers
+    the job id, starts a job under it that fails at once (patch resent-turn-whose-job-is-gone-fails-saying-so).
+    Driven as in tests/test_acceptance.py (test_a_keyed_turn_sent_again_after_its_job_is_gone_...)."""
+    client = stack.client
+    session = f"resent-{uuid.uuid4().hex[:6]}"
+    session_wf = session_workflow_id(stack.tenant, session)
+    first_run = await client.start_workflow(
+        ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, turns_per_run=1),
+        id=session_wf, task_queue=stack.settings.task_queue,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                 SearchAttributePair(sa.SESSION, session),
+                                                 SearchAttributePair(sa.TENANT, stack.tenant)]))
+    # An empty collection: the scenario needs no upload, so it records alone too.
+    body = {"message": "Question: where is the lighthouse?", "collection": "record-empty", "session_id": session}
+    keyed = {"Idempotency-Key": f"rec-{session}"}
+    job_id = (await stack.http.post("/v1/chats", json=body, headers=keyed)).json()["job_id"]
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+
+    async def continued() -> bool:
+        return (await client.get_workflow_handle(session_wf).describe()).run_id != first_run.result_run_id
+    await eventually(continued, what="the session continued as new")
+    await client.workflow_service.delete_workflow_execution(DeleteWorkflowExecutionRequest(
+        namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=job_id)))
+
+    async def gone() -> bool:
+        try:
+            await client.get_workflow_handle(job_id).describe()
+        except RPCError:
+            return True
+        return False
+    await eventually(gone, what="the turn's job deleted")
+    # Ten minutes on: the API sends the resend to the session rather than reading it as accepted a moment ago.
+    fresh_for, RecentlyAccepted.FRESH_FOR = RecentlyAccepted.FRESH_FOR, timedelta(0)
+    try:
+        again = await stack.http.post("/v1/chats", json=body, headers=keyed)
+        assert again.status_code == 202 and again.json()["job_id"] == job_id, again.text
+
+        async def refused() -> WorkflowExecutionDescription | None:
+            try:
+                described = await client.get_workflow_handle(job_id).describe()
+            except RPCError:
+                return None  # not started yet (until then the API reads the id as a job that is gone)
+            return described if described.close_time else None
+        run_id = (await eventually(refused, what="the refused job under the key's id")).run_id
+    finally:
+        RecentlyAccepted.FRESH_FOR = fresh_for
+    job = await stack.wait_done(job_id)
+    assert job["status"] == "failed" and job["error"]["type"] == KEY_EXPIRED_TYPE, job
+    await asyncio.sleep(1)
+    return (await _save(client, "chat-resent-after-gone", f"WorkflowId = '{session_wf}'")
+            + await _save(client, "chat-resent-after-gone", f"WorkflowId = '{job_id}' AND RunId = '{run_id}'"))
+
+
+# Scenarios that can be recorded alone (a run naming them records nothing else), by name.
+ALONE = {"chat-resent-after-gone": _resent_after_gone}
+
+
+async def record(only: list[str] | None = None) -> list[Path]:
+    """Every scenario, or only those named (their files replaced, every other history and id kept)."""
     HISTORIES.mkdir(exist_ok=True)
+    if only:
+        ids.update({name: wf for name, wf in json.loads((HISTORIES / "workflow_ids.json").read_text()).items()
+                    if name.split("--")[0] not in only})
     for old in HISTORIES.glob("*--*.json"):
-        old.unlink()
+        if not only or old.name.split("--")[0] in only:
+            old.unlink()
     env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(),
                                                 search_attributes=list(sa.ALL),
                                                 dev_server_extra_args=dynamic_config_flags())
@@ -116,6 +188,11 @@ async def record() -> list[Path]:
         async with running_stack(address, llm, Path(tempfile.mkdtemp(prefix="ragline-record-")),
                                  encrypt_payloads=False) as stack:
             client = stack.client
+            if only:
+                for name in only:
+                    saved += await ALONE[name](stack)
+                _write_ids()
+                return saved
 
             # An ingestion of two documents.
             up = await stack.upload(("a.txt", b"The harbour of Ostra has a red lighthouse and two piers."),
@@ -476,6 +553,10 @@ async def record() -> list[Path]:
             saved += await _save(client, "running-slots", f"WorkflowId = '{second.json()['job_id']}'")
             saved += await _save(client, "running-slots", "WorkflowType = 'TenantGateWorkflow' AND RaglineTenant = 'capped'")
 
+            # Before the scenario below, whose workers load other policies.
+            for scenario in ALONE.values():
+                saved += await scenario(stack)
+
             # The first turn of a session has shown its answer and runs its summary. No workflow worker runs
             # while the session's ask for that answer (the next question came) and a person's cancel reach the
             # turn, both in one workflow task: the cancelled turn awaits the answer the ask sends before it ends.
@@ -511,12 +592,20 @@ async def record() -> list[Path]:
     finally:
         await llm.stop()
         await env.shutdown()
-    (HISTORIES / "workflow_ids.json").write_text(json.dumps(dict(sorted(ids.items())), indent=1) + "\n")
+    _write_ids()
     return saved
 
 
+def _write_ids() -> None:
+    (HISTORIES / "workflow_ids.json").write_text(json.dumps(dict(sorted(ids.items())), indent=1) + "\n")
+
+
 def main() -> int:
-    saved = asyncio.run(record())
+    only = sys.argv[1:]
+    if unknown := [name for name in only if name not in ALONE]:
+        print(f"not recordable alone: {', '.join(unknown)} (choose from: {', '.join(ALONE)})", file=sys.stderr)
+        return 2
+    saved = asyncio.run(record(only))
     for path in saved:
         print(path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path)
     return 0

@@ -15,13 +15,15 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 import worker
+from models.chat import KEY_EXPIRED_TYPE
 from ragline.settings import Settings
 from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
 from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH
 from workflows.chat import (
-    CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, SESSION_ENDS_IDLE_PATCH, ChatTurnWorkflow,
+    CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, RESENT_AFTER_GONE_PATCH,
+    SESSION_ENDS_IDLE_PATCH, ChatTurnWorkflow,
 )
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 
@@ -73,7 +75,7 @@ def test_every_workflow_type_and_scenario_is_recorded():
     scenarios = {p.stem.split("--")[0] for p in FILES}
     assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry", "running-slots",
                          "follow-up-waits-for-go", "chat-cancelled-after-answer", "chat-cancel-with-ask",
-                         "agent-seconds-granted"}
+                         "agent-seconds-granted", "chat-resent-after-gone"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -107,6 +109,11 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert SESSION_ENDS_IDLE_PATCH in _patches("chat-session-idle--")
     idle = "".join(p.read_text() for p in FILES if p.stem.startswith("chat-session-idle--"))
     assert '"session_left"' in idle and "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED" in idle
+    # A keyed turn sent again once its job was gone (past a continue-as-new): its session started a job that
+    # failed at once.
+    assert RESENT_AFTER_GONE_PATCH in _patches("chat-resent-after-gone--ChatSessionWorkflow")
+    refused = next(p for p in FILES if p.stem.startswith("chat-resent-after-gone--ChatTurnWorkflow")).read_text()
+    assert KEY_EXPIRED_TYPE in refused and "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED" in refused
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
