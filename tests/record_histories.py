@@ -55,13 +55,17 @@ from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM, last_user_message
 from models.blobs import SweepInput
 from models.chat import KEY_EXPIRED_TYPE, HistoryItem, SessionState, session_workflow_id
+from models.ingest import document_workflow_id
 from ragline import keys as api_keys
+from temporal import policies
 from temporal import search_attributes as sa
 from tests.conftest import running_stack
 from tests.helpers import (delegate_until, eventually, fresh_plan, plan_depth, read_events,
                            two_sub_agents_that_delegate_deeper, until_waited, waiting_reviews)
-from tests.test_workflows import FirstTurnsSummaryRunsOn, fake_worker, start_session, turn, turn_result
+from tests.test_workflows import (Fakes, FirstTurnsSummaryRunsOn, document, fake_worker, start_session, turn,
+                                  turn_result)
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.ingest import IngestDocumentWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
@@ -162,8 +166,98 @@ async def _resent_after_gone(stack) -> list[Path]:
             + await _save(client, "chat-resent-after-gone", f"WorkflowId = '{job_id}' AND RunId = '{run_id}'"))
 
 
+async def _runs_carrying(client, session_wf: str) -> list[list[str]]:
+    """The job ids of the turns each continue-as-new of the session carried, oldest run first."""
+    carried = []
+    async for execution in client.list_workflows(f"WorkflowId = '{session_wf}'"):
+        async for event in client.get_workflow_handle(session_wf, run_id=execution.run_id).fetch_history_events():
+            if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+                payloads = event.workflow_execution_continued_as_new_event_attributes.input.payloads
+                (state,) = await client.data_converter.decode(payloads, [SessionState])
+                carried.append((execution.start_time, [t.job_id for t in state.pending]))
+    return [turns for _, turns in sorted(carried)]
+
+
+async def _session_full_mid_turn(stack) -> list[Path]:
+    """Messages come while a reviewer holds a session's turn: the fourth not yet answered is refused (patch
+    session-refuses-past-its-bound), and the run, grown to its four messages, continues as new while the turn
+    waits (session-continues-as-new-while-its-turn-waits); the next run asks the carried turn for its answer
+    (carried-turn-asked-for-its-answer). Driven as in tests/test_acceptance.py
+    (test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_continues_as_new_meanwhile)."""
+    client = stack.client
+    tag = uuid.uuid4().hex[:8]
+    seed = await stack.upload((f"{tag}.txt", f"The {tag} herds are counted by Ada, from the hill.".encode()),
+                              collection=tag)  # a collection of its own: the scenario records alone
+    assert (await stack.wait_job(seed["job_id"]))["status"] == "completed"
+    session = f"full-{tag}"
+    session_wf = session_workflow_id(stack.tenant, session)
+    await client.start_workflow(  # continues as new after four messages, even mid-turn
+        ChatSessionWorkflow.run, SessionState(tenant=stack.tenant, session_id=session, submits_per_run=4),
+        id=session_wf, task_queue=stack.settings.task_queue,
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "chat_session"),
+                                                 SearchAttributePair(sa.SESSION, session),
+                                                 SearchAttributePair(sa.TENANT, stack.tenant)]))
+
+    async def ask(message: str, review: bool = False) -> str:
+        r = await stack.http.post("/v1/chats", json={"message": f"{message} {tag}", "session_id": session,
+                                                     "collection": tag, "require_review": review})
+        assert r.status_code == 202, r.text
+        return r.json()["job_id"]
+    bound, stack.settings.session_max_queued_turns = stack.settings.session_max_queued_turns, 3
+    try:
+        held = await ask("Who counts the herds?", review=True)
+        await waiting_reviews(stack, held)
+        queued = [await ask("And from what?"), await ask("And how often?")]
+        refused = await ask("And where?")  # a fourth turn not yet answered: one too many
+        job = await stack.wait_done(refused)
+        assert job["status"] == "failed" and job["error"]["type"] == "SessionBusy", job
+    finally:
+        stack.settings.session_max_queued_turns = bound
+    carried = await eventually(lambda: _runs_carrying(client, session_wf), what="the session continued as new")
+    assert carried == [[held, *queued]], carried
+    r = await stack.http.post(f"/v1/jobs/{held}/review", json={"decision": "approve", "reviewer": "rec"})
+    assert r.status_code == 200, r.text
+    for job_id in (held, *queued):
+        assert (await stack.wait_done(job_id))["status"] == "completed"
+    await asyncio.sleep(1)  # visibility
+    name = "chat-session-full-mid-turn"
+    return (await _save(client, name, f"WorkflowId = '{session_wf}'")
+            + await _save(client, name, f"WorkflowId = '{held}' OR WorkflowId = '{refused}'"))  # one count
+
+
+async def _cancel_during_failing_publish(stack) -> list[Path]:
+    """A document's publish, cancelled while it runs, then fails retryably: the server retries nothing once the
+    cancel was asked, and the job ends cancelled (patch step-failed-after-cancel-request-is-cancelled). As
+    tests/test_workflows.py does it (test_a_cancel_during_a_publish_that_then_fails_ends_the_job_cancelled): the
+    real workflow on its fake activities, which fail the publish after 1.5 s."""
+    fakes = Fakes(publish_seconds=1.5, publish_fails=True)
+    doc = document("a.txt", "record-late-cancel")
+    loaded = policies._loaded  # fake_worker loads the test policies for the fakes' names: the stack's go back
+    try:
+        async with fake_worker(SimpleNamespace(client=stack.client), fakes) as queue:
+            handle = await stack.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue,
+                                                       id=document_workflow_id(doc.tenant, doc.document_id))
+
+            async def publishing() -> bool:
+                return bool(fakes.named("prune_stale_chunks"))
+            await eventually(publishing, timeout=20, what="the publish")
+            await handle.cancel()
+            try:
+                await handle.result()
+                raise AssertionError("the document's job was not cancelled")
+            except WorkflowFailureError as exc:
+                assert isinstance(exc.cause, CancelledError), exc.cause
+    finally:
+        policies._loaded = loaded
+    assert len(fakes.named("prune_stale_chunks")) == 1  # not retried
+    await asyncio.sleep(1)
+    return await _save(stack.client, "ingest-cancel-during-failing-publish", f"WorkflowId = '{handle.id}'")
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
-ALONE = {"chat-resent-after-gone": _resent_after_gone}
+ALONE = {"chat-resent-after-gone": _resent_after_gone,
+         "chat-session-full-mid-turn": _session_full_mid_turn,
+         "ingest-cancel-during-failing-publish": _cancel_during_failing_publish}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

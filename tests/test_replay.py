@@ -22,9 +22,11 @@ from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
 from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH
 from workflows.chat import (
-    CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, RESENT_AFTER_GONE_PATCH,
-    SESSION_ENDS_IDLE_PATCH, ChatTurnWorkflow,
+    CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, CARRIED_TURN_ASKED_PATCH,
+    RESENT_AFTER_GONE_PATCH, SESSION_CONTINUES_MID_TURN_PATCH, SESSION_ENDS_IDLE_PATCH, SESSION_REFUSES_PATCH,
+    ChatTurnWorkflow,
 )
+from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
@@ -75,7 +77,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     scenarios = {p.stem.split("--")[0] for p in FILES}
     assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry", "running-slots",
                          "follow-up-waits-for-go", "chat-cancelled-after-answer", "chat-cancel-with-ask",
-                         "agent-seconds-granted", "chat-resent-after-gone"}
+                         "agent-seconds-granted", "chat-resent-after-gone", "chat-session-full-mid-turn",
+                         "ingest-cancel-during-failing-publish"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -114,6 +117,12 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert RESENT_AFTER_GONE_PATCH in _patches("chat-resent-after-gone--ChatSessionWorkflow")
     refused = next(p for p in FILES if p.stem.startswith("chat-resent-after-gone--ChatTurnWorkflow")).read_text()
     assert KEY_EXPIRED_TYPE in refused and "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED" in refused
+    # A session holding its bound of turns refused the next, and continued as new while a reviewer held its
+    # turn; its next run asked that carried turn for its answer.
+    assert {SESSION_REFUSES_PATCH, SESSION_CONTINUES_MID_TURN_PATCH, CARRIED_TURN_ASKED_PATCH} <= \
+        _patches("chat-session-full-mid-turn--ChatSessionWorkflow")
+    # A publish cancelled as it ran, which then failed: the job ended cancelled.
+    assert CANCEL_REQUESTED_IS_CANCEL_PATCH in _patches("ingest-cancel-during-failing-publish--IngestDocumentWorkflow")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
