@@ -33,6 +33,7 @@ Histories of earlier code stay in tests/histories/before-*/ (replayed as well, n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -43,11 +44,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
-from temporalio.client import WorkflowExecutionDescription, WorkflowFailureError
+from temporalio.client import WorkflowExecutionDescription, WorkflowFailureError, WorkflowUpdateStage
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.contrib.workflow_streams import PollInput, PollResult
 from temporalio.exceptions import CancelledError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 from api.job_views import RecentlyAccepted
@@ -65,6 +68,7 @@ from tests.helpers import (delegate_until, eventually, fresh_plan, plan_depth, r
 from tests.test_workflows import (Fakes, FirstTurnsSummaryRunsOn, document, fake_worker, start_session, turn,
                                   turn_result)
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
+from workflows.events import POLL_UPDATE
 from workflows.ingest import IngestDocumentWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
@@ -254,10 +258,84 @@ async def _cancel_during_failing_publish(stack) -> list[Path]:
     return await _save(stack.client, "ingest-cancel-during-failing-publish", f"WorkflowId = '{handle.id}'")
 
 
+async def _seeded(stack, tag: str) -> str:
+    """A collection of the scenario's own with one document (so that it records alone)."""
+    seed = await stack.upload((f"{tag}.txt", f"High tide at {tag} harbour is at noon.".encode()), collection=tag)
+    assert (await stack.wait_job(seed["job_id"]))["status"] == "completed"
+    return tag
+
+
+async def _cancel_after_terminal_event(stack) -> list[Path]:
+    """A watched turn has sent its terminal event and waits for its watcher's next poll, and a cancel comes:
+    it stays completed (patch cancel-after-terminal-event-changes-nothing). Driven as in tests/test_cancel.py
+    (test_a_cancel_that_comes_as_a_job_ends_leaves_it_as_it_ended), with a longer wait for the watcher so the
+    cancel surely lands in it (the timer's length is not part of what a replay checks)."""
+    collection = await _seeded(stack, f"late{uuid.uuid4().hex[:8]}")
+    loaded = policies._loaded
+    policies._loaded = dataclasses.replace(loaded, subscriber_grace=timedelta(seconds=30))
+    try:
+        with stack.llm.scope(delay=1.0) as llm:
+            job_id = (await stack.chat(f"When is high tide? {llm.token}", collection=collection))["job_id"]
+            handle = stack.client.get_workflow_handle(job_id)
+
+            async def poll() -> PollResult | None:
+                try:
+                    return await handle.execute_update(POLL_UPDATE, PollInput(from_offset=0), result_type=PollResult)
+                except Exception:  # noqa: BLE001 - the session has not started the job yet
+                    return None
+            # A watcher reads the first events and leaves without polling again (a closed browser tab).
+            await eventually(poll, what="the turn's first events")
+            async for event in handle.fetch_history_events(wait_new_event=True):
+                if event.event_type == EventType.EVENT_TYPE_TIMER_STARTED and \
+                        event.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta() == \
+                        timedelta(seconds=30):
+                    break  # the terminal event is out; the job waits for the watcher's next poll
+            else:
+                raise AssertionError("the turn ended without waiting for its watcher's next poll")
+            r = await stack.http.post(f"/v1/jobs/{job_id}/cancel")
+            assert r.status_code == 202, r.text
+    finally:
+        policies._loaded = loaded
+    ended = await stack.wait_done(job_id)
+    assert ended["status"] == "completed" and ended["result"]["answer"], ended
+    await asyncio.sleep(1)
+    return await _save(stack.client, "chat-cancel-after-terminal-event", f"WorkflowId = '{job_id}'")
+
+
+async def _stream_polls_bounded(stack) -> list[Path]:
+    """Readers of a turn held for review go away with their polls still in flight: past five waiting, the
+    oldest is answered empty (patch stream-polls-bounded), and the reviewer's decision still lands. Driven as
+    in tests/test_events.py (test_polls_whose_readers_went_away_leave_room_for_a_decision)."""
+    collection = await _seeded(stack, f"gone{uuid.uuid4().hex[:8]}")
+    r = await stack.http.post("/v1/chats", json={"message": "When is high tide?", "collection": collection,
+                                                 "require_review": True})
+    job_id = r.json()["job_id"]
+    await waiting_reviews(stack, job_id)
+    handle = stack.client.get_workflow_handle(job_id)
+    end = await handle.query("__temporal_workflow_stream_offset", result_type=int)
+    gone = []
+    for _ in range(12):  # each reader polls from the end, then goes away without its answer
+        try:
+            gone.append(await handle.start_update(POLL_UPDATE, PollInput(topics=["events"], from_offset=end),
+                                                  wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                                                  result_type=PollResult))
+        except RPCError as exc:  # refused: every Update the job may have in flight is taken
+            assert exc.status == RPCStatusCode.RESOURCE_EXHAUSTED, exc
+    early = [await asyncio.wait_for(poll.result(), 30) for poll in gone[:7]]
+    assert all(result.items == [] and result.next_offset == end for result in early), early
+    r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "approve", "reviewer": "rec"})
+    assert r.status_code == 200, r.text
+    assert (await stack.wait_done(job_id))["status"] == "completed"
+    await asyncio.sleep(1)
+    return await _save(stack.client, "chat-stream-polls-bounded", f"WorkflowId = '{job_id}'")
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
 ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-session-full-mid-turn": _session_full_mid_turn,
-         "ingest-cancel-during-failing-publish": _cancel_during_failing_publish}
+         "ingest-cancel-during-failing-publish": _cancel_during_failing_publish,
+         "chat-cancel-after-terminal-event": _cancel_after_terminal_event,
+         "chat-stream-polls-bounded": _stream_polls_bounded}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

@@ -26,6 +26,7 @@ from workflows.chat import (
     RESENT_AFTER_GONE_PATCH, SESSION_CONTINUES_MID_TURN_PATCH, SESSION_ENDS_IDLE_PATCH, SESSION_REFUSES_PATCH,
     ChatTurnWorkflow,
 )
+from workflows.events import POLLS_BOUNDED_PATCH, TERMINAL_EVENT_STANDS_PATCH
 from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 
@@ -78,7 +79,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert scenarios >= {"ingestion", "chat-session", "agent-review", "dead-letter-retry", "running-slots",
                          "follow-up-waits-for-go", "chat-cancelled-after-answer", "chat-cancel-with-ask",
                          "agent-seconds-granted", "chat-resent-after-gone", "chat-session-full-mid-turn",
-                         "ingest-cancel-during-failing-publish"}
+                         "ingest-cancel-during-failing-publish", "chat-cancel-after-terminal-event",
+                         "chat-stream-polls-bounded"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -123,6 +125,12 @@ def test_every_workflow_type_and_scenario_is_recorded():
         _patches("chat-session-full-mid-turn--ChatSessionWorkflow")
     # A publish cancelled as it ran, which then failed: the job ended cancelled.
     assert CANCEL_REQUESTED_IS_CANCEL_PATCH in _patches("ingest-cancel-during-failing-publish--IngestDocumentWorkflow")
+    # A cancel that came once a watched turn's terminal event was out left it completed.
+    assert TERMINAL_EVENT_STANDS_PATCH in _patches("chat-cancel-after-terminal-event--ChatTurnWorkflow")
+    late = next(p for p in FILES if p.stem.startswith("chat-cancel-after-terminal-event--")).read_text()
+    assert "EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED" in late and "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED" in late
+    # Polls of gone readers past five waiting were answered early.
+    assert POLLS_BOUNDED_PATCH in _patches("chat-stream-polls-bounded--ChatTurnWorkflow")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
