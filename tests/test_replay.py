@@ -128,7 +128,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     # A cancel that came once a watched turn's terminal event was out left it completed.
     assert TERMINAL_EVENT_STANDS_PATCH in _patches("chat-cancel-after-terminal-event--ChatTurnWorkflow")
     late = next(p for p in FILES if p.stem.startswith("chat-cancel-after-terminal-event--")).read_text()
-    assert "EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED" in late and "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED" in late
+    assert "EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED" in late
+    assert "EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED" in late
     # Polls of gone readers past five waiting were answered early.
     assert POLLS_BOUNDED_PATCH in _patches("chat-stream-polls-bounded--ChatTurnWorkflow")
 
