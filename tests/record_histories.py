@@ -53,15 +53,18 @@ from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
+from activities.gate import gate_id
 from api.job_views import RecentlyAccepted
 from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM, last_user_message
 from models.blobs import SweepInput
 from models.chat import KEY_EXPIRED_TYPE, HistoryItem, SessionState, session_workflow_id
 from models.ingest import document_workflow_id
+from models.tenancy import GateState
 from ragline import keys as api_keys
 from temporal import policies
 from temporal import search_attributes as sa
+from temporal.queues import queue_name
 from tests.conftest import running_stack
 from tests.helpers import (delegate_until, eventually, fresh_plan, plan_depth, read_events,
                            two_sub_agents_that_delegate_deeper, until_waited, waiting_reviews)
@@ -69,6 +72,7 @@ from tests.test_workflows import (Fakes, FirstTurnsSummaryRunsOn, document, fake
                                   turn_result)
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import POLL_UPDATE
+from workflows.gate import MAX_IN_GATE, TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
@@ -330,12 +334,54 @@ async def _stream_polls_bounded(stack) -> list[Path]:
     return await _save(stack.client, "chat-stream-polls-bounded", f"WorkflowId = '{job_id}'")
 
 
+async def _gate_full(stack) -> list[Path]:
+    """A tenant's gate holds MAX_IN_GATE jobs and refuses the next, which fails at once, TenantBusy (patch
+    gate-refuses-past-its-bound), as in tests/test_running_slots.py
+    (test_a_gate_holding_all_it_may_refuses_the_next_job_which_fails_saying_so). That test lowers the bound, which
+    a replay on today's code would not: here the gate is started as a run of it carried over, holding 4,000 jobs
+    (made-up ids, none waiting under the tenant's limit of 10,000: nothing for the gate to sweep)."""
+    client = stack.client
+    tenant = f"full-{uuid.uuid4().hex[:6]}"
+    key = api_keys.create(stack.settings.effective_api_keys_file, tenant, "reviewer", f"{tenant}-reviewer")
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def ended(job_id: str) -> dict | None:
+        job = (await stack.http.get(f"/v1/jobs/{job_id}", headers=headers)).json()
+        return job if job["status"] in ("completed", "failed", "cancelled") else None
+    # The tenant's document first (its job starts the gate, ended then to start the full one in its place).
+    r = await stack.http.post("/v1/documents", data={"collection": "record"}, headers=headers,
+                              files=[("files", ("a.txt", b"The keeper lights the lamp at dusk."))])
+    upload = r.json()["job_id"]
+    assert (await eventually(lambda: ended(upload), timeout=60, what="the upload"))["status"] == "completed"
+    await client.get_workflow_handle(gate_id(tenant, stack.settings.task_queue)).terminate("replaced")
+    # Ids of three characters: the gate's input stays under LARGE_PAYLOAD_BYTES, in the history (not a blob).
+    holders = [f"{n:03x}" for n in range(MAX_IN_GATE)]
+    gate = await client.start_workflow(  # as acquire_slot starts it
+        TenantGateWorkflow.run, GateState(tenant=tenant, limit=stack.settings.tenant_max_running_jobs,
+                                          holders=holders, tickets=dict.fromkeys(holders, 1)),
+        id=gate_id(tenant, stack.settings.task_queue), task_queue=queue_name(stack.settings.task_queue, "main"),
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "tenant_gate"),
+                                                 SearchAttributePair(sa.TENANT, tenant)]))
+    r = await stack.http.post("/v1/chats", headers=headers,
+                              json={"message": "When is the lamp lit?", "collection": "record"})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    job = await eventually(lambda: ended(job_id), timeout=60, what="the refused job's end")
+    assert job["status"] == "failed" and job["error"]["type"] == "TenantBusy", job
+    assert f"{MAX_IN_GATE} jobs of tenant {tenant} already run or wait" in job["error"]["message"], job
+    await asyncio.sleep(1)
+    saved = await _save(client, "gate-full", f"WorkflowId = '{gate.id}' AND RunId = '{gate.result_run_id}'")
+    await gate.terminate("recorded")
+    return saved + await _save(client, "gate-full", f"WorkflowId = '{job_id}'")
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
 ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-session-full-mid-turn": _session_full_mid_turn,
          "ingest-cancel-during-failing-publish": _cancel_during_failing_publish,
          "chat-cancel-after-terminal-event": _cancel_after_terminal_event,
-         "chat-stream-polls-bounded": _stream_polls_bounded}
+         "chat-stream-polls-bounded": _stream_polls_bounded,
+         "gate-full": _gate_full}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:
