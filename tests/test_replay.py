@@ -27,7 +27,7 @@ from workflows.chat import (
     ChatTurnWorkflow,
 )
 from workflows.events import POLLS_BOUNDED_PATCH, TERMINAL_EVENT_STANDS_PATCH
-from workflows.gate import IN_GATE_BOUND_PATCH
+from workflows.gate import IN_GATE_BOUND_PATCH, OWED_PATCH
 from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 
@@ -81,7 +81,7 @@ def test_every_workflow_type_and_scenario_is_recorded():
                          "follow-up-waits-for-go", "chat-cancelled-after-answer", "chat-cancel-with-ask",
                          "agent-seconds-granted", "chat-resent-after-gone", "chat-session-full-mid-turn",
                          "ingest-cancel-during-failing-publish", "chat-cancel-after-terminal-event",
-                         "chat-stream-polls-bounded", "gate-full"}
+                         "chat-stream-polls-bounded", "gate-full", "gate-ends-owing"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -136,6 +136,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     # A gate holding all it may refused the next job, which failed saying so.
     assert IN_GATE_BOUND_PATCH in _patches("gate-full--TenantGateWorkflow")
     assert "TenantBusy" in next(p for p in FILES if p.stem.startswith("gate-full--ChatTurnWorkflow")).read_text()
+    # A job that asked as its gate was ending was owed its answer, told by the next run.
+    assert OWED_PATCH in _patches("gate-ends-owing--TenantGateWorkflow")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
