@@ -415,6 +415,41 @@ async def _gate_ends_owing(stack) -> list[Path]:
     return saved
 
 
+async def _fallback_refused(stack) -> list[Path]:
+    """The configured model is down (503s) and the lighter fallback refuses (400): the answer step parks with
+    both reasons (patch fallback-refused-parks-the-step), and an operator's retry asks the configured model
+    again. Driven as in tests/test_grounded.py
+    (test_a_fallback_that_refuses_parks_the_answer_for_an_operator_rather_than_failing_the_turn), on a stack of
+    its own beside the recording one (same server, a task queue of its own): only it has a fallback model."""
+    primary, light = ScriptedLLM(), ScriptedLLM()
+    await primary.start()
+    await light.start()
+    loaded = policies._loaded  # (its worker loads the same policy file: what the recording stack runs on stays)
+    try:
+        address = stack.client.service_client.config.target_host
+        async with running_stack(address, primary, Path(tempfile.mkdtemp(prefix="ragline-record-fallback-")),
+                                 task_queue="ragline-record-fallback", encrypt_payloads=False,
+                                 fallback_llm_base_url=light.base_url, fallback_llm_model="light") as fallback:
+            up = await fallback.upload(("a.txt", b"The harbour of Ostra has a red lighthouse."), collection="record")
+            assert (await fallback.wait_job(up["job_id"]))["status"] == "completed"
+            primary.script("answer", ["503"] * ATTEMPTS)
+            light.script("answer", ["400"])
+            job_id = (await fallback.chat("What colour is the lighthouse?", collection="record"))["job_id"]
+            job = await fallback.wait_job(job_id)
+            assert job["status"] == "dead_lettered", job
+            assert "the fallback refused too" in job["error"]["message"], job["error"]
+            r = await fallback.http.post(f"/v1/jobs/{job_id}/retry", json={"operator": "rec", "reason": "back up"})
+            assert r.status_code == 200, r.text
+            job = await fallback.wait_done(job_id)
+            assert job["status"] == "completed" and job["result"]["model"] != "light", job
+            await asyncio.sleep(1)
+            return await _save(stack.client, "chat-fallback-refused", f"WorkflowId = '{job_id}'")
+    finally:
+        policies._loaded = loaded
+        await primary.stop()
+        await light.stop()
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
 ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-session-full-mid-turn": _session_full_mid_turn,
@@ -422,7 +457,8 @@ ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-cancel-after-terminal-event": _cancel_after_terminal_event,
          "chat-stream-polls-bounded": _stream_polls_bounded,
          "gate-full": _gate_full,
-         "gate-ends-owing": _gate_ends_owing}
+         "gate-ends-owing": _gate_ends_owing,
+         "chat-fallback-refused": _fallback_refused}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

@@ -28,7 +28,7 @@ from workflows.chat import (
 )
 from workflows.events import POLLS_BOUNDED_PATCH, TERMINAL_EVENT_STANDS_PATCH
 from workflows.gate import IN_GATE_BOUND_PATCH, OWED_PATCH
-from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH
+from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH, FALLBACK_REFUSED_PARKS_PATCH
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
@@ -81,7 +81,7 @@ def test_every_workflow_type_and_scenario_is_recorded():
                          "follow-up-waits-for-go", "chat-cancelled-after-answer", "chat-cancel-with-ask",
                          "agent-seconds-granted", "chat-resent-after-gone", "chat-session-full-mid-turn",
                          "ingest-cancel-during-failing-publish", "chat-cancel-after-terminal-event",
-                         "chat-stream-polls-bounded", "gate-full", "gate-ends-owing"}
+                         "chat-stream-polls-bounded", "gate-full", "gate-ends-owing", "chat-fallback-refused"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -138,6 +138,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert "TenantBusy" in next(p for p in FILES if p.stem.startswith("gate-full--ChatTurnWorkflow")).read_text()
     # A job that asked as its gate was ending was owed its answer, told by the next run.
     assert OWED_PATCH in _patches("gate-ends-owing--TenantGateWorkflow")
+    # An answer whose fallback model refused too was parked (then retried by an operator), not failed.
+    assert FALLBACK_REFUSED_PARKS_PATCH in _patches("chat-fallback-refused--ChatTurnWorkflow")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
