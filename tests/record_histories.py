@@ -43,6 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
@@ -61,7 +62,7 @@ from devtools.scripted_llm import ScriptedLLM, last_user_message
 from models.blobs import SweepInput
 from models.chat import KEY_EXPIRED_TYPE, HistoryItem, SessionState, session_workflow_id
 from models.ingest import document_workflow_id
-from models.tenancy import GateState, SlotRequest
+from models.tenancy import GateState, SlotGrant, SlotRequest
 from ragline import keys as api_keys
 from temporal import policies
 from temporal import search_attributes as sa
@@ -450,6 +451,38 @@ async def _fallback_refused(stack) -> list[Path]:
         await light.stop()
 
 
+class AnsweredOutOfOrder(Fakes):
+    """The gate's two answers to a job's ask arrive in the wrong order: the grant, then the "wait in line" it
+    sent first (signals of their own, which the server may deliver in either order)."""
+
+    @activity.defn(name="acquire_slot")
+    async def acquire_slot(self, req: SlotRequest) -> None:
+        self._end(self._start("acquire_slot", req))
+        job = activity.client().get_workflow_handle(req.job_id)
+        await job.signal("slot_update", SlotGrant(ticket=req.ticket, granted=True, running=2, limit=2))
+        await job.signal("slot_update", SlotGrant(ticket=req.ticket, granted=False, running=2, limit=2, position=1))
+
+
+async def _slot_grant_final(stack) -> list[Path]:
+    """A document's job hears its grant and then the "wait in line" sent before it: it keeps the slot and runs
+    (patch slot-grant-is-final). As tests/test_workflows.py does it
+    (test_a_grant_is_not_undone_by_a_wait_in_line_that_arrives_after_it), in a real job: the document's workflow
+    on the fake activities, with its tenant (it asks for a slot)."""
+    doc = document("a.txt", "record-out-of-order")
+    job_id = document_workflow_id(doc.tenant, doc.document_id)
+    loaded = policies._loaded  # fake_worker loads the test policies for the fakes' names: the stack's go back
+    try:
+        async with fake_worker(SimpleNamespace(client=stack.client), AnsweredOutOfOrder()) as queue:
+            result = await asyncio.wait_for(stack.client.execute_workflow(
+                IngestDocumentWorkflow.run, doc, task_queue=queue, id=job_id,
+                search_attributes=TypedSearchAttributes([SearchAttributePair(sa.TENANT, doc.tenant)])), 60)
+    finally:
+        policies._loaded = loaded
+    assert result.status == "indexed", result
+    await asyncio.sleep(1)
+    return await _save(stack.client, "slot-grant-then-wait", f"WorkflowId = '{job_id}'")
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
 ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-session-full-mid-turn": _session_full_mid_turn,
@@ -458,7 +491,8 @@ ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-stream-polls-bounded": _stream_polls_bounded,
          "gate-full": _gate_full,
          "gate-ends-owing": _gate_ends_owing,
-         "chat-fallback-refused": _fallback_refused}
+         "chat-fallback-refused": _fallback_refused,
+         "slot-grant-then-wait": _slot_grant_final}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:
