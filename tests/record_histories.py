@@ -74,7 +74,7 @@ from tests.test_workflows import (Fakes, FirstTurnsSummaryRunsOn, HoldsAPayload,
                                   turn, turn_result)
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import POLL_UPDATE
-from workflows.gate import MAX_IN_GATE, TenantGateWorkflow
+from workflows.gate import MAX_IN_GATE, MAX_SENDING, TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
@@ -483,6 +483,31 @@ async def _slot_grant_final(stack) -> list[Path]:
     return await _save(stack.client, "slot-grant-then-wait", f"WorkflowId = '{job_id}'")
 
 
+async def _gate_sends_bounded(stack) -> list[Path]:
+    """A gate's run owes MAX_SENDING + 1 jobs their standing (its last run ended meanwhile): it sends the first
+    MAX_SENDING answers and the last once one of them is through (patch gate-answers-at-most-1000-at-once). The
+    jobs are gone (made-up ids): each send fails and the gate passes the place on, which no one waits for.
+    tests/test_running_slots.py (test_a_gate_has_a_bounded_number_of_answers_on_their_way_and_every_job_hears)
+    lowers the bound, which a replay on today's code would not."""
+    client = stack.client
+    tenant = f"sends-{uuid.uuid4().hex[:6]}"
+    owed = [f"{n:03x}" for n in range(MAX_SENDING + 1)]
+    gate = await client.start_workflow(
+        TenantGateWorkflow.run, GateState(tenant=tenant, limit=stack.settings.tenant_max_running_jobs,
+                                          holders=owed, tickets=dict.fromkeys(owed, 1), owed=owed),
+        id=gate_id(tenant, stack.settings.task_queue), task_queue=queue_name(stack.settings.task_queue, "main"),
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.JOB_KIND, "tenant_gate"),
+                                                 SearchAttributePair(sa.TENANT, tenant)]))
+
+    async def told_all() -> bool:  # every place passed on, the last send included
+        return not (await gate.query(TenantGateWorkflow.slots)).holders
+    await eventually(told_all, timeout=120, what="the gate's sends through")
+    await asyncio.sleep(1)
+    saved = await _save(client, "gate-sends-bounded", f"WorkflowId = '{gate.id}'")
+    await gate.terminate("recorded")
+    return saved
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
 ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-session-full-mid-turn": _session_full_mid_turn,
@@ -492,7 +517,8 @@ ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "gate-full": _gate_full,
          "gate-ends-owing": _gate_ends_owing,
          "chat-fallback-refused": _fallback_refused,
-         "slot-grant-then-wait": _slot_grant_final}
+         "slot-grant-then-wait": _slot_grant_final,
+         "gate-sends-bounded": _gate_sends_bounded}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

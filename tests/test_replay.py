@@ -27,7 +27,7 @@ from workflows.chat import (
     ChatTurnWorkflow,
 )
 from workflows.events import POLLS_BOUNDED_PATCH, TERMINAL_EVENT_STANDS_PATCH
-from workflows.gate import IN_GATE_BOUND_PATCH, OWED_PATCH
+from workflows.gate import IN_GATE_BOUND_PATCH, OWED_PATCH, SENDS_BOUNDED_PATCH
 from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH, FALLBACK_REFUSED_PARKS_PATCH
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 from workflows.slot import GRANT_FINAL_PATCH
@@ -83,7 +83,7 @@ def test_every_workflow_type_and_scenario_is_recorded():
                          "agent-seconds-granted", "chat-resent-after-gone", "chat-session-full-mid-turn",
                          "ingest-cancel-during-failing-publish", "chat-cancel-after-terminal-event",
                          "chat-stream-polls-bounded", "gate-full", "gate-ends-owing", "chat-fallback-refused",
-                         "slot-grant-then-wait"}
+                         "slot-grant-then-wait", "gate-sends-bounded"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -144,6 +144,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert FALLBACK_REFUSED_PARKS_PATCH in _patches("chat-fallback-refused--ChatTurnWorkflow")
     # A job that heard "wait in line" after its grant kept the slot.
     assert GRANT_FINAL_PATCH in _patches("slot-grant-then-wait--IngestDocumentWorkflow")
+    # A gate owing more answers than it sends at once held the last back until one was through.
+    assert SENDS_BOUNDED_PATCH in _patches("gate-sends-bounded--TenantGateWorkflow")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
