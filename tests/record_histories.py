@@ -26,7 +26,11 @@ one running job whose second turn waits for its slot (the gate's history too), a
 in one workflow task with its session's ask for the answer (real workflows on fake activities: the workflow
 worker stopped meanwhile), which awaits the answer the ask sends before it ends, and a session that ends
 idle and is started again by a later message, and a keyed turn sent again once its job is gone past its
-session's continue-as-new (a job refused at once: IdempotencyKeyExpired).
+session's continue-as-new (a job refused at once: IdempotencyKeyExpired). Recordable alone as well (ALONE): a
+full session that refuses a turn and continues as new while a reviewer holds its turn, a publish cancelled as it
+failed, a cancel after a watched turn's terminal event, gone readers' polls answered early, a full tenant gate
+refusing a job, a gate ending while it owes a job its answer, an answer parked when its fallback refused too, a
+grant followed by a late "wait in line", and a gate owing more answers than it sends at once.
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
