@@ -105,6 +105,12 @@ class JobActivities:
                 result = await handle.result()
         except WorkflowFailureError as exc:  # an answer it had shown before failing stays in the history
             return TurnOutcome(answer=failure_detail(exc.cause, FINAL_ANSWER_DETAIL))
+        except RPCError as exc:
+            # Gone (deleted by hand, or past the retention while no worker ran): it has ended, with no answer
+            # to read. Retried, the session and every later turn of it would wait on it for ever.
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return TurnOutcome(answer=None)
+            raise
         return TurnOutcome(answer=result.answer if result.answered else None)
 
     @activity.defn

@@ -133,6 +133,8 @@ class SessionState(BaseModel):
     # Set by the API when it starts the session again after a run of it ended idle (that run's id): the new
     # run takes up what that one left (turn numbers, seen, history) before it numbers any turn.
     resumed_from: str | None = None
+    # The final answer the head turn told (by job id) before the run continued as new: the turn tells it once.
+    answered: dict[str, str] = {}
 
 
 class SessionLeft(BaseModel):

@@ -1020,6 +1020,107 @@ async def start_session(env: WorkflowEnvironment, queue: str, first: TurnInput, 
         start_signal_args=[first])
 
 
+@dataclass
+class FirstRefusedCacheDown(Fakes):
+    """No passage supports the first question (its answer is the refusal), and the answer cache cannot take
+    a write (the vector role restarting, say): every attempt of cache_answer fails, retryably."""
+
+    @activity.defn(name="retrieve_context")
+    async def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
+        if not req.question.startswith("First"):
+            return await super().retrieve_context(req)
+        self._end(call := self._start("retrieve_context", req))
+        return RetrieveOutput(context_ref="ctx:none", passages=0, citations=[], supported=False,
+                              refusal="No passage of the collection answers this.", cache_key="k-first",
+                              attempt=call.attempt)
+
+    @activity.defn(name="cache_answer")
+    async def cache_answer(self, req: CacheInput) -> CacheOutput:
+        self._end(self._start("cache_answer", req))
+        raise ApplicationError("the answer cache is not reachable")
+
+
+async def test_a_refusal_whose_cache_write_fails_ends_answered_and_holds_no_later_turn(env):
+    """A refusal is final once shown: the next turn goes on at once, and a cache write that used up its retries
+    leaves its step failed. The turn parked for an operator instead, and every later turn of the session with it
+    (up to the dead letters' 7 days); an operator's discard then failed a turn whose answer the person had."""
+    fakes = FirstRefusedCacheDown(side_step_seconds=0)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        handle = await start_session(env, queue, first)
+        await handle.signal(ChatSessionWorkflow.submit, second)
+        refused = await turn_result(env, first.job_id)
+        answered = await turn_result(env, second.job_id)
+        progress = await env.client.get_workflow_handle(first.job_id).query(ChatTurnWorkflow.progress)
+        await handle.terminate("test over")
+    assert refused.answer == "No passage of the collection answers this." and not refused.supported
+    assert answered.answer == "answer to Second question?"
+    assert len(fakes.named("cache_answer")) == policies.policy("cache_answer").retry.maximum_attempts
+    assert {s.name: s.status for s in progress.steps}["cache_answer"] == "failed"
+    # The refusal is no answer: the next question is asked without it.
+    assert fakes.one("generate_answer").arg.history == []
+
+
+async def test_a_carried_turn_whose_job_is_gone_reads_as_ended_without_an_answer(env, restore_policies):
+    """A session waits for a turn an earlier run started (await_turn, retried without limit); a job gone since
+    (deleted, past the retention) failed every attempt: the session, and every later turn of it, waited for ever."""
+    from temporalio.testing import ActivityEnvironment
+
+    policies.load(FAST_POLICIES, worker.activity_names())  # its errors are told apart by them
+    gone = AwaitTurnInput(workflow_id=turn_job_id(f"s-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex))
+    assert await ActivityEnvironment().run(JobActivities(env.client).await_turn, gone) == TurnOutcome(answer=None)
+
+
+@dataclass
+class TurnsAwaitedForReal(Fakes):
+    """await_turn is the real one: it returns when the turn's job has ended."""
+
+    @activity.defn(name="await_turn")
+    async def await_turn(self, req: AwaitTurnInput) -> TurnOutcome:
+        call = self._start("await_turn", req)
+        try:
+            return await JobActivities(activity.client()).await_turn(req)
+        finally:
+            self._end(call)
+
+
+async def test_an_answer_told_as_the_session_continued_as_new_is_the_next_runs(env):
+    """A turn tells its session its final answer once. Told to a run that had chosen to continue as new (a
+    reviewer released it as the run grew), it was dropped there, and the next run, asking the carried turn
+    again, waited for the turn's whole job: its summary and entities (or an operator, had one parked)."""
+    fakes = TurnsAwaitedForReal(side_step_seconds=3)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first = turn(session, "First question?")
+    first = first.model_copy(update={"question": first.question.model_copy(update={"require_review": True})})
+    second = turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        # The first turn's job, as the earlier run started it: its go given, a later turn's ask heard.
+        job = await env.client.start_workflow(ChatTurnWorkflow.run, first, id=first.job_id, task_queue=queue)
+        await job.signal(ChatTurnWorkflow.proceed, TurnContext())
+        await job.signal(ChatTurnWorkflow.follow_up_waits)
+
+        async def held() -> bool:
+            return (await job.query(ChatTurnWorkflow.progress)).status == "waiting_review"
+        await eventually(held, timeout=20, what="the first answer held for review")
+        # Released: the job tells that run of the session (gone here, as a run that continued as new), once.
+        await job.execute_update("review", {"decision": "approve", "reviewer": "ana"})
+        # The run the earlier one continued as, carrying the turn and the answer it was told.
+        handle = await env.client.start_workflow(
+            ChatSessionWorkflow.run, SessionState(session_id=session, pending=[first], seen=[first.job_id],
+                                                  answered={first.job_id: "answer to First question?"}),
+            id=session_workflow_id("default", session), task_queue=queue)
+        await handle.signal(ChatSessionWorkflow.submit, second)
+        assert (await turn_result(env, second.job_id)).answer == "answer to Second question?"
+        await job.result()
+        await handle.terminate("test over")
+    first_side_steps = [c for c in fakes.calls if c.name in ("summarize_context", "extract_entities")
+                        and c.arg.question == "First question?"]
+    answered = next(c for c in fakes.named("generate_answer") if c.arg.question == "Second question?")
+    assert first_side_steps and all(answered.started < c.finished for c in first_side_steps)
+    assert answered.arg.history == [HistoryItem(question="First question?", answer="answer to First question?")]
+
+
 async def test_chat_session_runs_turns_in_order_with_the_history_and_skips_a_resent_turn(env):
     fakes = Fakes(side_step_seconds=0)
     session = f"s-{uuid.uuid4().hex[:8]}"

@@ -127,6 +127,9 @@ RESENT_AFTER_GONE_PATCH = "resent-turn-whose-job-is-gone-fails-saying-so"
 # A turn a run did not start (carried over a continue-as-new) is asked for its answer when a later turn
 # waits, as a started one is; earlier runs waited for its whole job (its summary and entities too).
 CARRIED_TURN_ASKED_PATCH = "carried-turn-asked-for-its-answer"
+# A refusal ("no passage answers this") no reviewer holds is final once shown: the session hears it then, as it
+# hears a model's answer. Earlier turns told it only at their end, after their cache write (which could park).
+REFUSAL_TOLD_PATCH = "refusal-told-to-its-session-once-shown"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -294,7 +297,10 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                 shown = self._answered(result)  # not cached: a reviewer may still reject it
                 self.steps.skip_pending()
                 return shown
-            return await self._remember(self._answered(result), retrieved.cache_key)
+            shown = self._answered(result)
+            if not self._needs_review(turn, result) and workflow.patched(REFUSAL_TOLD_PATCH):
+                self._tell_session(turn, "")  # no answer: nothing for the session's history
+            return await self._remember(shown, retrieved.cache_key)
         # The model calls from here on are what the tenant's running slot is for; retrieval ran while
         # the slot was being asked for.
         await self.running_slot()
@@ -458,8 +464,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         return result
 
     async def _remember(self, result: TurnResult, key: str | None) -> TurnResult:
-        if key is not None:
-            await self.step(ChatActivities.cache_answer, CacheInput(key=key, result=result))
+        if key is not None:  # the answer is shown: a cache that cannot take it holds nothing up
+            await self.step(ChatActivities.cache_answer, CacheInput(key=key, result=result), optional=True)
         self.steps.skip_pending()
         return result
 
@@ -520,7 +526,8 @@ class ChatSessionWorkflow:
         self.starts: dict[str, asyncio.Future[workflow.ChildWorkflowHandle | None]] = {}
         self.turns_this_run = 0
         self.busy = False  # a turn is running: later turns wait for their go
-        self.answered: dict[str, str] = {}  # the running turn's final answer, told before its job ends
+        # The running turn's final answer, told before its job ends (in an earlier run, for a carried turn).
+        self.answered: dict[str, str] = dict(state.answered)
         # Started again after a run ended idle: turns wait here, unnumbered, until what it left is taken up.
         self.taking_up = state.resumed_from is not None
         self.held: list[TurnInput] = []
@@ -717,7 +724,10 @@ class ChatSessionWorkflow:
         # messages, 8,000 characters each, would take a full session's input past Temporal's 2 MB.)
         pending = [turn.model_copy(update={"question": turn.question.model_copy(
             update={"message": turn.question.message[:HISTORY_ANSWER_CHARS]})}) for turn in self.queue]
-        return self.state.model_copy(update={"pending": pending, "seen": list(self.seen), "resumed_from": None})
+        # A turn tells its answer once: told in this run (after it chose to continue as new), it is carried.
+        answered = {job_id: told for job_id, told in self.answered.items() if job_id in {t.job_id for t in self.queue}}
+        return self.state.model_copy(update={"pending": pending, "seen": list(self.seen), "resumed_from": None,
+                                             "answered": answered})
 
     async def _take_up(self, run_id: str) -> None:
         """What the session's run that ended idle left (turn numbers, history, the requests it saw), before

@@ -59,6 +59,10 @@ ATTEMPTS_FROM_HISTORY_PATCH = "exhausted-attempts-from-history"
 # A step whose fallback (a chat answer's lighter model) refuses for good parks with both reasons. Earlier
 # jobs failed with the fallback's refusal.
 FALLBACK_REFUSED_PARKS_PATCH = "fallback-refused-parks-the-step"
+# An optional step (a chat answer's cache write) that used up its retries is left failed and the job goes on.
+# Earlier jobs parked it for an operator: an answered turn dead-lettered by its cache, holding its session's
+# later turns. Asked only when such a step has used up its retries: other jobs' histories carry no marker.
+OPTIONAL_STEP_SKIPPED_PATCH = "optional-step-left-failed-when-its-retries-are-used-up"
 
 
 class _FellBack(Exception):
@@ -67,6 +71,10 @@ class _FellBack(Exception):
     def __init__(self, result: Any) -> None:
         super().__init__("fell back")
         self.result = result
+
+
+class _LeftFailed(Exception):
+    """An optional step's retries ran out: the job goes on without it."""
 
 
 class JobWorkflow:
@@ -188,10 +196,12 @@ class JobWorkflow:
 
     async def step(self, activity: Callable[..., Any], arg: Any, *, name: str | None = None,
                    on_exhausted: Callable[[], Awaitable[Any]] | None = None,
-                   resume: Callable[[Any, ActivityError], Any] | None = None, **options: Any) -> Any:
+                   resume: Callable[[Any, ActivityError], Any] | None = None, optional: bool = False,
+                   **options: Any) -> Any:
         """One activity as one step of the DAG: started, retried by its policy, parked when its retries
         are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
-        retryable error run that instead (a fallback), which parks in turn if it fails. The events an
+        retryable error run that instead (a fallback), which parks in turn if it fails. An `optional` step
+        whose retries are used up is left failed, and returns None. The events an
         activity that publishes into the job's stream left unsent (`StreamedStepResult`, the answer's
         last deltas) are published before the step shows as completed. With `resume`, an operator's retry
         runs the activity with what it makes of the argument and the failure that parked it (the progress
@@ -199,9 +209,12 @@ class JobWorkflow:
         name = name or policies.activity_name(activity)
         self.steps.start(name)
         try:
-            result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted, resume=resume, **options)
+            result = await self.call(activity, arg, step=name, on_exhausted=on_exhausted, resume=resume,
+                                     optional=optional, **options)
         except _FellBack as fell_back:
             return fell_back.result
+        except _LeftFailed:
+            return None
         if isinstance(result, StreamedStepResult):
             self.events.publish_unsent(result.unsent_events)
         self.steps.complete(name, attempts=getattr(result, "attempt", 1))
@@ -242,7 +255,8 @@ class JobWorkflow:
 
     async def call(self, activity: Callable[..., Any], arg: Any, *, step: str,
                    on_exhausted: Callable[[], Awaitable[Any]] | None = None,
-                   resume: Callable[[Any, ActivityError], Any] | None = None, **options: Any) -> Any:
+                   resume: Callable[[Any, ActivityError], Any] | None = None, optional: bool = False,
+                   **options: Any) -> Any:
         """Run an activity under its policy; for steps whose bookkeeping the caller does (batches).
         When the activity exhausts its retries the job parks until an operator retries or discards it.
         `options` go to the activity's start beside its policy's (a cancellation type a patch decides)."""
@@ -286,6 +300,10 @@ class JobWorkflow:
                 else:
                     attempts = (rounds + 1) * policies.policy(name).retry.maximum_attempts
                 self.steps.failed_attempts(step, attempts=attempts, error=reason)
+                if optional and workflow.patched(OPTIONAL_STEP_SKIPPED_PATCH):
+                    self.steps.fail(step, reason)
+                    workflow.logger.warning("optional step %s left failed: %s", step, reason)
+                    raise _LeftFailed(step)
                 if on_exhausted is not None:
                     self.steps.fail(step, reason)
                     try:
