@@ -50,7 +50,9 @@ _NOT_WORDS = re.compile(r"[\W_]+")
 # Content words: numbers, runs of 4+ letters outside CJK, and every overlapping pair of CJK
 # characters (Chinese has no spaces, so bigrams stand in for words).
 _WORD = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_\u4e00-\u9fff]{4,}|(?=([\u4e00-\u9fff]{2}))", re.UNICODE)
-_SENTENCE = re.compile(r"[^.!?。！？\n]+[.!?。！？]?")
+# A sentence ends at 。！？, a newline, or . ! ? before a space or the end: the dots of "2.5" and "1.0" are inside
+# theirs (a quote cut there misstated the number it quoted).
+_SENTENCE = re.compile(r"(?:[^.!?。！？\n]|[.!?](?=[^\s.!?]))+[.!?。！？]*")
 QUOTE_CHARS = 300
 # An uncited answer is attributed to the passages sharing at least this share of its content words.
 SUPPORT_THRESHOLD = 0.35

@@ -362,6 +362,19 @@ def test_an_answer_citing_two_overlapping_chunks_shows_their_shared_sentence_onc
     assert [c.chunk_id for c in distinct([citation(h, quote_for(star, h.text)) for h in one_page])] == ["v:16"]
 
 
+def test_a_quote_keeps_the_numbers_of_its_sentence_whole():
+    """A quote is the passage's sentence the answer draws on: the dot of "2.5" ended a sentence, and the
+    walkthrough's answer "2.5 million dollars" was quoted "5 million dollars for the year.", misstating it."""
+    passage = "Intro here. The total budget of Project Falcon was 2.5 million dollars for the year. Other things."
+    assert quote_for("[1] 2.5 million dollars", passage) == \
+        "The total budget of Project Falcon was 2.5 million dollars for the year."
+    assert quote_for("预算为2.5百万元", "公司简介。项目总预算为2.5百万元。其他内容。") == "项目总预算为2.5百万元。"
+    assert quote_for("Michelle Poirier, version 1.0", "Toponymy. Author: Michelle Poirier Version: 1.0 Date: 2005.") \
+        == "Author: Michelle Poirier Version: 1.0 Date: 2005."
+    # Sentences still end at a dot before a space, at 。！？ and at a newline.
+    assert quote_for("the second", "The first one. The second one!\nThe third") == "The second one!"
+
+
 # -- ragline.embeddings.InferenceTurns ---------------------------------------------------------------
 
 def test_a_query_goes_before_the_document_batches_waiting_for_the_embedder():
