@@ -190,14 +190,18 @@ class ChatActivities:
         history = "\n".join(recent_turns(req.history, room)) or "(none)"
         messages = prompts.messages("answer", passages=context, history=history, question=req.question)
         result = StreamedCompletion(model=model.model)
+        echo = EchoedTurn(req.question)
         async with heartbeating(), AnswerDeltas(req.attempts_before + attempt, send=req.stream) as deltas:
             async for piece in model.stream(messages, result, step="generate"):
-                await deltas.publish(piece)
+                if shown := echo.feed(piece):
+                    await deltas.publish(shown)
+            if rest := echo.end():
+                await deltas.publish(rest)
         # A looping reply was stopped and cut by the stream: the deltas sent showed part of the loop, the
         # answer (and `ragline.answer.completed`) is the cut text.
         warnings = [REPETITION_WARNING] if result.repetition_cut else []
         usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
-        answer = result.text.strip()
+        answer = EchoedTurn.strip(req.question, result.text).strip()
         if (no_answer := no_answer_warning(answer, req.question)) is not None:
             log.warning("the model's answer has no words of its own", reply=answer[:200])
             return GenerateOutput(answer=prompts.no_answer(req.question), cited=[], grounded=False, answered=False,
@@ -433,6 +437,54 @@ def marked_passages(answer: str, count: int) -> list[int]:
     """The 1-based passage numbers the answer's [n] markers name, each once, smallest first; a number beyond
     the `count` passages names none."""
     return sorted({int(n) for n in _CITATION.findall(answer) if 1 <= int(n) <= count})
+
+
+class EchoedTurn:
+    """The prompt shows earlier turns as "Q: …\nA: …", and a small model may answer in that form, opening with
+    the question ("Q: 那么每天的餐补是多少？\nA: 120 元"): the person saw the question echoed, and its words took
+    the answer's overlap with the passage it came from below the support line (no citation). A reply that opens
+    with "Q:" is held back while it comes, and what follows its "\nA:" is the answer. Fed the whole reply at
+    once, it gives what it gives fed piece by piece: the final answer is the streamed one."""
+
+    _OPENS = re.compile(r"\s*Q[:：]")
+    _ANSWER_MARK = re.compile(r"\n\s*A[:：][ \t]*")
+
+    def __init__(self, question: str) -> None:
+        self._held = ""
+        self._passing = False
+        self._after_mark = False  # the answer follows an echo's "A:": its first spaces are the mark's
+        self._limit = len(question) + 200  # past this with no "A:", the reply is not an echoed turn
+
+    @classmethod
+    def strip(cls, question: str, reply: str) -> str:
+        echo = cls(question)
+        return echo.feed(reply) + echo.end()
+
+    def feed(self, piece: str) -> str:
+        """What of the reply may be shown now."""
+        if self._passing:
+            if self._after_mark:
+                piece = piece.lstrip(" \t")
+                self._after_mark = not piece
+            return piece
+        self._held += piece
+        if len(self._held.lstrip()) < 2 and len(self._held) <= self._limit:
+            return ""  # too little to tell yet
+        if self._OPENS.match(self._held):
+            if (mark := self._ANSWER_MARK.search(self._held)) is not None and mark.end() <= self._limit:
+                self._after_mark = True
+                return self._let_through(self._held[mark.end():])
+            if len(self._held) <= self._limit:
+                return ""
+        return self._let_through(self._held)
+
+    def end(self) -> str:
+        """What is still held when the reply is complete: shown as it came."""
+        return "" if self._passing else self._let_through(self._held)
+
+    def _let_through(self, text: str) -> str:
+        self._passing, self._held = True, ""
+        return self.feed(text) if text else ""
 
 
 def no_answer_warning(reply: str, question: str = "") -> str | None:

@@ -193,6 +193,25 @@ async def test_a_later_turn_is_answered_with_the_earlier_ones_as_history(stack, 
     assert f"A: {first_job['result']['answer']}" in conversation
 
 
+async def test_a_follow_up_answered_in_the_form_of_its_history_shows_no_echoed_question(stack, chat_docs):
+    """The prompt shows earlier turns as "Q: …\nA: …", and the walkthrough's small model answered a follow-up
+    in that form: the question echoed on the stream and in the answer, whose words then fell under the support
+    line (no citation for a right answer). The echo is held back and dropped."""
+    session = f"echo-{uuid.uuid4().hex[:8]}"
+    with stack.llm.scope(stream_chunk_delay=0) as llm:
+        first = await stack.chat(f"Who counts the herds? {llm.token}", session_id=session, collection="chat")
+        assert (await stack.wait_job(first["job_id"]))["status"] == "completed"
+        question = f"And from what do they count them? {llm.token}"
+        llm.script("answer", f"Q: {question}\nA: The rangers count the herds from small aircraft [1].")
+        second = await stack.chat(question, session_id=session, collection="chat")
+        events = [e for _, e in await read_events(stack, second["job_id"])]
+        job = await stack.wait_job(second["job_id"])
+    shown = "The rangers count the herds from small aircraft [1]."
+    assert "".join(e["data"]["text"] for e in events if e["type"] == "ragline.answer.delta") == shown
+    assert job["result"]["answer"] == shown and job["result"]["supported"]
+    assert [c["filename"] for c in job["result"]["citations"]] == ["zebra.txt"]
+
+
 async def test_a_later_turn_does_not_wait_for_the_earlier_turns_summary_and_entities(stack, chat_docs):
     """Issue 9: nothing the answer does not need runs before it. A follow-up needs the earlier turn's answer
     (its history), not that turn's summary and entities."""

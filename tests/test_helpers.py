@@ -11,8 +11,8 @@ from temporalio.exceptions import (
 
 from activities.agent import checked_call
 from activities.chat import (
-    NO_ANSWER_SHOWN_CHARS, citation, cited_passages, distinct, estimate_tokens, marked_passages, no_answer_warning,
-    parse_entities, quote_for,
+    NO_ANSWER_SHOWN_CHARS, EchoedTurn, citation, cited_passages, distinct, estimate_tokens, marked_passages,
+    no_answer_warning, parse_entities, quote_for,
 )
 from models.chat import Entity, session_of_turn, turn_job_id
 from models.ingest import SearchHit
@@ -373,6 +373,23 @@ def test_a_quote_keeps_the_numbers_of_its_sentence_whole():
         == "Author: Michelle Poirier Version: 1.0 Date: 2005."
     # Sentences still end at a dot before a space, at 。！？ and at a newline.
     assert quote_for("the second", "The first one. The second one!\nThe third") == "The second one!"
+
+
+@pytest.mark.parametrize(("reply", "answer"), [
+    ("Q: 那么每天的餐补是多少？\nA: 120 元，不需要发票 [1]。", "120 元，不需要发票 [1]。"),
+    ("  Q: And how often?\nA:   Every July [1].", "Every July [1]."),
+    ("Every July [1].", "Every July [1]."),
+    ("Quite often [1].", "Quite often [1]."),  # opens with a Q, not with "Q:"
+    ("Q: a question the reply never answers", "Q: a question the reply never answers"),
+    ("Q: " + "x" * 300 + "\nA: y", "Q: " + "x" * 300 + "\nA: y"),  # no echo of a 20-character question
+    ("", ""),
+])
+def test_an_answer_opening_with_its_question_in_the_historys_form_is_shown_without_it(reply, answer):
+    question = "那么每天的餐补是多少？需要发票吗？"
+    assert EchoedTurn.strip(question, reply) == answer
+    for size in (1, 3, 7):  # streamed: what the pieces show is the answer
+        echo = EchoedTurn(question)
+        assert "".join(echo.feed(reply[i:i + size]) for i in range(0, len(reply), size)) + echo.end() == answer
 
 
 # -- ragline.embeddings.InferenceTurns ---------------------------------------------------------------
