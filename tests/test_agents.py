@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 
 from devtools.devserver import temporal_binary
 from devtools.scripted_llm import parse_prompt
+from ragline.llm import question_budget
 from tests.conftest import running_stack
 from tests.helpers import (
     delegate_until, delegating, eventually, fresh_plan, plan_depth, plan_goal, read_events, session_turns,
@@ -558,6 +559,20 @@ async def test_limits_above_the_ceiling_are_refused(stack):
     r = await stack.http.post("/v1/agents", json={"goal": "x", "budget": {"max_tokens": 10**400}})
     assert (r.status_code, r.json()["error"]["code"]) == (422, "over_ceiling"), r.text
     assert f"budget.max_tokens {10**400} >" in r.json()["error"]["message"]
+
+
+async def test_a_goal_longer_than_the_models_context_can_plan_from_is_refused_at_once(stack):
+    """The walkthrough's agent with a goal of 3,420 CJK characters was accepted, and failed on its first plan:
+    the model's context was exceeded (its prompt shows the goal twice). It is refused at the door, naming
+    the bound; a goal within it starts."""
+    goal = "请总结差旅报销制度" * 380
+    r = await stack.http.post("/v1/agents", json={"goal": goal})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "goal_too_long"), r.text
+    assert "about 3420 tokens" in r.json()["error"]["message"] and r.json()["error"]["field"] == "goal"
+    most = question_budget(stack.settings) // 2
+    r = await stack.http.post("/v1/agents", json={"goal": "请" * most, "max_depth": 0})
+    assert r.status_code == 202, r.text
+    await stack.client.get_workflow_handle(r.json()["job_id"]).terminate("test over")
 
 
 async def test_chat_with_require_review_releases_the_answer_only_after_approval(stack):

@@ -28,6 +28,7 @@ from models.jobs import COLLECTION_PATTERN, REVIEW_PENDING_MEMO
 from models.review import ReviewAck, ReviewDecision
 from models.tenancy import scoped, workflow_id
 from ragline import audit
+from ragline.llm import too_long_a_goal
 from temporal import search_attributes as sa
 from workflows.agent import AgentWorkflow
 
@@ -70,12 +71,14 @@ def _shown(number: float) -> str:
 
 @router.post("/v1/agents", status_code=202, summary="Start an agent; answers at once with a job",
              response_description=ACCEPTED,
-             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, over_ceiling, "
+             responses=error_responses({422: f"{INVALID_REQUEST}, invalid_collection, over_ceiling, goal_too_long, "
                                              "idempotency_key_reused", 503: TEMPORAL_DOWN}))
 async def start_agent(req: AgentRequest, request: Request, client: ClientDep, caller: CallerDep,
                       settings: SettingsDep, timeout: RpcTimeoutDep,
                       idempotency_key: IdempotencyKeyDep = None) -> AgentAccepted:
     validate_collection(req.collection)
+    if (too_long := too_long_a_goal(req.goal, settings)) is not None:  # every plan call would be refused
+        raise ApiError(422, "goal_too_long", too_long, field="goal")
     ceilings = {"max_depth": (req.max_depth, settings.agent_max_depth),
                 "budget.max_llm_calls": (req.budget.max_llm_calls, settings.agent_max_llm_calls),
                 "budget.max_tokens": (req.budget.max_tokens, settings.agent_max_tokens),

@@ -49,7 +49,8 @@ class ChatRequest(ChatQuestion):
                                      "model's context leaves beside the passages (RAGLINE_LLM_CONTEXT_TOKENS): "
                                      "a longer one is 422 `message_too_long`, whose message says the bound")
     session_id: str | None = Field(None, pattern=SESSION_PATTERN,
-                                   description="Continue a session; a new one is made when omitted")
+                                   description="Continue a session; a new one is made when omitted, and under an id "
+                                        "no session has yet (a client may name its sessions)")
 
 
 @router.post("", status_code=202, summary="Ask a question in a session; answers at once with a job",
