@@ -50,9 +50,9 @@ _NOT_WORDS = re.compile(r"[\W_]+")
 # Content words: numbers, runs of 4+ letters outside CJK, and every overlapping pair of CJK
 # characters (Chinese has no spaces, so bigrams stand in for words).
 _WORD = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_\u4e00-\u9fff]{4,}|(?=([\u4e00-\u9fff]{2}))", re.UNICODE)
-# A sentence ends at 。！？, a newline, or . ! ? before a space or the end: the dots of "2.5" and "1.0" are inside
-# theirs (a quote cut there misstated the number it quoted).
-_SENTENCE = re.compile(r"(?:[^.!?。！？\n]|[.!?](?=[^\s.!?]))+[.!?。！？]*")
+# A sentence ends at . ! ? 。！？ (and the quote marks or brackets closing it) or a newline; the dot or comma
+# between two digits is inside it: a quote cut at "2.5" misstated the number it quoted.
+_SENTENCE = re.compile(r"(?:[^.!?。！？\n]|(?<=\d)[.,](?=\d))+[.!?。！？]*[\"'”’)\]」』]*")
 QUOTE_CHARS = 300
 # An uncited answer is attributed to the passages sharing at least this share of its content words.
 SUPPORT_THRESHOLD = 0.35
@@ -447,13 +447,14 @@ class EchoedTurn:
     once, it gives what it gives fed piece by piece: the final answer is the streamed one."""
 
     _OPENS = re.compile(r"\s*Q[:：]")
-    _ANSWER_MARK = re.compile(r"\n\s*A[:：][ \t]*")
+    _ANSWER_MARK = re.compile(r"\n\s*A[:：]")  # (the spaces after it are dropped as they come)
 
     def __init__(self, question: str) -> None:
         self._held = ""
         self._passing = False
         self._after_mark = False  # the answer follows an echo's "A:": its first spaces are the mark's
-        self._limit = len(question) + 200  # past this with no "A:", the reply is not an echoed turn
+        # Past this with no "A:", the reply is no echoed turn: it is shown (a long question is not echoed whole).
+        self._limit = min(len(question), 600) + 200
 
     @classmethod
     def strip(cls, question: str, reply: str) -> str:

@@ -216,14 +216,15 @@ def too_long_a_question(question: str, settings: Settings) -> str | None:
 
 def too_long_a_goal(goal: str, settings: Settings) -> str | None:
     """Why an agent's `goal` is longer than the model's context can plan from, or None. Its prompt shows the
-    goal twice (as the goal, and as the question last), beside the tools and what the agent has found."""
+    goal twice (as the goal, and as the question last), beside the tools and what the agent finds: the goal
+    gets the share a chat message gets, counted twice, so that the findings keep the other half."""
     tokens, most = estimate_tokens(goal), question_budget(settings) // 2
     if tokens <= most:
         return None
     return (f"the goal is about {tokens} tokens, and the model's context (RAGLINE_LLM_CONTEXT_TOKENS = "
             f"{settings.llm_context_tokens}, of which RAGLINE_LLM_MAX_TOKENS = {settings.llm_max_tokens} for the "
-            f"reply) leaves {most} for a goal, which an agent's prompt shows twice: shorten it (a CJK character "
-            "counts as a token, other text about 4 characters)")
+            f"reply) leaves {most} for a goal, which an agent's prompt shows twice beside what it finds: shorten it "
+            "(a CJK character counts as a token, other text about 4 characters)")
 
 
 class LoopGuard:

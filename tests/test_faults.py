@@ -174,6 +174,17 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
                     f"{key} completed twice without a kill in between")
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is stopped (state T in /proc): a SIGSTOP takes each thread as it next runs."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # a thread that ended meanwhile
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 async def test_temporal_restart_mid_run(private_llm, tmp_path):
     """SIGTERM the Temporal server mid-run and start it again on the same file: every job completes.
     While it is down, POSTs answer 503 and /healthz says why. Frozen before that (SIGSTOP: it takes the
@@ -196,6 +207,8 @@ async def test_temporal_restart_mid_run(private_llm, tmp_path):
             second = await stack.upload(("late.pdf", _doc(99, pages=6)), collection="restart")
 
             os.kill(server.pid, signal.SIGSTOP)
+            await eventually(lambda: asyncio.sleep(0, _all_threads_stopped(server.pid)), timeout=10,
+                             what="every thread of the server stopped")  # (on a busy machine, not at once)
             try:
                 frozen = await stack.http.post("/v1/chats", json={"message": "frozen?", "collection": "restart"})
                 read = await stack.http.get(f"/v1/jobs/{chats[0]['job_id']}")

@@ -371,8 +371,11 @@ def test_a_quote_keeps_the_numbers_of_its_sentence_whole():
     assert quote_for("预算为2.5百万元", "公司简介。项目总预算为2.5百万元。其他内容。") == "项目总预算为2.5百万元。"
     assert quote_for("Michelle Poirier, version 1.0", "Toponymy. Author: Michelle Poirier Version: 1.0 Date: 2005.") \
         == "Author: Michelle Poirier Version: 1.0 Date: 2005."
-    # Sentences still end at a dot before a space, at 。！？ and at a newline.
+    # Sentences still end at a dot before a space, at 。！？ and at a newline, with what closes them.
     assert quote_for("the second", "The first one. The second one!\nThe third") == "The second one!"
+    passage = 'Staff must file "Form 12." Claims are paid within 30 days.Late claims lapse.'
+    assert quote_for("Claims are paid within 30 days", passage) == "Claims are paid within 30 days."
+    assert quote_for("see the annex", "Read it (see the annex B.) Then go.") == "Read it (see the annex B.)"
 
 
 @pytest.mark.parametrize(("reply", "answer"), [
@@ -382,6 +385,7 @@ def test_a_quote_keeps_the_numbers_of_its_sentence_whole():
     ("Quite often [1].", "Quite often [1]."),  # opens with a Q, not with "Q:"
     ("Q: a question the reply never answers", "Q: a question the reply never answers"),
     ("Q: " + "x" * 300 + "\nA: y", "Q: " + "x" * 300 + "\nA: y"),  # no echo of a 20-character question
+    ("Q: 那么每天的餐补是多少？需要发票吗？" + "x" * 194 + "\nA: y", "y"),  # the mark ends at the bound
     ("", ""),
 ])
 def test_an_answer_opening_with_its_question_in_the_historys_form_is_shown_without_it(reply, answer):

@@ -201,7 +201,8 @@ class JobWorkflow:
         """One activity as one step of the DAG: started, retried by its policy, parked when its retries
         are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
         retryable error run that instead (a fallback), which parks in turn if it fails. An `optional` step
-        whose retries are used up is left failed, and returns None. The events an
+        whose retries are used up is left failed, and returns None (one that fails for good fails the job).
+        The events an
         activity that publishes into the job's stream left unsent (`StreamedStepResult`, the answer's
         last deltas) are published before the step shows as completed. With `resume`, an operator's retry
         runs the activity with what it makes of the argument and the failure that parked it (the progress

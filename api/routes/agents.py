@@ -77,7 +77,7 @@ async def start_agent(req: AgentRequest, request: Request, client: ClientDep, ca
                       settings: SettingsDep, timeout: RpcTimeoutDep,
                       idempotency_key: IdempotencyKeyDep = None) -> AgentAccepted:
     validate_collection(req.collection)
-    if (too_long := too_long_a_goal(req.goal, settings)) is not None:  # every plan call would be refused
+    if (too_long := too_long_a_goal(req.goal, settings)) is not None:  # its plans would not fit the model
         raise ApiError(422, "goal_too_long", too_long, field="goal")
     ceilings = {"max_depth": (req.max_depth, settings.agent_max_depth),
                 "budget.max_llm_calls": (req.budget.max_llm_calls, settings.agent_max_llm_calls),
