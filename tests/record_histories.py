@@ -30,7 +30,8 @@ session's continue-as-new (a job refused at once: IdempotencyKeyExpired). Record
 full session that refuses a turn and continues as new while a reviewer holds its turn, a publish cancelled as it
 failed, a cancel after a watched turn's terminal event, gone readers' polls answered early, a full tenant gate
 refusing a job, a gate ending while it owes a job its answer, an answer parked when its fallback refused too, a
-grant followed by a late "wait in line", and a gate owing more answers than it sends at once.
+grant followed by a late "wait in line", a gate owing more answers than it sends at once, and a session's refused
+turn whose cache write fails every attempt, asked for its answer by the turn after it.
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
@@ -74,8 +75,8 @@ from temporal.queues import queue_name
 from tests.conftest import running_stack
 from tests.helpers import (WaitsForSlot, delegate_until, eventually, fresh_plan, plan_depth, read_events,
                            two_sub_agents_that_delegate_deeper, until_waited, waiting_reviews)
-from tests.test_workflows import (Fakes, FirstTurnsSummaryRunsOn, HoldsAPayload, document, fake_worker, start_session,
-                                  turn, turn_result)
+from tests.test_workflows import (Fakes, FirstRefusedCacheDown, FirstTurnsSummaryRunsOn, HoldsAPayload, document,
+                                  fake_worker, start_session, turn, turn_result)
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import POLL_UPDATE
 from workflows.gate import MAX_IN_GATE, MAX_SENDING, TenantGateWorkflow
@@ -512,6 +513,42 @@ async def _gate_sends_bounded(stack) -> list[Path]:
     return saved
 
 
+async def _refusal_cache_down(stack) -> list[Path]:
+    """A session's first turn is refused (no passage supports it) and its cache write fails every attempt; the
+    second turn, queued behind it, has the session ask the first for its answer. The refusal is told to the
+    session at once (patch refusal-told-to-its-session-once-shown) and the used-up cache step is left failed,
+    the turn completing (patch optional-step-left-failed-when-its-retries-are-used-up). As tests/test_workflows.py
+    does it (test_a_refusal_whose_cache_write_fails_ends_answered_and_holds_no_later_turn): the real workflows
+    on its fake activities."""
+    on_server = SimpleNamespace(client=stack.client)  # what fake_worker takes
+    fakes = FirstRefusedCacheDown(side_step_seconds=0)
+    session = f"refused-{uuid.uuid4().hex[:6]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    loaded = policies._loaded  # fake_worker loads the test policies for the fakes' names: the stack's go back
+    try:
+        async with fake_worker(on_server, fakes) as queue:
+            handle = await start_session(on_server, queue, first)
+            await handle.signal(ChatSessionWorkflow.submit, second)
+            refused = await asyncio.wait_for(turn_result(on_server, first.job_id), 60)
+            answered = await asyncio.wait_for(turn_result(on_server, second.job_id), 60)
+            progress = await stack.client.get_workflow_handle(first.job_id).query(ChatTurnWorkflow.progress)
+            attempts = policies.policy("cache_answer").retry.maximum_attempts  # of the test policies
+    finally:
+        policies._loaded = loaded
+    assert not refused.supported and answered.answer == "answer to Second question?", (refused, answered)
+    assert len(fakes.named("cache_answer")) == attempts
+    assert {s.name: s.status for s in progress.steps}["cache_answer"] == "failed"
+    told = await stack.client.get_workflow_handle(first.job_id).fetch_history()
+    # What is recorded: the session asked the refused turn for its answer, which it told at once.
+    assert '"follow_up_waits"' in told.to_json() and '"turn_answered"' in told.to_json()
+    await asyncio.sleep(1)  # visibility
+    name = "chat-refusal-cache-down"
+    saved = (await _save(stack.client, name, f"WorkflowId = '{handle.id}'")
+             + await _save(stack.client, name, f"WorkflowId = '{first.job_id}' OR WorkflowId = '{second.job_id}'"))
+    await handle.terminate("recorded")  # after its history is saved: it would wait for a next turn
+    return saved
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
 ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-session-full-mid-turn": _session_full_mid_turn,
@@ -522,7 +559,8 @@ ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "gate-ends-owing": _gate_ends_owing,
          "chat-fallback-refused": _fallback_refused,
          "slot-grant-then-wait": _slot_grant_final,
-         "gate-sends-bounded": _gate_sends_bounded}
+         "gate-sends-bounded": _gate_sends_bounded,
+         "chat-refusal-cache-down": _refusal_cache_down}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

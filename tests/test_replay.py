@@ -23,12 +23,12 @@ from tests.conftest import FIXTURES
 from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH
 from workflows.chat import (
     CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, CARRIED_TURN_ASKED_PATCH,
-    RESENT_AFTER_GONE_PATCH, SESSION_CONTINUES_MID_TURN_PATCH, SESSION_ENDS_IDLE_PATCH, SESSION_REFUSES_PATCH,
-    ChatTurnWorkflow,
+    REFUSAL_TOLD_PATCH, RESENT_AFTER_GONE_PATCH, SESSION_CONTINUES_MID_TURN_PATCH, SESSION_ENDS_IDLE_PATCH,
+    SESSION_REFUSES_PATCH, ChatTurnWorkflow,
 )
 from workflows.events import POLLS_BOUNDED_PATCH, TERMINAL_EVENT_STANDS_PATCH
 from workflows.gate import IN_GATE_BOUND_PATCH, OWED_PATCH, SENDS_BOUNDED_PATCH
-from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH, FALLBACK_REFUSED_PARKS_PATCH
+from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH, FALLBACK_REFUSED_PARKS_PATCH, OPTIONAL_STEP_SKIPPED_PATCH
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
 from workflows.slot import GRANT_FINAL_PATCH
 
@@ -83,7 +83,7 @@ def test_every_workflow_type_and_scenario_is_recorded():
                          "agent-seconds-granted", "chat-resent-after-gone", "chat-session-full-mid-turn",
                          "ingest-cancel-during-failing-publish", "chat-cancel-after-terminal-event",
                          "chat-stream-polls-bounded", "gate-full", "gate-ends-owing", "chat-fallback-refused",
-                         "slot-grant-then-wait", "gate-sends-bounded"}
+                         "slot-grant-then-wait", "gate-sends-bounded", "chat-refusal-cache-down"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -146,6 +146,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert GRANT_FINAL_PATCH in _patches("slot-grant-then-wait--IngestDocumentWorkflow")
     # A gate owing more answers than it sends at once held the last back until one was through.
     assert SENDS_BOUNDED_PATCH in _patches("gate-sends-bounded--TenantGateWorkflow")
+    # A refusal told its session at once; its cache write, out of retries, was left failed and the job completed.
+    assert {REFUSAL_TOLD_PATCH, OPTIONAL_STEP_SKIPPED_PATCH} <= _patches("chat-refusal-cache-down--ChatTurnWorkflow")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
