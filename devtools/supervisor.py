@@ -626,6 +626,11 @@ class Supervisor:
         except OSError as e:
             raise StartupError(f"cannot create the data folder {self.log_dir} ({e}); check RAGLINE_DATA_DIR") from e
 
+        # Before any setup (a model assembled, keys written and shown): a run this one cannot join stops here.
+        local_server_up = temporal_is_local(s.temporal_address) and await temporal_reachable(s.temporal_address,
+                                                                                            timeout=2.0)
+        if local_server_up:
+            await self._unless_stopped(self._refuse_another_stacks_workers())
         problems = []
         for spec in self.specs:  # fail fast, before starting anything
             # in a thread: the llm's preflight may take seconds (assembling and hashing its model)
@@ -641,9 +646,8 @@ class Supervisor:
                 f"{', TLS' if s.temporal_uses_tls else ''}{', API key' if s.temporal_api_key else ''}); "
                 "no dev server is started for an address elsewhere")
             await self._unless_stopped(self._register_search_attributes())
-        elif await temporal_reachable(s.temporal_address, timeout=2.0):
+        elif local_server_up:
             say(f"Temporal: using the server already answering at {s.temporal_address}")
-            await self._unless_stopped(self._refuse_another_stacks_workers())
             await self._unless_stopped(self._register_search_attributes())
         else:
             say(f"Temporal: starting the dev server at {s.temporal_address} "
@@ -723,7 +727,9 @@ class Supervisor:
 
         s = self.settings
         try:
-            client = await asyncio.wait_for(connect(s, identity="ragline-run"), 10)
+            # Listing pollers reads no payload: no codec key is made for it (this run may go no further).
+            plain = s.model_copy(update={"encrypt_payloads": False})
+            client = await asyncio.wait_for(connect(plain, identity="ragline-run"), 10)
             others = await other_stacks_workers(client, s.task_queue, Path(s.data_dir))
         except Exception as e:  # noqa: BLE001 - the search-attribute registration next reports the server
             say(f"Temporal: could not list the workers polling {s.task_queue!r} ({e!r}); going on")

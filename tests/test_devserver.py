@@ -321,6 +321,16 @@ async def test_make_run_refuses_a_running_server_whose_task_queue_another_stacks
                 await asyncio.sleep(0.2)
             assert found == [f"pid {other.pid}, data folder {theirs.resolve()}"]
             assert await other_stacks_workers(temporal_env.client, queue, theirs) == []
+            # make run refuses before any setup: the walkthrough's second run assembled the model, wrote a codec
+            # key and showed an operator key once, then refused.
+            from devtools.supervisor import ProcessSpec, StartupError, Supervisor
+
+            prepared = []
+            supervisor = Supervisor(Settings(data_dir=ours, temporal_address=target, task_queue=queue), specs=[
+                ProcessSpec(name="llm", argv=["true"], preflight=lambda: prepared.append("llm") or None)])
+            with pytest.raises(StartupError, match="already has workers of another Ragline"):
+                await supervisor._startup()
+            assert prepared == [] and [p for p in ours.rglob("*") if p.is_file()] == []  # no key made, none shown
     finally:
         other.kill()
         other.wait()
