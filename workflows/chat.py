@@ -725,7 +725,8 @@ class ChatSessionWorkflow:
         pending = [turn.model_copy(update={"question": turn.question.model_copy(
             update={"message": turn.question.message[:HISTORY_ANSWER_CHARS]})}) for turn in self.queue]
         # A turn tells its answer once: told in this run (after it chose to continue as new), it is carried.
-        answered = {job_id: told for job_id, told in self.answered.items() if job_id in {t.job_id for t in self.queue}}
+        queued = {turn.job_id for turn in self.queue}
+        answered = {job_id: told for job_id, told in self.answered.items() if job_id in queued}
         return self.state.model_copy(update={"pending": pending, "seen": list(self.seen), "resumed_from": None,
                                              "answered": answered})
 

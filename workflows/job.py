@@ -202,11 +202,10 @@ class JobWorkflow:
         are used up, completed with the attempt that succeeded. With `on_exhausted`, used-up retries on a
         retryable error run that instead (a fallback), which parks in turn if it fails. An `optional` step
         whose retries are used up is left failed, and returns None (one that fails for good fails the job).
-        The events an
-        activity that publishes into the job's stream left unsent (`StreamedStepResult`, the answer's
-        last deltas) are published before the step shows as completed. With `resume`, an operator's retry
-        runs the activity with what it makes of the argument and the failure that parked it (the progress
-        it carried). `options` as `call` takes them."""
+        The events an activity that publishes into the job's stream left unsent (`StreamedStepResult`, the
+        answer's last deltas) are published before the step shows as completed. With `resume`, an operator's
+        retry runs the activity with what it makes of the argument and the failure that parked it (the
+        progress it carried). `options` as `call` takes them."""
         name = name or policies.activity_name(activity)
         self.steps.start(name)
         try:
