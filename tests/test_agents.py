@@ -300,6 +300,28 @@ async def test_loop_guard_trips_on_a_repeated_goal(stack):
     assert job["result"]["tree"]["children"] == []
 
 
+async def test_a_stopped_agents_answer_is_what_it_found_not_what_a_reviewer_told_it(stack):
+    """A reviewer's revise ("search the documents yourself") is told to the model; the walkthrough's agent,
+    rejected later, answered it as "What was found:"."""
+    def loop(body: dict) -> dict:
+        return {"tool_calls": [{"name": "delegate", "arguments": {"subgoal": plan_goal(body).upper() + "!"}}]}
+
+    with stack.llm.scope(f"TOK{uuid.uuid4().hex[:10].upper()}") as llm:
+        llm.script_fn("agent", loop)
+        job_id = await _start(stack, f"Find the lighthouse keeper {llm.token}")
+        await waiting_reviews(stack, job_id)
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={
+            "decision": "revise", "reviewer": "cy", "instructions": "search the documents yourself"})
+        assert r.status_code == 200
+        await llm.wait_for_calls(2, "agent")  # it delegated its own goal again: a second review
+        await waiting_reviews(stack, job_id)
+        r = await stack.http.post(f"/v1/jobs/{job_id}/review", json={"decision": "reject", "reviewer": "cy"})
+        assert r.status_code == 200
+        job = await stack.wait_done(job_id)
+    assert "search the documents yourself" in llm.calls("agent")[-1].user_message
+    assert job["result"]["answer"] == "Stopped before finding an answer.", job["result"]
+
+
 async def test_a_revise_on_a_spent_budget_brings_its_extra_budget(stack):
     """A reviewer tells an agent that spent its budget what to do instead, and gives it two more model calls
     for that: the agent uses them (it searched once more, then finished). Before, a revise dropped its

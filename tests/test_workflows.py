@@ -1458,7 +1458,7 @@ async def test_an_agent_that_only_repeats_its_search_stops_with_what_it_found(ba
         result = await env.client.execute_workflow(AgentWorkflow.run, AgentInput(goal="When is high tide?"),
                                                    id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
     assert result.status == "stopped" and len(fakes.named("search_documents")) == 1
-    assert result.answer == "Stopped before finishing. What was found: found nothing about tides"
+    assert result.answer == "Stopped before finishing. What was found:\n\nfound nothing about tides"
 
 
 def _times_out_while(failing: Callable[[], bool]) -> Callable[[PlanInput], PlanOutput]:

@@ -368,9 +368,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
             if decision.decision == "reject":
                 self.rejected.extend(subgoals)
                 raise Stop(f"{decision.reviewer} rejected its delegation ({reason})")
-            if decision.decision == "revise":
-                self.observations.append(
-                    f"a reviewer said instead of delegating: {decision.instructions or decision.comment}")
+            if decision.decision == "revise":  # told to the model, and no finding of the agent's
+                self._tell(f"a reviewer said instead of delegating: {decision.instructions or decision.comment}")
                 return
             # approve: this delegation goes ahead, with whatever extension came with it
         share = len(subgoals)
@@ -535,7 +534,8 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
         return decision
 
     def _partial(self) -> str:
-        found = [o for o in self.observations if o not in self._told]
+        # What its searches and sub-agents found, each once and apart (run together, one passage read into the next).
+        found = list(dict.fromkeys(o for o in self.observations if o not in self._told))
         if not found:
             return "Stopped before finding an answer."
-        return "Stopped before finishing. What was found: " + " ".join(found[-3:])
+        return "Stopped before finishing. What was found:\n\n" + "\n\n".join(found[-3:])
