@@ -1899,13 +1899,19 @@ async def test_a_sub_agent_cancelled_while_it_starts_its_own_counts_what_that_on
         assert (await grandchild.describe()).status == WorkflowExecutionStatus.CANCELED
         replayed = await Replayer(workflows=worker.WORKFLOWS, data_converter=dc).replay_workflow(
             await stack.client.get_workflow_handle(child_id).fetch_history(), raise_on_replay_failure=False)
+        asked = sum(e.activity_task_scheduled_event_attributes.activity_type.name == "agent_plan"
+                    for e in (await grandchild.fetch_history()).events
+                    if e.HasField("activity_task_scheduled_event_attributes"))
     assert replayed.replay_failure is None, replayed.replay_failure
     plans = fakes.named("agent_plan")
     assert [node.status for node in result.tree.children] == ["cancelled"]
     # The cancel may reach the grandchild before its first workflow task has asked for its plan: then it made none.
     depths = [p.arg.depth for p in plans]
     assert depths in ([0, 1, 2, 0], [0, 1, 0]), [(p.arg.depth, p.arg.goal) for p in plans]
-    assert result.llm_calls == len(plans)  # every plan made in the tree, counted
+    # Every plan made in the tree is counted, and the grandchild's once asked for: a cancel that came before a
+    # worker had it cannot tell that no model was called (the budget counts it, on the safe side).
+    assert depths.count(2) <= asked <= 1
+    assert result.llm_calls == depths.count(0) + depths.count(1) + asked
     # The grandchild's reply may come with its cancel (then the SDK drops it, and its tokens are not known): its
     # call counts all the same.
     assert result.tokens in ((10 + 110 + 1000, 10 + 110 + 1000 + 1000) if 2 in depths else (10 + 110 + 1000,))
