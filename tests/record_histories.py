@@ -30,14 +30,18 @@ session's continue-as-new (a job refused at once: IdempotencyKeyExpired). Record
 full session that refuses a turn and continues as new while a reviewer holds its turn, a publish cancelled as it
 failed, a cancel after a watched turn's terminal event, gone readers' polls answered early, a full tenant gate
 refusing a job, a gate ending while it owes a job its answer, an answer parked when its fallback refused too, a
-grant followed by a late "wait in line", a gate owing more answers than it sends at once, and a session's refused
-turn whose cache write fails every attempt, asked for its answer by the turn after it.
+grant followed by a late "wait in line", a gate owing more answers than it sends at once, a session's refused
+turn whose cache write fails every attempt, asked for its answer by the turn after it, sub-agents cancelled (one
+as it starts its own), a stop that withdraws a parked plan, review signals that come with a stop, uploads that
+run documents other uploads ran (cancelled, failed on a password, removed since), an upload cancelled as its
+document's job starts, and a publish that ends with its cancel.
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -52,10 +56,11 @@ from temporalio import activity
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowExecutionDescription, WorkflowFailureError, WorkflowUpdateStage
+from temporalio.client import (Client, WorkflowExecutionDescription, WorkflowExecutionStatus, WorkflowFailureError,
+                               WorkflowUpdateStage)
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.workflow_streams import PollInput, PollResult
-from temporalio.exceptions import CancelledError
+from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -64,11 +69,14 @@ from activities.gate import gate_id
 from api.job_views import RecentlyAccepted
 from devtools.devserver import dynamic_config_flags, temporal_binary
 from devtools.scripted_llm import ScriptedLLM, last_user_message
+from models.agent import AgentInput, PlanInput, PlanOutput, ToolCall, agent_workflow_id
 from models.blobs import SweepInput
 from models.chat import KEY_EXPIRED_TYPE, HistoryItem, SessionState, session_workflow_id
-from models.ingest import document_workflow_id
+from models.ingest import (CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, IngestInput,
+                           document_workflow_id)
 from models.tenancy import GateState, SlotGrant, SlotRequest
 from ragline import keys as api_keys
+from ragline.text import WRONG_PASSWORD
 from temporal import policies
 from temporal import search_attributes as sa
 from temporal.queues import queue_name
@@ -76,11 +84,12 @@ from tests.conftest import running_stack
 from tests.helpers import (WaitsForSlot, delegate_until, eventually, fresh_plan, plan_depth, read_events,
                            two_sub_agents_that_delegate_deeper, until_waited, waiting_reviews)
 from tests.test_workflows import (Fakes, FirstRefusedCacheDown, FirstTurnsSummaryRunsOn, HoldsAPayload, document,
-                                  fake_worker, start_session, turn, turn_result)
+                                  fake_worker, finish, start_session, turn, turn_result)
+from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import POLL_UPDATE
 from workflows.gate import MAX_IN_GATE, MAX_SENDING, TenantGateWorkflow
-from workflows.ingest import IngestDocumentWorkflow
+from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
@@ -549,6 +558,262 @@ async def _refusal_cache_down(stack) -> list[Path]:
     return saved
 
 
+@contextlib.asynccontextmanager
+async def _faked(client, fakes: Fakes, queue: str | None = None, **kw):
+    """fake_worker on the recording server; the stack's policies put back after (it loads the test ones)."""
+    loaded = policies._loaded
+    try:
+        async with fake_worker(SimpleNamespace(client=client), fakes, queue, **kw) as queue:
+            yield queue
+    finally:
+        policies._loaded = loaded
+
+
+async def _agent_status_is(handle, status: str) -> bool:
+    try:
+        return (await handle.query(AgentWorkflow.progress)).status == status
+    except RPCError:  # not started yet
+        return False
+
+
+async def _sub_agent_cancelled(stack) -> list[Path]:
+    """A person cancels a sub-agent waiting at its depth guard: it tells its parent what it spent, which counts
+    it (patches agent-counts-cancelled-child-spend, agent-counts-failed-child-spend: a cancel is a child's
+    error too) and does not delegate its goal again (agent-cancelled-child-not-delegated-again). As
+    tests/test_workflows.py does it (test_a_sub_agent_a_person_cancels_still_counts_what_it_spent)."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth == 1:
+            call = ToolCall(name="search_documents", arguments={"query": "ships"}) if not req.observations else \
+                ToolCall(name="delegate", arguments={"subgoal": "Count the ships by hand"})
+            return PlanOutput(calls=[call], prompt_tokens=1990, completion_tokens=10)
+        if not req.observations:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})],
+                              prompt_tokens=5, completion_tokens=5)
+        return finish("the north was not counted", tokens=30)
+
+    root_id = f"agent-rec-{uuid.uuid4().hex[:8]}"
+    async with _faked(stack.client, Fakes(plan=plan)) as queue:
+        root = await stack.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=1),
+                                                 id=root_id, task_queue=queue)
+        child = stack.client.get_workflow_handle(agent_workflow_id(root_id, 1))
+        await eventually(lambda: _agent_status_is(child, "waiting_review"), what="the sub-agent at its depth guard")
+        await child.cancel()
+        result = await asyncio.wait_for(root.result(), 60)
+    assert [n.status for n in result.tree.children] == ["cancelled"], result.tree
+    assert (result.llm_calls, result.tokens) == (2 + 2, 10 + 30 + 2 * 2000), result
+    await asyncio.sleep(1)
+    return await _save(stack.client, "agent-sub-agent-cancelled", f"WorkflowId STARTS_WITH '{root_id}'")
+
+
+async def _sub_agent_cancelled_while_starting(stack) -> list[Path]:
+    """A person cancels sub-agent X in the workflow task that starts X's own sub-agent (held open by the
+    worker's codec): X waits for that start and cancels it (patch agent-cancel-waits-for-its-sub-agents-start).
+    As tests/test_workflows.py does it (test_a_sub_agent_cancelled_while_it_starts_its_own_counts_...)."""
+    tag = uuid.uuid4().hex[:8]
+    grandchild_goal = f"Count the north by hand {tag}"
+
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth < 2 and not req.observations:
+            goal = "Count the north" if req.depth == 0 else grandchild_goal
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": goal})],
+                              prompt_tokens=5, completion_tokens=5)
+        return finish(f"counted at depth {req.depth}", tokens=1000)
+
+    dc = stack.client.data_converter
+    # The goal as the grandchild's input holds it (the plan's result, which names it first, goes by).
+    held = HoldsAPayload(dc.payload_codec, marker=f'{grandchild_goal}","collection'.encode())
+    holding = Client(**{**stack.client.config(), "data_converter": dataclasses.replace(dc, payload_codec=held)})
+    root_id = f"agent-rec-{tag}"
+    async with _faked(holding, Fakes(plan=plan)) as queue:
+        root = await stack.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=3),
+                                                 id=root_id, task_queue=queue)
+        await asyncio.wait_for(held.reached.wait(), 30)  # X's task that starts the grandchild is open
+        child_id = agent_workflow_id(root_id, 1)
+        await stack.client.get_workflow_handle(child_id).cancel()
+        held.go.set()
+        result = await asyncio.wait_for(root.result(), 60)
+        grandchild = stack.client.get_workflow_handle(agent_workflow_id(child_id, 1))
+        assert (await grandchild.describe()).status == WorkflowExecutionStatus.CANCELED
+    assert [n.status for n in result.tree.children] == ["cancelled"], result.tree
+    events = [e.event_type async for e in stack.client.get_workflow_handle(child_id).fetch_history_events()]
+    assert events.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED) < \
+        events.index(EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED), "the cancel came after the start"
+    await asyncio.sleep(1)
+    return await _save(stack.client, "agent-cancel-while-sub-agent-starts", f"WorkflowId STARTS_WITH '{root_id}'")
+
+
+async def _stop_withdraws_parked_plan(stack) -> list[Path]:
+    """A reviewer rejects one sub-agent's delegation while its sibling's plan is parked for an operator: the
+    sibling, told to stop, withdraws the parked step (patch parked-step-withdrawn-when-told-to-stop) and counts
+    the attempts of its plan that never answered (agent-counts-attempts-of-an-unanswered-plan). As
+    tests/test_workflows.py does it (test_a_stop_withdraws_a_sub_agents_parked_step_and_the_tree_finishes)."""
+    def plan(req: PlanInput) -> PlanOutput:
+        if req.depth == 0:
+            if not req.observations:
+                return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": g})
+                                         for g in ("the north", "the south")])
+            return finish("done", tokens=10)
+        if req.goal == "the north":  # past max_depth 1: the depth guard asks a reviewer
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "the north-east"})])
+        raise ApplicationError("the model did not answer within the timeout", type="APITimeoutError")
+
+    fakes = Fakes(plan=plan)
+    root_id = f"agent-rec-{uuid.uuid4().hex[:8]}"
+    async with _faked(stack.client, fakes) as queue:
+        root = await stack.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=1),
+                                                 id=root_id, task_queue=queue)
+        north = stack.client.get_workflow_handle(agent_workflow_id(root_id, 1))
+        south = stack.client.get_workflow_handle(agent_workflow_id(root_id, 2))
+        await eventually(lambda: _agent_status_is(north, "waiting_review"), what="north at its depth guard")
+        await eventually(lambda: _agent_status_is(south, "dead_lettered"), what="south's plan parked")
+        await north.execute_update("review", {"decision": "reject", "reviewer": "rec"})
+        result = await asyncio.wait_for(root.result(), 60)
+        attempts = policies.policy("agent_plan").retry.maximum_attempts  # of the test policies
+    assert result.status == "stopped", result
+    assert result.llm_calls == 1 + 1 + attempts, result  # the root's plan, north's, each of south's attempts
+    await asyncio.sleep(1)
+    return await _save(stack.client, "agent-stop-withdraws-parked-plan", f"WorkflowId STARTS_WITH '{root_id}'")
+
+
+async def _review_signals_with_a_stop(stack) -> list[Path]:
+    """An agent waits at its depth guard; with no worker running it is told to stop and two decisions come by
+    signal (as the CLI sends them): a rejection (taken: it stops either way) and an approval, refused as a
+    second decision (patch review-second-decision-refused) of a review being withdrawn
+    (review-being-withdrawn-refuses-decisions). All reach it in one workflow task, as in tests/test_workflows.py
+    (test_a_review_signal_that_comes_with_a_stop_is_recorded_as_rejected_input)."""
+    def plan(req: PlanInput) -> PlanOutput:  # delegates once past max_depth 0 (the depth guard asks), then finishes
+        if not req.observations and req.depth == 0:
+            return PlanOutput(calls=[ToolCall(name="delegate", arguments={"subgoal": "Count the ships in the north"})])
+        return finish("counted")
+
+    fakes = Fakes(plan=plan)
+    async with _faked(stack.client, fakes, sticky=False) as queue:
+        agent = await stack.client.start_workflow(AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=0),
+                                                  id=f"agent-rec-{uuid.uuid4().hex[:8]}", task_queue=queue)
+        await eventually(lambda: _agent_status_is(agent, "waiting_review"), what="the agent at its depth guard")
+    await agent.signal("stop")
+    await agent.signal("review", {"decision": "reject", "reviewer": "rec"})
+    await agent.signal("review", {"decision": "approve", "reviewer": "rec-2", "extra_depth": 1})
+    async with _faked(stack.client, fakes, queue):
+        result = await asyncio.wait_for(agent.result(), 60)
+    assert result.status == "stopped" and [d.decision for d in result.decisions] == ["reject"], result
+    await asyncio.sleep(1)
+    return await _save(stack.client, "agent-review-signals-with-stop", f"WorkflowId = '{agent.id}'")
+
+
+async def _upload_reruns_anothers_document(stack) -> list[Path]:
+    """Two documents of an upload are run by another upload (held on a queue nobody polls), which the fake
+    await_document then ends: one cancelled with its upload (this upload runs it itself: patch
+    upload-runs-a-document-another-upload-failed), one failed on that upload's password (this one tries its
+    own: upload-tries-its-own-password). As tests/test_workflows.py does them (test_an_upload_runs_the_document_
+    itself_when_..., test_an_upload_with_a_password_runs_a_document_that_failed_on_another_uploads)."""
+    cancelled = document("report.pdf", "record-shared")
+    locked = document("locked.pdf", "record-shared").model_copy(update={"password": "right"})
+    held = {}
+    for doc in (cancelled, locked):
+        held[document_workflow_id(doc.tenant, doc.document_id)] = await stack.client.start_workflow(
+            IngestDocumentWorkflow.run, doc, id=document_workflow_id(doc.tenant, doc.document_id),
+            task_queue=f"nobody-{uuid.uuid4().hex[:6]}")
+    errors = {document_workflow_id(cancelled.tenant, cancelled.document_id): CANCELLED_WITH_ITS_UPLOAD,
+              document_workflow_id(locked.tenant, locked.document_id): f"step extract_text failed: {WRONG_PASSWORD}"}
+
+    async def ended_meanwhile(req: AwaitDocumentInput) -> DocumentOutcome:
+        await held[req.workflow_id].terminate(reason="recording: ended")
+        return DocumentOutcome.failed_from(req.workflow_id, errors[req.workflow_id])
+    fakes = Fakes(awaited=ended_meanwhile)
+    upload_id = f"ingest-rec-{uuid.uuid4().hex[:8]}"
+    async with _faked(stack.client, fakes) as queue:
+        result = await asyncio.wait_for(stack.client.execute_workflow(
+            IngestWorkflow.run, IngestInput(collection="record-shared", documents=[cancelled, locked]),
+            id=upload_id, task_queue=queue), 60)
+    assert [o.status for o in result.documents] == ["indexed", "indexed"], result
+    assert sorted(str(c.arg.password) for c in fakes.named("extract_text")) == ["None", "right"]  # one run each
+    await asyncio.sleep(1)
+    return await _save(stack.client, "ingest-reruns-anothers-document", f"WorkflowId = '{upload_id}'")
+
+
+async def _upload_after_removal(stack) -> list[Path]:
+    """An earlier upload indexed the document, and a removal took it out before this upload reached it: the
+    upload runs the document's job again (patch upload-after-removal-ingests-anew). As tests/test_workflows.py
+    does it (test_an_upload_that_finds_its_document_removed_since_ingests_it_anew)."""
+    doc = document("a.txt", "record-removed")
+    child_id = document_workflow_id(doc.tenant, doc.document_id)
+    fakes = Fakes(removed_documents={child_id})
+    upload_id = f"ingest-rec-{uuid.uuid4().hex[:8]}"
+    async with _faked(stack.client, fakes) as queue:
+        first = await stack.client.execute_workflow(IngestDocumentWorkflow.run, doc, id=child_id, task_queue=queue)
+        assert first.status == "indexed", first
+        result = await asyncio.wait_for(stack.client.execute_workflow(
+            IngestWorkflow.run, IngestInput(collection="record-removed", documents=[doc]), id=upload_id,
+            task_queue=queue), 60)
+    assert [(o.status, o.job_id) for o in result.documents] == [("indexed", child_id)], result
+    assert len(fakes.named("extract_text")) == 2  # the document's job ran again
+    await asyncio.sleep(1)
+    return await _save(stack.client, "ingest-after-removal", f"WorkflowId = '{upload_id}'")
+
+
+async def _upload_cancelled_while_document_starts(stack) -> list[Path]:
+    """The upload's cancel reaches it in the workflow task that brings its document's job's start (held open by
+    the worker's codec): it waits for that start and cancels the job (patch
+    upload-cancel-waits-for-its-documents-start). As tests/test_workflows.py does it
+    (test_a_cancel_that_comes_while_a_documents_job_is_being_started_cancels_that_job)."""
+    doc = document(f"starting-{uuid.uuid4().hex[:8]}.txt", "record-cancel-while-starting")
+    dc = stack.client.data_converter
+    held = HoldsAPayload(dc.payload_codec, marker=doc.filename.encode())
+    holding = Client(**{**stack.client.config(), "data_converter": dataclasses.replace(dc, payload_codec=held)})
+    upload_id = f"ingest-rec-{uuid.uuid4().hex[:8]}"
+    async with _faked(holding, Fakes(index_seconds=2.0)) as queue:  # the document still writes as its cancel comes
+        handle = await stack.client.start_workflow(
+            IngestWorkflow.run, IngestInput(collection=doc.collection, documents=[doc]), id=upload_id,
+            task_queue=queue)
+        await asyncio.wait_for(held.reached.wait(), 30)  # the task that starts the document's job is open
+        await handle.cancel()
+        held.go.set()
+        try:
+            await asyncio.wait_for(handle.result(), 60)
+            raise AssertionError("the upload was not cancelled")
+        except WorkflowFailureError as exc:
+            assert isinstance(exc.cause, CancelledError), exc.cause
+        child = stack.client.get_workflow_handle(document_workflow_id(doc.tenant, doc.document_id))
+        assert (await child.describe()).status == WorkflowExecutionStatus.CANCELED
+    events = [e.event_type async for e in handle.fetch_history_events()]
+    assert events.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED) < \
+        events.index(EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_STARTED), "the cancel came after the start"
+    await asyncio.sleep(1)
+    return await _save(stack.client, "ingest-cancel-while-document-starts", f"WorkflowId = '{upload_id}'")
+
+
+async def _publish_landed_with_cancel(stack) -> list[Path]:
+    """No workflow worker runs while a document's publish ends and a person cancels: both reach the job in one
+    workflow task, and the undo finds the document published: indexed (patch
+    document-published-as-the-cancel-came-is-indexed). As tests/test_workflows.py does it
+    (test_a_publish_that_ends_as_the_cancel_comes_stands)."""
+    fakes = Fakes(publish_seconds=1.0)
+    doc = document("a.txt", "record-cancel-with-publish")
+    job_id = document_workflow_id(doc.tenant, doc.document_id)
+    async with _faked(stack.client, fakes, runs="activities") as queue:
+        async with _faked(stack.client, fakes, queue, sticky=False, runs="workflows"):
+            handle = await stack.client.start_workflow(IngestDocumentWorkflow.run, doc, task_queue=queue, id=job_id)
+
+            async def publishing() -> bool:
+                return bool(fakes.named("prune_stale_chunks"))
+            await eventually(publishing, timeout=20, what="the publish")
+        scheduled = max([e.event_id async for e in handle.fetch_history_events()
+                         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED])
+
+        async def published() -> bool:  # recorded, with no workflow worker to see it
+            return any([e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED and
+                        e.activity_task_completed_event_attributes.scheduled_event_id == scheduled
+                        async for e in handle.fetch_history_events()])
+        await eventually(published, timeout=20, what="the publish's completion in the history")
+        await handle.cancel()
+        async with _faked(stack.client, fakes, queue, runs="workflows"):
+            outcome = await asyncio.wait_for(handle.result(), 60)
+    assert outcome.status == "indexed" and outcome.chunks == 5, outcome
+    await asyncio.sleep(1)
+    return await _save(stack.client, "ingest-published-as-cancel-came", f"WorkflowId = '{job_id}'")
+
+
 # Scenarios that can be recorded alone (a run naming them records nothing else), by name.
 ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-session-full-mid-turn": _session_full_mid_turn,
@@ -560,7 +825,15 @@ ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "chat-fallback-refused": _fallback_refused,
          "slot-grant-then-wait": _slot_grant_final,
          "gate-sends-bounded": _gate_sends_bounded,
-         "chat-refusal-cache-down": _refusal_cache_down}
+         "chat-refusal-cache-down": _refusal_cache_down,
+         "agent-sub-agent-cancelled": _sub_agent_cancelled,
+         "agent-cancel-while-sub-agent-starts": _sub_agent_cancelled_while_starting,
+         "agent-stop-withdraws-parked-plan": _stop_withdraws_parked_plan,
+         "agent-review-signals-with-stop": _review_signals_with_a_stop,
+         "ingest-reruns-anothers-document": _upload_reruns_anothers_document,
+         "ingest-after-removal": _upload_after_removal,
+         "ingest-cancel-while-document-starts": _upload_cancelled_while_document_starts,
+         "ingest-published-as-cancel-came": _publish_landed_with_cancel}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

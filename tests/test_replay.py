@@ -20,16 +20,25 @@ from ragline.settings import Settings
 from temporal import policies
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES
-from workflows.agent import REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH
+from workflows.agent import (
+    CANCELLED_CHILD_PATCH, CANCELLED_CHILD_SPEND_PATCH, CHILD_CANCEL_AFTER_START_PATCH, FAILED_CHILD_SPEND_PATCH,
+    REVIEW_WAIT_NOT_CHARGED_PATCH, SECONDS_FROM_DECISION_PATCH, SLOT_WAIT_NOT_CHARGED_PATCH,
+    UNANSWERED_PLAN_ATTEMPTS_PATCH,
+)
 from workflows.chat import (
     CANCELLED_TURN_ANSWER_PATCH, CANCELLED_TURN_WAITS_FOR_ITS_ANSWER_PATCH, CARRIED_TURN_ASKED_PATCH,
     REFUSAL_TOLD_PATCH, RESENT_AFTER_GONE_PATCH, SESSION_CONTINUES_MID_TURN_PATCH, SESSION_ENDS_IDLE_PATCH,
     SESSION_REFUSES_PATCH, ChatTurnWorkflow,
 )
+from workflows.dead_letters import WITHDRAWN_WHEN_STOPPING_PATCH
 from workflows.events import POLLS_BOUNDED_PATCH, TERMINAL_EVENT_STANDS_PATCH
 from workflows.gate import IN_GATE_BOUND_PATCH, OWED_PATCH, SENDS_BOUNDED_PATCH
+from workflows.ingest import (
+    CANCEL_AFTER_START_PATCH, OWN_PASSWORD_PATCH, OWN_RUN_PATCH, PUBLISH_LANDED_PATCH, REMOVED_PATCH,
+)
 from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH, FALLBACK_REFUSED_PARKS_PATCH, OPTIONAL_STEP_SKIPPED_PATCH
 from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
+from workflows.review import SECOND_DECISION_PATCH, WITHDRAWING_REFUSES_PATCH
 from workflows.slot import GRANT_FINAL_PATCH
 
 # policies.load is process-wide: put back what the session's in-process worker runs on.
@@ -83,7 +92,11 @@ def test_every_workflow_type_and_scenario_is_recorded():
                          "agent-seconds-granted", "chat-resent-after-gone", "chat-session-full-mid-turn",
                          "ingest-cancel-during-failing-publish", "chat-cancel-after-terminal-event",
                          "chat-stream-polls-bounded", "gate-full", "gate-ends-owing", "chat-fallback-refused",
-                         "slot-grant-then-wait", "gate-sends-bounded", "chat-refusal-cache-down"}
+                         "slot-grant-then-wait", "gate-sends-bounded", "chat-refusal-cache-down",
+                         "agent-sub-agent-cancelled", "agent-cancel-while-sub-agent-starts",
+                         "agent-stop-withdraws-parked-plan", "agent-review-signals-with-stop",
+                         "ingest-reruns-anothers-document", "ingest-after-removal",
+                         "ingest-cancel-while-document-starts", "ingest-published-as-cancel-came"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -148,6 +161,25 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert SENDS_BOUNDED_PATCH in _patches("gate-sends-bounded--TenantGateWorkflow")
     # A refusal told its session at once; its cache write, out of retries, was left failed and the job completed.
     assert {REFUSAL_TOLD_PATCH, OPTIONAL_STEP_SKIPPED_PATCH} <= _patches("chat-refusal-cache-down--ChatTurnWorkflow")
+    # A sub-agent a person cancelled told its parent what it spent; counted, its goal was not delegated again.
+    assert {FAILED_CHILD_SPEND_PATCH, CANCELLED_CHILD_SPEND_PATCH, CANCELLED_CHILD_PATCH} <= \
+        _patches("agent-sub-agent-cancelled--AgentWorkflow")
+    # A sub-agent cancelled as it started its own waited for that start, then cancelled it.
+    assert CHILD_CANCEL_AFTER_START_PATCH in _patches("agent-cancel-while-sub-agent-starts--AgentWorkflow")
+    # A sub-agent told to stop withdrew its parked plan, whose attempts counted.
+    assert {WITHDRAWN_WHEN_STOPPING_PATCH, UNANSWERED_PLAN_ATTEMPTS_PATCH} <= \
+        _patches("agent-stop-withdraws-parked-plan--AgentWorkflow")
+    # Decisions signalled with a stop: the rejection taken, the approval after it refused.
+    assert {SECOND_DECISION_PATCH, WITHDRAWING_REFUSES_PATCH} <= \
+        _patches("agent-review-signals-with-stop--AgentWorkflow")
+    # Uploads reaching documents other uploads ran: run again when cancelled with theirs, failed on their
+    # password, or removed since.
+    assert {OWN_RUN_PATCH, OWN_PASSWORD_PATCH} <= _patches("ingest-reruns-anothers-document--IngestWorkflow")
+    assert REMOVED_PATCH in _patches("ingest-after-removal--IngestWorkflow")
+    # An upload cancelled as its document's job started cancelled that job once started.
+    assert CANCEL_AFTER_START_PATCH in _patches("ingest-cancel-while-document-starts--IngestWorkflow")
+    # A publish that ended with the cancel in one workflow task: the document indexed.
+    assert PUBLISH_LANDED_PATCH in _patches("ingest-published-as-cancel-came--IngestDocumentWorkflow")
 
 
 @pytest.mark.parametrize("path", FILES + EARLIER, ids=[f"{p.parent.name}/{p.stem}" for p in FILES + EARLIER])
