@@ -469,8 +469,9 @@ class EchoedTurn:
                 self._after_mark = not piece
             return piece
         self._held += piece
-        if len(self._held.lstrip()) < 2 and len(self._held) <= self._limit:
-            return ""  # too little to tell yet
+        opening = self._held.lstrip()
+        if opening in ("", "Q") and len(self._held) <= self._limit:
+            return ""  # too little to tell yet (any other first letter goes out at once: the first delta waits)
         if self._OPENS.match(self._held):
             if (mark := self._ANSWER_MARK.search(self._held)) is not None and mark.end() <= self._limit:
                 self._after_mark = True

@@ -396,6 +396,15 @@ def test_an_answer_opening_with_its_question_in_the_historys_form_is_shown_witho
         assert "".join(echo.feed(reply[i:i + size]) for i in range(0, len(reply), size)) + echo.end() == answer
 
 
+def test_an_answer_not_opening_with_q_streams_its_first_piece_at_once():
+    """The echo filter holds back only what may open an echo: a first piece of one character ("项", a token of
+    a local model) is not kept for the next, which would delay the first delta by a token."""
+    echo = EchoedTurn("项目总预算是多少？")
+    assert echo.feed(" ") == "" and echo.feed("项") == " 项" and echo.feed("目") == "目"
+    held = EchoedTurn("How often?")
+    assert held.feed("Q") == "" and held.feed("uite often.") == "Quite often."
+
+
 # -- ragline.embeddings.InferenceTurns ---------------------------------------------------------------
 
 def test_a_query_goes_before_the_document_batches_waiting_for_the_embedder():
