@@ -61,7 +61,10 @@ def start_local_llm(directory: Path | None = None, *, key: str = DEFAULT_MODEL,
     """Assemble/reuse the model in `directory`, start llama.cpp on a free port and wait until
     GET /v1/models answers 200. Returns (base_url ending in /v1, stop)."""
     directory = Path(directory) if directory is not None else model_dir()
-    settings = Settings(local_model=key, llm_port=_free_port())
+    # One thread: the tests beside it (the other pytest process, Temporal, workers) take cores at any
+    # moment, and two spinning llama.cpp threads slowed down far more than one does (a test took 74 s
+    # instead of 35 s with one core busy; alone, 10 s either way).
+    settings = Settings(local_model=key, llm_port=_free_port(), local_model_threads=1)
     model_path = ensure_model(settings, models_dir=directory)
     log = tempfile.NamedTemporaryFile(prefix="ragline-llm-", suffix=".log", delete=False)
     proc = subprocess.Popen(llama_server_argv(settings, model_path), stdin=subprocess.DEVNULL,

@@ -199,6 +199,9 @@ def test_llama_server_argv() -> None:
     assert pairs == {"--model": "/m/model.gguf", "--n_ctx": "4096", "--n_threads": str(os.cpu_count() or 2),
                      "--model_alias": "local", "--host": "127.0.0.1", "--port": "9123", "--verbose": "False",
                      "--interrupt_requests": "False"}
+    # RAGLINE_LOCAL_MODEL_THREADS leaves cores to the rest of the stack.
+    threads = llama_server_argv(Settings(local_model_threads=1), Path("/m/model.gguf"))
+    assert threads[threads.index("--n_threads") + 1] == "1"
 
 
 def test_settings_effective_llm_base_url() -> None:
