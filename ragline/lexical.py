@@ -1,7 +1,7 @@
 """The sparse (lexical) side of hybrid retrieval: BM25-style term weights for Qdrant sparse vectors.
 
-Terms: Latin words and numbers, case-folded, with a light English suffix strip ("reports" ->
-"report"), stop words dropped; Chinese/Japanese text as character bigrams plus single characters (no
+Terms: Latin words and numbers, case-folded, apostrophes inside a word dropped, with a light English
+suffix strip ("reports" -> "report"), stop words dropped; Chinese/Japanese text as character bigrams plus single characters (no
 dictionary needed, robust for names and numbers like "45秒"). Documents get the BM25 term-frequency part
 `tf*(k1+1)/(tf + k1*(1-b+b*len/avglen))`; the collection's sparse vector has Qdrant's IDF modifier,
 which supplies the inverse document frequency at query time, so the score is BM25.
@@ -27,6 +27,9 @@ me must my no not of on or our shall should so than that the their them then the
 to was we were what when where which while who whom why will with would you your about according
 的 了 是 在 和 有 吗 呢 什么 多少 哪些 哪里 如何 怎么 怎么样 可以 需要 一个
 """.split())
+# An apostrophe inside a word: "here's" and "heres", "don't" and "dont" are one term (the crazy ones PDF
+# writes "Heres to the crazy ones."; asked with "Here's", the question's "s" and "here" matched nothing).
+_APOSTROPHE = re.compile(r"(?<=\w)['\u2019\u02bc](?=\w)")
 _SUFFIXES = ("ations", "ation", "ments", "ment", "ings", "ing", "ies", "ied", "ed", "es", "s", "ly")
 
 
@@ -41,7 +44,7 @@ def _stem(word: str) -> str:
 
 
 def terms(text: str) -> list[str]:
-    text = unicodedata.normalize("NFKC", text).casefold()
+    text = _APOSTROPHE.sub("", unicodedata.normalize("NFKC", text).casefold())
     out: list[str] = []
     for token in _TOKEN.findall(text):
         if _CJK.match(token):

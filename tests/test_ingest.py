@@ -282,8 +282,10 @@ async def test_upload_limit_and_filenames_are_not_paths(stack, tmp_path):
 
 
 async def test_long_document_history_keeps_payloads_small(stack):
-    pages = [f"Page {i}. Chapter {i // 20} describes harbour number {i} and its lighthouse keeper, "
-             f"who logs ships in a red notebook every evening." for i in range(1, 501)]
+    """Pages, chunks and vectors travel by reference: 500 pages' 18 KB of text and 29 chunks' vectors
+    (each 384 numbers) would each outgrow the bound, were they in the history. Short pages keep the
+    embedding quick (62 KB of pages, 100 chunks, took twice as long)."""
+    pages = [f"Page {i}: harbour {i} logs its ships." for i in range(1, 501)]
     body = await stack.upload(("book.pdf", pdf_bytes(pages)), collection="ingest-long")
     job = await stack.wait_job(body["job_id"], timeout=300)
     assert job["status"] == "completed", job
@@ -293,9 +295,9 @@ async def test_long_document_history_keeps_payloads_small(stack):
     for workflow_id in (body["job_id"], outcome["job_id"]):
         history = await stack.client.get_workflow_handle(workflow_id).fetch_history()
         biggest = max(event.ByteSize() for event in history.events)
-        assert biggest < 256 * 1024, f"{workflow_id}: an event of {biggest} bytes"
+        assert biggest < 8 * 1024, f"{workflow_id}: an event of {biggest} bytes"  # 1.5 KiB when measured
 
-    hits = await stack.search("harbour number 321 lighthouse keeper", collection="ingest-long", top_k=3)
+    hits = await stack.search("harbour 321 ships", collection="ingest-long", top_k=3)
     assert any("321" in h["text"] for h in hits)
     assert all(h["page"] >= 1 for h in hits)
 
