@@ -523,3 +523,10 @@ def test_a_question_that_points_back_is_told_from_one_that_stands_alone(question
     from ragline.lexical import refers_back
 
     assert refers_back(question) is follows_up
+
+
+@pytest.mark.parametrize("asked, written", [("Here's", "Heres"), ("don\u2019t", "dont"), ("John's car", "Johns car")])
+def test_a_word_with_an_apostrophe_is_the_term_written_without_one(asked, written):
+    from ragline.lexical import terms
+
+    assert terms(asked) == terms(written) and terms(asked)
