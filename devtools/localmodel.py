@@ -295,7 +295,7 @@ def llama_server_argv(settings: Settings, model_path: Path | str) -> list[str]:
     return [sys.executable, "-m", "llama_cpp.server",
             "--model", str(model_path),
             "--n_ctx", str(model.n_ctx),
-            "--n_threads", str(settings.local_model_threads or os.cpu_count() or 2),
+            "--n_threads", str(settings.local_model_threads or max(1, (os.cpu_count() or 2) - 1)),
             "--model_alias", "local",
             "--host", "127.0.0.1",
             "--port", str(settings.llm_port),

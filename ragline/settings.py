@@ -76,9 +76,10 @@ class Settings(BaseSettings):
     local_model: str = "qwen2.5-coder-0.5b"
     # Port of the local llama.cpp server; used only when llm_base_url is unset.
     llm_port: int = 8081
-    # Threads of the local llama.cpp server. Unset: one per core. llama.cpp's threads wait for each other
-    # by spinning, so when another process takes a core every step waits for the thread that lost it:
-    # a test that took 10 s alone took 74 s on two threads with one core busy, 35 s on one.
+    # Threads of the local llama.cpp server. Unset: one per core but one, left to the worker and Temporal.
+    # llama.cpp's threads wait for each other by spinning, so when another process takes a core every step
+    # waits for the thread that lost it: on 2 cores, a test that took 10 s alone took 74 s on two threads
+    # with one core busy, 35 s on one; alone, one thread streamed as fast as two.
     local_model_threads: int | None = Field(default=None, ge=1)
     # How an agent's model is held to its tools. "native": OpenAI `tools` (hosted APIs, vLLM with a tool
     # parser). "schema": a JSON reply constrained to the tools' schemas (llama.cpp's `response_format` with
