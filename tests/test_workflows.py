@@ -2027,3 +2027,17 @@ async def test_a_parked_batch_that_goes_on_leaves_its_sibling_parked_beside_it_l
 
         assert await eventually(one_parked, what="the second batch still listed") == ["embed_chunks"]
         await handle.terminate()
+
+
+async def test_a_step_coroutine_closed_by_the_garbage_collector_runs_no_workflow_code():
+    """Once a worker lets go of a workflow, its coroutines may be closed (GeneratorExit) on any thread, another
+    workflow's included. Steps run together caught that as a failure and stopped their siblings, awaiting them:
+    "coroutine ignored GeneratorExit", seen after a test's worker shut down with a held turn in its cache."""
+    from workflows.job import JobWorkflow
+
+    pending = asyncio.get_running_loop().create_future()
+    together = JobWorkflow.together(pending)
+    together.send(None)  # waiting on its step
+    together.close()  # raised RuntimeError when the coroutine ran more code
+    assert not pending.cancelled()
+    pending.cancel()

@@ -34,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.children import started_child
     from workflows.dead_letters import ParkWithdrawn
     from workflows.failures import failure_reason
-    from workflows.job import JobWorkflow
+    from workflows.job import ENDED, JobWorkflow
     from workflows.review import ReviewHandlers, ReviewWithdrawn
 
 MAX_TURNS = 8            # planning rounds per agent
@@ -269,7 +269,7 @@ class AgentWorkflow(JobWorkflow, ReviewHandlers):
                 plan = await self.step(AgentActivities.agent_plan, PlanInput(
                     goal=inp.goal, instructions=instructions, observations=self.observations[-MAX_OBSERVATIONS:],
                     depth=inp.depth, max_depth=self.max_depth, correction=correction), name=f"plan {turn}")
-            except BaseException:
+            except ENDED:
                 # What the plan's attempts cost counts, in the spend the parent hears of too.
                 if self.steps.attempts(f"plan {turn}") and workflow.patched(UNANSWERED_PLAN_ATTEMPTS_PATCH):
                     self.spent.add(Spend(llm_calls=self.steps.attempts(f"plan {turn}")))

@@ -55,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
     from temporal import policies
     from temporal import search_attributes as sa
     from temporal.errors import failure_detail
-    from workflows.job import JobWorkflow
+    from workflows.job import ENDED, JobWorkflow
     from workflows.review import ReviewHandlers
 
 # Turns recorded before a reviewer's hold kept the answer out of the stream replay showing it at once.
@@ -388,7 +388,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                 if not deciding.done() and running.exception() is not None:
                     raise running.exception()  # the turn fails whatever the reviewer would say
             decision = await deciding
-        except BaseException:
+        except ENDED:
             await self.stop(deciding)  # withdrawn: nothing waits for the reviewer any more
             await self.stop(running)  # rejected or cancelled: no summary of an answer nobody will see
             raise

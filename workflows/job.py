@@ -47,6 +47,9 @@ with workflow.unsafe.imports_passed_through():
     from workflows.waits import PersonWaits
 
 R = TypeVar("R")
+# What a step or a wait ends with, short of GeneratorExit: a coroutine the garbage collector closes after its
+# worker let go of the workflow must run no workflow code (it may wake on another workflow's thread).
+ENDED = (Exception, asyncio.CancelledError)
 # A step that waits for its activity to take a cancel (WAIT_CANCELLATION_COMPLETED) and then sees it fail with a
 # retryable error is not retried by the server once the job's cancel was asked (retry state CANCEL_REQUESTED):
 # that is the job's cancel, and the job ends cancelled. Earlier histories replay ending failed.
@@ -236,7 +239,7 @@ class JobWorkflow:
         tasks = [asyncio.ensure_future(w) for w in work]
         try:
             return await asyncio.gather(*tasks)
-        except BaseException:
+        except ENDED:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -290,7 +293,7 @@ class JobWorkflow:
                 if workflow.patched(ATTEMPTS_FROM_HISTORY_PATCH):
                     try:
                         made += await self._attempts_made(name, exc)
-                    except BaseException as stopped:  # cancelled meanwhile (a sibling step failed), say
+                    except ENDED as stopped:  # cancelled meanwhile (a sibling step failed), say
                         if isinstance(stopped, asyncio.CancelledError) or is_cancelled_exception(stopped):
                             self.steps.cancel(step)
                         else:
