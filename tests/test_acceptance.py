@@ -29,7 +29,9 @@ from models.chat import KEY_EXPIRED_TYPE, SessionState, TurnInput, session_workf
 from ragline.vectorstore import open_index
 from temporal import search_attributes as sa
 from tests.conftest import running_stack, serving_api
-from tests.helpers import delegate_until, eventually, read_events, session_turns, waiting_reviews
+from tests.helpers import (
+    delegate_until, eventually, read_events, session_turns, terminate_unless_ended, waiting_reviews,
+)
 import worker
 from worker import build_worker
 from workflows.chat import ChatSessionWorkflow
@@ -195,7 +197,7 @@ async def test_a_session_that_ended_idle_goes_on_from_what_it_left_at_the_next_m
     assert again["job_id"] == first["job_id"] and again["duplicate"] is True
     turns = await session_turns(stack.http, session, first["job_id"], *(a["job_id"] for a in later))
     assert [t["turn"] for t in turns] == [1, 2, 3]
-    await stack.client.get_workflow_handle(session_wf).terminate("test over")
+    await terminate_unless_ended(stack.client, session_wf)
 
 
 async def _runs_carrying(stack, session_wf: str) -> list[list[TurnInput]]:
@@ -478,7 +480,7 @@ async def test_a_turn_waiting_for_its_go_waits_on_while_its_session_runs_on_in_a
     finally:
         for job_id in jobs:
             await stack.http.post(f"/v1/jobs/{job_id}/cancel")
-        await stack.client.get_workflow_handle(session_wf).terminate("test over")
+        await terminate_unless_ended(stack.client, session_wf)
 
 
 async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_continues_as_new_meanwhile(
@@ -554,7 +556,7 @@ async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_contin
         slow.close()
         for job_id in jobs:
             await stack.http.post(f"/v1/jobs/{job_id}/cancel")
-        await stack.client.get_workflow_handle(session_wf).terminate("test over")
+        await terminate_unless_ended(stack.client, session_wf)
 
 
 async def gone(stack, workflow_id: str, run_id: str) -> bool:
@@ -590,7 +592,7 @@ async def test_a_turn_its_terminated_session_never_started_stays_failed_once_the
             r = await stack.http.get(f"/v1/jobs/{chat['job_id']}/events", headers={"Last-Event-ID": "0"})
             assert r.status_code == 204, r.text
         finally:
-            await stack.client.get_workflow_handle(session_wf).terminate("test over")
+            await terminate_unless_ended(stack.client, session_wf)
 
 
 async def test_a_turn_whose_job_is_gone_is_not_found_rather_than_queued_for_ever(stack, monkeypatch):
@@ -659,7 +661,7 @@ async def test_a_keyed_turn_sent_again_after_its_job_is_gone_fails_saying_so_pas
             assert r.json()["status"] == "failed" and r.json()["error"]["type"] == KEY_EXPIRED_TYPE, r.text
         assert len(stack.llm.calls_for(containing=tag)) == calls  # no model call ran again
     finally:
-        await stack.client.get_workflow_handle(session_wf).terminate("test over")
+        await terminate_unless_ended(stack.client, session_wf)
 
 
 async def test_reads_of_turn_ids_a_session_never_took_read_its_history_once(stack, monkeypatch):
