@@ -96,7 +96,10 @@ class IngestActivities:
         return IndexOutput(points=self.index.upsert(req.tenant, req.collection, points,
                                                     max_documents=req.max_documents), attempt=_attempt())
 
-    @activity.defn
+    # A cancel of the job reaches it through its heartbeats, and the job waits for it to end: raised into its
+    # thread, it stopped the store half way through the un-marking, and the undo that follows left a cancelled
+    # document found in part. It ends whole; the job then sees it published (workflows/ingest.py).
+    @activity.defn(no_thread_cancel_exception=True)
     @translate_errors
     def prune_stale_chunks(self, req: PruneInput) -> PruneOutput:
         """The document's last step: chunks of an older chunking go, and the ones just indexed become
