@@ -108,7 +108,9 @@ class IngestActivities:
             self.index.publish(req.tenant, req.collection, req.document_id, req.keep_chunks)
         return PruneOutput(points=self.index.count(req.tenant, req.collection, req.document_id), attempt=_attempt())
 
-    @activity.defn
+    # Likewise never cut half way by a cancel raised into its thread: the undo of a job cancelled meanwhile
+    # left the chunks it had not reached in the index, pending, with nothing to take them any more.
+    @activity.defn(no_thread_cancel_exception=True)
     @translate_errors
     def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
         """Undo the batches a failed ingestion indexed (pending_only), or remove a document on request: nobody

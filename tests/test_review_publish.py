@@ -49,3 +49,39 @@ async def test_a_cancel_that_reaches_the_publish_does_not_cut_it_half_way(tmp_pa
     found = index.count("acme", "c", doc, searchable=True)
     index.close()
     assert found in (0, n), f"{found} of the document's {n} chunks are found after the cancel and the undo"
+
+
+async def test_a_cancel_that_reaches_the_undo_of_a_failed_document_does_not_cut_it_half_way(tmp_path, restore_policies):
+    """A document failed (a batch refused for good) and its undo takes the batches it indexed; a person cancels
+    the job meanwhile. Raised into the undo's thread, the cancel stopped it part way: the chunks it had not
+    reached stayed in the index, pending, for ever (the job has ended: 2,855 of 3,000 in this test), and counted
+    against the tenant's max_documents when its first chunk was among them. The undo ends whole instead."""
+    from qdrant_client import QdrantClient
+
+    import worker
+    from temporal import policies
+    from tests.conftest import FIXTURES
+
+    policies.load(FIXTURES.parent / "fast_policies.toml", worker.activity_names())  # a beat every 500 ms
+    index = VectorIndex(QdrantClient(path=str(tmp_path / "qdrant")), 4, embedded=True)
+    doc, n = "f" * 32, 3000
+    index.upsert("acme", "c", [ChunkPoint(doc, i, [1.0, 0.001 * i, 0.0, 0.0], {
+        "document_id": doc, "filename": "a.txt", "collection": "c", "page": 1, "chunk": i,
+        "text": f"the copper spout, part {i}"}) for i in range(n)])
+    activities = IngestActivities(Settings(data_dir=tmp_path), BlobStore(tmp_path / "blobs"), None, index)
+    env = ActivityEnvironment()
+    beat = threading.Event()
+    env.on_heartbeat = lambda *details: beat.set()
+    undo = asyncio.create_task(asyncio.to_thread(
+        env.run, activities.remove_document_chunks, RemoveInput(tenant="acme", document_id=doc, collection="c",
+                                                                pending_only=True)))
+    assert await asyncio.to_thread(beat.wait, 60), "the undo sent no heartbeat"
+    env.cancel()  # the job's cancel: the workflow does not wait for the undo (its default cancellation type)
+    try:
+        await undo
+    except BaseException:  # noqa: BLE001
+        pass
+    left = index.count("acme", "c", doc)
+    held = index.documents_held("acme")
+    index.close()
+    assert (left, held) == (0, 0), f"{left} chunks of the failed document are left; the tenant holds {held}"
