@@ -48,7 +48,8 @@ class DocumentOutcome(BaseModel):
     chunks: int = 0
     error: str | None = None
     # The failure's type (InputError: the file itself; Discarded, DeadLetterExpired: an operator or the time
-    # limit ended a step an outage had parked); None where it is not known (earlier outcomes).
+    # limit ended a step an outage had parked; Removed: a DELETE took it out again while its upload ran); None
+    # where it is not known (earlier outcomes).
     error_type: str | None = None
 
     @classmethod

@@ -604,6 +604,28 @@ async def test_an_upload_that_finds_its_document_removed_since_ingests_it_anew(e
     assert len(fakes.named("extract_text")) == 2  # the document's job ran again
 
 
+async def test_an_upload_whose_document_was_removed_again_while_it_ran_does_not_blame_the_file(env):
+    """The upload found its document removed since, went to run it anew, found another upload's run of it and
+    saw that removed too. The file is not at fault: the upload failed with type InputError ("send them again
+    only changed", README), which tells a client never to send the same file again."""
+    doc = document("a.txt", "removed-twice")
+    child_id = document_workflow_id(doc.tenant, doc.document_id)
+    fakes = Fakes(removed_documents={child_id})
+    async with fake_worker(env, fakes) as queue:
+        # Another upload's run of the document, on a queue nobody polls: every start of it here is refused.
+        await env.client.start_workflow(IngestDocumentWorkflow.run, doc, id=child_id,
+                                        task_queue=f"nobody-{uuid.uuid4().hex[:6]}")
+        with pytest.raises(WorkflowFailureError) as failure:
+            await env.client.execute_workflow(IngestWorkflow.run, IngestInput(collection="removed-twice",
+                                                                              documents=[doc]),
+                                              id=f"ingest-{uuid.uuid4().hex[:8]}", task_queue=queue)
+    assert len(fakes.named("await_document")) == 2
+    cause = failure.value.cause
+    assert isinstance(cause, ApplicationError) and "removed again while this upload ran" in cause.message
+    assert cause.type == "Removed", cause.type
+    assert cause.details[0]["documents"][0]["error_type"] == "Removed", cause.details
+
+
 @pytest.mark.parametrize("cancelled, runs_it", [(CANCELLED_WITH_ITS_UPLOAD, True), (CANCELLED, False)])
 async def test_an_upload_runs_the_document_itself_when_the_upload_whose_run_it_waited_for_was_cancelled(
         env, cancelled, runs_it):

@@ -69,6 +69,9 @@ OWN_RUN_PATCH = "upload-runs-a-document-another-upload-failed"
 # A cancel that reaches an upload while its document's job is being started cancels that job once started
 # (workflows/children.py). Before, the document was embedded and indexed for a cancelled upload.
 CANCEL_AFTER_START_PATCH = "upload-cancel-waits-for-its-documents-start"
+# A document removed (DELETE) again while the upload ran is no fault of its file: its type says `Removed` (the
+# same file may be sent again). Before, it had none, and the upload of it alone failed as an InputError.
+REMOVED_AGAIN_PATCH = "upload-removed-again-is-not-the-files-fault"
 
 
 @workflow.defn
@@ -187,7 +190,8 @@ def _upload_failure_type(outcomes: list[DocumentOutcome]) -> str:
     """Why no document of an upload was indexed, as a type a client can act on: `Cancelled` when a person
     cancelled them all (the files were not at fault); the documents' own type when they share one (InputError:
     the files themselves, never to be sent again as they are; Discarded or DeadLetterExpired: an outage parked
-    them and it ended there, so the same files may be sent again); `DocumentsFailed` when they differ."""
+    them and it ended there, so the same files may be sent again; Removed: a DELETE took the document out again
+    while the upload ran); `DocumentsFailed` when they differ."""
     if all(o.error in _CANCELLED for o in outcomes):
         return "Cancelled"
     kinds = {o.error_type or "InputError" for o in outcomes if o.error not in _CANCELLED}
@@ -224,7 +228,9 @@ class IngestWorkflow(JobWorkflow):
             # Indexed once, then removed (DELETE) before this upload reached it: these bytes are new again.
             outcome = await self._document_run(doc, step, WorkflowIDReusePolicy.ALLOW_DUPLICATE)
             if outcome.status == "removed":
-                outcome = DocumentOutcome.failed_from(child_id, "removed again while this upload ran", doc.filename)
+                kind = "Removed" if workflow.patched(REMOVED_AGAIN_PATCH) else None
+                outcome = DocumentOutcome.failed_from(child_id, "removed again while this upload ran", doc.filename,
+                                                      kind)
         if outcome.status == "indexed":
             self.steps.complete(step, detail=f"{_count(outcome.chunks, 'chunk')} from {_count(outcome.pages, 'page')}")
         elif outcome.error in _CANCELLED:
