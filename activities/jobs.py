@@ -148,8 +148,8 @@ class JobActivities:
             async with heartbeating():
                 await self.client.get_workflow_handle(req.workflow_id, run_id=latest.run_id).result()
         except WorkflowFailureError:  # failed, cancelled, terminated
-            return NewerRun(started=True, indexed=False, attempt=activity.info().attempt)
-        return NewerRun(started=True, indexed=True, attempt=activity.info().attempt)
+            return NewerRun(started=True, indexed=False, at=time.time(), attempt=activity.info().attempt)
+        return NewerRun(started=True, indexed=True, at=time.time(), attempt=activity.info().attempt)
 
     @activity.defn
     @translate_errors

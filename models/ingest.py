@@ -205,6 +205,8 @@ class NewerRun(StepResult):
     DELETE), once it has ended."""
     started: bool = False
     indexed: bool = False
+    # When it was seen ended (time.time()): what it wrote was written before; a run after it keeps its chunks.
+    at: float | None = None
 
 
 class ForgetDocumentOutput(StepResult):

@@ -470,6 +470,57 @@ async def test_a_removal_takes_what_an_upload_that_reached_the_document_after_it
     assert result.status in ("removed", "not_found")
 
 
+async def test_a_removal_leaves_the_chunks_of_a_run_that_began_after_the_failed_newer_run_it_waited_for(env):
+    """The removal waited for the newer run (an upload queued before the DELETE), which failed; before its next
+    step (queued behind other writes on the vector queue), a third upload's run of the document (one waiting
+    for that failed run, with its own password) indexed it. That step took every chunk of the document: the
+    third run's job stayed completed, the document listed as indexed and found by no search. Only what was
+    written before the failed run had ended goes."""
+    import time
+
+    from qdrant_client import QdrantClient
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.ingest import IngestActivities
+    from ragline.blobstore import BlobStore
+    from ragline.vectorstore import ChunkPoint, VectorIndex
+
+    doc_id = f"c8-{uuid.uuid4().hex[:12]}"
+    index = VectorIndex(QdrantClient(":memory:"), 4, embedded=True)
+    store = IngestActivities(Settings(), BlobStore(Path(f"/tmp/ragline-test-blobs-{doc_id}")), None, index)
+
+    def write(chunks: int) -> None:  # a run of the document: its batches, then its publish
+        index.upsert("t", "c8", [ChunkPoint(doc_id, i, [1.0, 0.1 * i, 0.0, 0.0], {
+            "document_id": doc_id, "filename": "a.txt", "collection": "c8", "page": 1, "chunk": i,
+            "text": f"the copper spout, part {i}"}) for i in range(chunks)])
+        index.publish("t", "c8", doc_id, chunks)
+
+    @dataclass
+    class WithTheStore(Fakes):
+        @activity.defn(name="remove_document_chunks")
+        async def remove_document_chunks(self, req: RemoveInput) -> PruneOutput:
+            self._end(self._start("remove_document_chunks", req))
+            return await asyncio.to_thread(ActivityEnvironment().run, store.remove_document_chunks, req)
+
+        @activity.defn(name="await_newer_run")
+        async def await_newer_run(self, req: ForgetDocumentInput) -> NewerRun:
+            self._end(self._start("await_newer_run", req))
+            ended = time.time()  # the newer run has ended, failed; the third run starts and indexes
+            await asyncio.sleep(0.01)
+            write(3)
+            return NewerRun(started=True, indexed=False, at=ended)
+
+    write(5)  # the run the removal was asked for
+    fakes = WithTheStore()
+    async with fake_worker(env, fakes) as queue:
+        result = await env.client.execute_workflow(
+            RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant="t", document_id=doc_id, collection="c8",
+                                                            filename="a.txt", run_id="r1"),
+            id=removal_workflow_id("t", doc_id), task_queue=queue)
+    assert result.status == "removed" and len(fakes.named("remove_document_chunks")) == 2
+    assert index.count("t", "c8", doc_id, searchable=True) == 3, "the third run's chunks were removed"
+
+
 async def test_a_removal_cancelled_once_confirmed_finishes(env):
     """Cancelled (the Web UI, the CLI, POST /v1/jobs/{id}/cancel) while its chunks are being removed, a
     confirmed removal finishes and forgets the document. It used to end cancelled: the step, which does not

@@ -37,6 +37,9 @@ NEWER_RUN_PATCH = "removal-waits-for-a-newer-run"
 # step does not stop once started) and the document still listed, as `indexed`, its same bytes refused as a
 # duplicate.
 FINISHES_ONCE_CONFIRMED_PATCH = "removal-finishes-once-confirmed"
+# What a newer run that did not index the document wrote goes, and only that: chunks written after its end (by
+# a run another upload started then) stay. Earlier removals took every chunk of the document at that step.
+NEWER_RUN_ONLY_PATCH = "removal-takes-only-what-the-failed-newer-run-wrote"
 
 
 @workflow.defn
@@ -78,8 +81,10 @@ class RemoveDocumentWorkflow(JobWorkflow):
             if newer.started and not newer.indexed:
                 # Chunks it rewrote while they were still found stayed found: neither this removal (written
                 # after its confirmation) nor its own undo (not pending) took them.
+                # ... and a run that began after it ended (an upload that waited for it) keeps what it writes.
+                ended = newer.at if newer.at is not None and workflow.patched(NEWER_RUN_ONLY_PATCH) else None
                 again = await self.step(IngestActivities.remove_document_chunks, RemoveInput(
-                    tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection),
+                    tenant=doc.tenant, document_id=doc.document_id, collection=doc.collection, written_before=ended),
                     name="remove_document_chunks (after the upload that failed)")
                 removed = removed.model_copy(update={"removed": removed.removed + again.removed})
         forgotten = await self.step(JobActivities.forget_document, ingestion)
