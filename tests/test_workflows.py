@@ -470,7 +470,8 @@ async def test_a_removal_takes_what_an_upload_that_reached_the_document_after_it
     assert result.status in ("removed", "not_found")
 
 
-async def test_a_removal_leaves_the_chunks_of_a_run_that_began_after_the_failed_newer_run_it_waited_for(env):
+async def test_a_removal_leaves_the_chunks_of_a_run_that_began_after_the_failed_newer_run_it_waited_for(
+        env, tmp_path):
     """The removal waited for the newer run (an upload queued before the DELETE), which failed; before its next
     step (queued behind other writes on the vector queue), a third upload's run of the document (one waiting
     for that failed run, with its own password) indexed it. That step took every chunk of the document: the
@@ -487,7 +488,7 @@ async def test_a_removal_leaves_the_chunks_of_a_run_that_began_after_the_failed_
 
     doc_id = f"c8-{uuid.uuid4().hex[:12]}"
     index = VectorIndex(QdrantClient(":memory:"), 4, embedded=True)
-    store = IngestActivities(Settings(), BlobStore(Path(f"/tmp/ragline-test-blobs-{doc_id}")), None, index)
+    store = IngestActivities(Settings(data_dir=tmp_path), BlobStore(tmp_path / "blobs"), None, index)
 
     def write(chunks: int) -> None:  # a run of the document: its batches, then its publish
         index.upsert("t", "c8", [ChunkPoint(doc_id, i, [1.0, 0.1 * i, 0.0, 0.0], {
