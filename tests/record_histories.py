@@ -34,7 +34,8 @@ grant followed by a late "wait in line", a gate owing more answers than it sends
 turn whose cache write fails every attempt, asked for its answer by the turn after it, sub-agents cancelled (one
 as it starts its own), a stop that withdraws a parked plan, review signals that come with a stop, uploads that
 run documents other uploads ran (cancelled, failed on a password, removed since), an upload cancelled as its
-document's job starts, and a publish that ends with its cancel.
+document's job starts, a publish that ends with its cancel, an upload whose document was removed again while it
+ran, and a removal whose newer run failed (it takes only what was written before that run ended).
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
@@ -72,8 +73,8 @@ from devtools.scripted_llm import ScriptedLLM, last_user_message
 from models.agent import AgentInput, PlanInput, PlanOutput, ToolCall, agent_workflow_id
 from models.blobs import SweepInput
 from models.chat import KEY_EXPIRED_TYPE, HistoryItem, SessionState, session_workflow_id
-from models.ingest import (CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, IngestInput,
-                           document_workflow_id)
+from models.ingest import (CANCELLED_WITH_ITS_UPLOAD, AwaitDocumentInput, DocumentOutcome, IngestInput, NewerRun,
+                           RemoveDocumentInput, document_workflow_id, removal_workflow_id)
 from models.tenancy import GateState, SlotGrant, SlotRequest
 from ragline import keys as api_keys
 from ragline.text import WRONG_PASSWORD
@@ -90,6 +91,7 @@ from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import POLL_UPDATE
 from workflows.gate import MAX_IN_GATE, MAX_SENDING, TenantGateWorkflow
 from workflows.ingest import IngestDocumentWorkflow, IngestWorkflow
+from workflows.remove import RemoveDocumentWorkflow
 
 HISTORIES = Path(__file__).resolve().parent / "histories"
 ATTEMPTS = 4  # max_attempts of the chat steps in tests/fast_policies.toml
@@ -752,6 +754,54 @@ async def _upload_after_removal(stack) -> list[Path]:
     return await _save(stack.client, "ingest-after-removal", f"WorkflowId = '{upload_id}'")
 
 
+async def _upload_removed_again(stack) -> list[Path]:
+    """An upload finds its document removed since, goes to run it anew, meets another upload's run of it (held
+    on a queue nobody polls) and finds that removed too: it fails as Removed, not as the file's fault (patch
+    upload-removed-again-is-not-the-files-fault). As tests/test_workflows.py does it
+    (test_an_upload_whose_document_was_removed_again_while_it_ran_does_not_blame_the_file)."""
+    doc = document("a.txt", "record-removed-again")
+    child_id = document_workflow_id(doc.tenant, doc.document_id)
+    fakes = Fakes(removed_documents={child_id})
+    upload_id = f"ingest-rec-{uuid.uuid4().hex[:8]}"
+    held = await stack.client.start_workflow(IngestDocumentWorkflow.run, doc, id=child_id,
+                                             task_queue=f"nobody-{uuid.uuid4().hex[:6]}")
+    try:
+        async with _faked(stack.client, fakes) as queue:
+            await asyncio.wait_for(stack.client.execute_workflow(
+                IngestWorkflow.run, IngestInput(collection="record-removed-again", documents=[doc]), id=upload_id,
+                task_queue=queue), 60)
+        raise AssertionError("the upload did not fail")
+    except WorkflowFailureError as exc:
+        cause = exc.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "Removed", cause
+        assert "removed again while this upload ran" in cause.message, cause.message
+    finally:
+        await held.terminate(reason="recording: ended")
+    assert len(fakes.named("await_document")) == 2
+    await asyncio.sleep(1)
+    return await _save(stack.client, "ingest-removed-again", f"WorkflowId = '{upload_id}'")
+
+
+async def _removal_after_failed_newer_run(stack) -> list[Path]:
+    """A removal waits for the document's newer run (an upload queued before the DELETE), which fails: it then
+    takes only what was written before that run ended (patch removal-takes-only-what-the-failed-newer-run-wrote).
+    As tests/test_workflows.py does it (test_a_removal_leaves_the_chunks_of_a_run_that_began_after_the_failed_
+    newer_run_it_waited_for), with the fakes' store: await_newer_run says when it saw the run end."""
+    fakes = Fakes(newer_run=NewerRun(started=True, indexed=False, at=1_800_000_060.0))  # after the confirmation
+    doc_id = f"record-newer-{uuid.uuid4().hex[:12]}"
+    removal_id = removal_workflow_id(stack.tenant, doc_id)
+    async with _faked(stack.client, fakes) as queue:
+        result = await asyncio.wait_for(stack.client.execute_workflow(
+            RemoveDocumentWorkflow.run, RemoveDocumentInput(tenant=stack.tenant, document_id=doc_id,
+                                                            collection="record-newer", filename="a.txt", run_id="r1"),
+            id=removal_id, task_queue=queue), 60)
+    assert result.status == "removed", result
+    removals = [c.arg for c in fakes.named("remove_document_chunks")]
+    assert [r.written_before for r in removals][1:] == [1_800_000_060.0], removals
+    await asyncio.sleep(1)
+    return await _save(stack.client, "removal-after-failed-newer-run", f"WorkflowId = '{removal_id}'")
+
+
 async def _upload_cancelled_while_document_starts(stack) -> list[Path]:
     """The upload's cancel reaches it in the workflow task that brings its document's job's start (held open by
     the worker's codec): it waits for that start and cancels the job (patch
@@ -833,7 +883,9 @@ ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "ingest-reruns-anothers-document": _upload_reruns_anothers_document,
          "ingest-after-removal": _upload_after_removal,
          "ingest-cancel-while-document-starts": _upload_cancelled_while_document_starts,
-         "ingest-published-as-cancel-came": _publish_landed_with_cancel}
+         "ingest-published-as-cancel-came": _publish_landed_with_cancel,
+         "ingest-removed-again": _upload_removed_again,
+         "removal-after-failed-newer-run": _removal_after_failed_newer_run}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

@@ -34,10 +34,11 @@ from workflows.dead_letters import WITHDRAWN_WHEN_STOPPING_PATCH
 from workflows.events import POLLS_BOUNDED_PATCH, TERMINAL_EVENT_STANDS_PATCH
 from workflows.gate import IN_GATE_BOUND_PATCH, OWED_PATCH, SENDS_BOUNDED_PATCH
 from workflows.ingest import (
-    CANCEL_AFTER_START_PATCH, OWN_PASSWORD_PATCH, OWN_RUN_PATCH, PUBLISH_LANDED_PATCH, REMOVED_PATCH,
+    CANCEL_AFTER_START_PATCH, OWN_PASSWORD_PATCH, OWN_RUN_PATCH, PUBLISH_LANDED_PATCH, REMOVED_AGAIN_PATCH,
+    REMOVED_PATCH,
 )
 from workflows.job import CANCEL_REQUESTED_IS_CANCEL_PATCH, FALLBACK_REFUSED_PARKS_PATCH, OPTIONAL_STEP_SKIPPED_PATCH
-from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH
+from workflows.remove import FINISHES_ONCE_CONFIRMED_PATCH, NEWER_RUN_ONLY_PATCH
 from workflows.review import SECOND_DECISION_PATCH, WITHDRAWING_REFUSES_PATCH
 from workflows.slot import GRANT_FINAL_PATCH
 
@@ -96,7 +97,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
                          "agent-sub-agent-cancelled", "agent-cancel-while-sub-agent-starts",
                          "agent-stop-withdraws-parked-plan", "agent-review-signals-with-stop",
                          "ingest-reruns-anothers-document", "ingest-after-removal",
-                         "ingest-cancel-while-document-starts", "ingest-published-as-cancel-came"}
+                         "ingest-cancel-while-document-starts", "ingest-published-as-cancel-came",
+                         "ingest-removed-again", "removal-after-failed-newer-run"}
     slots = "".join(p.read_text() for p in FILES if p.stem.startswith("running-slots--"))
     assert "\"slot_update\"" in slots and "\"acquire\"" in slots  # a turn waited for its slot and got it
     session_runs = [json.loads(p.read_text()) for p in FILES if p.stem.startswith("chat-session--ChatSessionWorkflow")]
@@ -126,6 +128,8 @@ def test_every_workflow_type_and_scenario_is_recorded():
     assert SLOT_WAIT_NOT_CHARGED_PATCH in _patches("agent-review--AgentWorkflow--1")
     # A removal carried on past a cancel once confirmed.
     assert FINISHES_ONCE_CONFIRMED_PATCH in _patches("removal--")
+    # A removal whose newer run failed took only what was written before that run ended.
+    assert NEWER_RUN_ONLY_PATCH in _patches("removal-after-failed-newer-run--RemoveDocumentWorkflow")
     # A session that ended idle (its state its result), and the run a later message started, which read it.
     assert SESSION_ENDS_IDLE_PATCH in _patches("chat-session-idle--")
     idle = "".join(p.read_text() for p in FILES if p.stem.startswith("chat-session-idle--"))
@@ -176,6 +180,10 @@ def test_every_workflow_type_and_scenario_is_recorded():
     # password, or removed since.
     assert {OWN_RUN_PATCH, OWN_PASSWORD_PATCH} <= _patches("ingest-reruns-anothers-document--IngestWorkflow")
     assert REMOVED_PATCH in _patches("ingest-after-removal--IngestWorkflow")
+    # An upload whose document was removed again while it ran failed as Removed, not as the file's fault.
+    assert REMOVED_AGAIN_PATCH in _patches("ingest-removed-again--IngestWorkflow")
+    again = next(p for p in FILES if p.stem.startswith("ingest-removed-again--IngestWorkflow")).read_text()
+    assert "EVENT_TYPE_WORKFLOW_EXECUTION_FAILED" in again and '"type": "Removed"' in again
     # An upload cancelled as its document's job started cancelled that job once started.
     assert CANCEL_AFTER_START_PATCH in _patches("ingest-cancel-while-document-starts--IngestWorkflow")
     # A publish that ended with the cancel in one workflow task: the document indexed.
