@@ -73,7 +73,7 @@ $(REDIS):
 
 # Three pytest processes (pytest-xdist), each with its own stacks: much of a test's time is spent waiting
 # on Temporal and on subprocesses. On 2 cores, three kept the CPUs 87% busy and the run took 7:02, against
-# 9:42 with two. A module's tests stay in one process
+# 9:42 with two, in one clone (a fresh clone's .ci/run: 8:44, against 9:21-10:15 with two). A module's tests stay in one process
 # (loadscope), so a module's own servers (llama.cpp, a time-skipping Temporal) start once, not once per process.
 TEST_WORKERS ?= 3
 
