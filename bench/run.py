@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     r.add_argument("--overhead-turns", type=int, default=30,
                    help="sequential turns (and bare workflows) in `overhead`, after 3 of each to warm up (default 30)")
     r.add_argument("--local-turns", type=int, default=5, help="sequential turns with the local model (default 5)")
+    r.add_argument("--local-model-threads", type=int, default=None,
+                   help="threads of the local llama.cpp server (default: RAGLINE_LOCAL_MODEL_THREADS's default)")
     r.add_argument("--local-model", default=None,
                    help="local model key (default: the RAGLINE_LOCAL_MODEL default of ragline.settings)")
     f = p.add_argument_group("completion under injected faults (after the acceptance benchmark)")
@@ -721,8 +723,9 @@ async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: 
         log(f"[local] skipped: {why}")
         return {"skipped": why, "model": key}
     port = free_port()
+    threads = {config.env_name("local_model_threads"): str(args.local_model_threads)} if args.local_model_threads else {}
     llm_settings = config.settings_from_env({config.env_name("local_model"): key,
-                                             config.env_name("llm_port"): str(port)})
+                                             config.env_name("llm_port"): str(port), **threads})
     try:
         model_path = ensure_model(llm_settings, models_dir=folder, log=log)
     except LocalModelError as exc:
