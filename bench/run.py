@@ -723,7 +723,8 @@ async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: 
         log(f"[local] skipped: {why}")
         return {"skipped": why, "model": key}
     port = free_port()
-    threads = {config.env_name("local_model_threads"): str(args.local_model_threads)} if args.local_model_threads else {}
+    threads = {config.env_name("local_model_threads"): str(args.local_model_threads)} \
+        if args.local_model_threads else {}
     llm_settings = config.settings_from_env({config.env_name("local_model"): key,
                                              config.env_name("llm_port"): str(port), **threads})
     try:

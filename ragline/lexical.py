@@ -1,10 +1,11 @@
 """The sparse (lexical) side of hybrid retrieval: BM25-style term weights for Qdrant sparse vectors.
 
 Terms: Latin words and numbers, case-folded, apostrophes inside a word dropped, with a light English
-suffix strip ("reports" -> "report"), stop words dropped; Chinese/Japanese text as character bigrams plus single characters (no
-dictionary needed, robust for names and numbers like "45秒"). Documents get the BM25 term-frequency part
-`tf*(k1+1)/(tf + k1*(1-b+b*len/avglen))`; the collection's sparse vector has Qdrant's IDF modifier,
-which supplies the inverse document frequency at query time, so the score is BM25.
+suffix strip ("reports" -> "report"), stop words dropped; Chinese/Japanese text as character bigrams
+plus single characters (no dictionary needed, robust for names and numbers like "45秒"). Documents get
+the BM25 term-frequency part `tf*(k1+1)/(tf + k1*(1-b+b*len/avglen))`; the collection's sparse vector
+has Qdrant's IDF modifier, which supplies the inverse document frequency at query time, so the score is
+BM25.
 """
 
 from __future__ import annotations

@@ -196,7 +196,8 @@ def test_llama_server_argv() -> None:
     argv = llama_server_argv(settings, Path("/m/model.gguf"))
     assert argv[:3] == [sys.executable, "-m", "llama_cpp.server"]
     pairs = dict(zip(argv[3::2], argv[4::2]))
-    assert pairs == {"--model": "/m/model.gguf", "--n_ctx": "4096", "--n_threads": str(max(1, (os.cpu_count() or 2) - 1)),
+    one_core_left = str(max(1, (os.cpu_count() or 2) - 1))
+    assert pairs == {"--model": "/m/model.gguf", "--n_ctx": "4096", "--n_threads": one_core_left,
                      "--model_alias": "local", "--host": "127.0.0.1", "--port": "9123", "--verbose": "False",
                      "--interrupt_requests": "False"}
     # RAGLINE_LOCAL_MODEL_THREADS leaves cores to the rest of the stack.
