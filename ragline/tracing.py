@@ -200,10 +200,17 @@ def attached(traceparent: str | None) -> Iterator[None]:
         yield
         return
     token = otel_context.attach(context_of(traceparent))
+    let_go = False
     try:
         yield
+    except GeneratorExit:
+        # A workflow coroutine closed once its worker let go of it, maybe from another context than the one it
+        # attached in: detaching there fails (and logs an error); its own context ends with it.
+        let_go = True
+        raise
     finally:
-        otel_context.detach(token)
+        if not let_go:
+            otel_context.detach(token)
 
 
 @contextmanager

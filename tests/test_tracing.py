@@ -231,3 +231,26 @@ async def test_a_reviewers_comment_leaves_in_no_span_of_the_rejected_turns_trace
         texts = [s.status.description or "", *(str(v) for v in (s.attributes or {}).values()),
                  *(str(v) for e in s.events for v in (e.attributes or {}).values())]
         assert not [t for t in texts if "census" in t or secret in t], (s.name, texts)
+
+
+def test_a_workflow_coroutine_closed_from_another_context_leaves_its_trace_quietly(caplog):
+    """A chat turn's run attaches its request's trace. Its coroutine, closed by the garbage collector once the worker
+    let go of it (from another context than the one it ran in), detached the trace there: OpenTelemetry logged
+    "Failed to detach context" with a traceback, in test runs and on a worker whose cache evicts held turns."""
+    import contextvars
+
+    from ragline import tracing
+
+    class Forever:
+        def __await__(self):
+            yield
+
+    async def turn() -> None:
+        with tracing.attached("00-" + "a" * 32 + "-" + "b" * 16 + "-01"):
+            await Forever()
+
+    running = turn()
+    contextvars.copy_context().run(running.send, None)  # its worker ran it in a context of its own
+    with caplog.at_level("ERROR"):
+        running.close()
+    assert not [r for r in caplog.records if "detach" in r.getMessage()], caplog.text

@@ -2115,3 +2115,66 @@ async def test_a_step_coroutine_closed_by_the_garbage_collector_runs_no_workflow
     together.close()  # raised RuntimeError when the coroutine ran more code
     assert not pending.cancelled()
     pending.cancel()
+
+
+async def test_a_slot_lent_once_work_ends_lets_its_coroutine_close_without_waiting(monkeypatch):
+    """A chat turn whose answer waits for a reviewer while its summary runs lends its slot once the summary ends.
+    Closed by the garbage collector in that wait (its worker let go of it), the lending awaited its helper
+    first: "coroutine ignored GeneratorExit", printed by every test run."""
+    from workflows.slot import RunningSlot
+
+    forever = asyncio.get_running_loop().create_future()
+
+    async def wait_condition(predicate, **kwargs) -> None:
+        await forever
+
+    monkeypatch.setattr(workflow, "wait_condition", wait_condition)
+    slot = RunningSlot(events=None, on_change=lambda: None)
+    before = asyncio.all_tasks()
+    pending = asyncio.get_running_loop().create_future()
+
+    async def review() -> None:
+        async with slot._lent_while_idle(idle=lambda: False):
+            await pending
+
+    held = review()
+    held.send(None)  # the reviewer's wait, the lending helper started beside it
+    [helper] = asyncio.all_tasks() - before
+    try:
+        held.close()  # raised RuntimeError when the coroutine awaited the helper
+    finally:
+        helper.cancel()
+        pending.cancel()
+
+
+async def test_a_person_wait_closed_by_the_garbage_collector_tells_its_parent_nothing(monkeypatch):
+    """A sub-agent waiting for a person tells its parent job so (a signal); closed by the garbage collector in
+    that wait, it ran workflow code from the closing coroutine, on whatever thread closed it, to tell the
+    parent it no longer waits."""
+    from workflows.slot import RunningSlot
+    from workflows.waits import PersonWaits
+
+    told: list[bool] = []
+
+    async def tell(parent_id: str, news) -> None:
+        told.append(news.waiting)
+
+    monkeypatch.setattr(workflow, "patched", lambda patch_id: True)
+    monkeypatch.setattr(workflow, "info", lambda: SimpleNamespace(workflow_id="agent-1.sub",
+                                                                  parent=SimpleNamespace(workflow_id="agent-1")))
+    monkeypatch.setattr(PersonWaits, "_tell", staticmethod(tell))
+    waits = PersonWaits(RunningSlot(events=None, on_change=lambda: None), within_parent=lambda: True)
+    pending = asyncio.get_running_loop().create_future()
+
+    async def review() -> None:
+        async with waits.own():
+            await pending
+
+    held = review()
+    held.send(None)  # the person's wait begins: the parent is told
+    await asyncio.sleep(0)
+    assert told == [True]
+    held.close()
+    await asyncio.sleep(0)
+    assert told == [True]
+    pending.cancel()

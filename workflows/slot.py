@@ -172,11 +172,16 @@ class RunningSlot:
                 await self._lend()
 
         lending = asyncio.ensure_future(lend_whenever_idle())
+        let_go = False
         try:
             yield
+        except GeneratorExit:
+            let_go = True  # the worker let go of the workflow and closes its coroutines: nothing may wait now
+            raise
         finally:
             over = True
-            await lending  # a release under way ends first: the next piece of work takes the slot back after it
+            if not let_go:
+                await lending  # a release under way ends first: the next piece of work takes the slot back after it
 
     async def take_back(self, *, own_work_waits: bool = True) -> None:
         """Before the job's next piece of work: the slot it lent, if it lent one. Work that comes while

@@ -56,12 +56,17 @@ class PersonWaits:
         """The job waits for a person: its slot is lent (if it holds one), its parent told."""
         self._own += 1
         self._changed()
+        let_go = False
         try:
             async with self._slot.lent(idle=lambda: self._busy() == 0):
                 yield
+        except GeneratorExit:
+            let_go = True  # the worker let go of the workflow and closes its coroutines: no workflow code runs
+            raise
         finally:
-            self._own -= 1
-            self._changed()
+            if not let_go:
+                self._own -= 1
+                self._changed()
 
     @asynccontextmanager
     async def child(self, child_id: str, step: str | None = None) -> AsyncIterator[None]:
@@ -69,12 +74,17 @@ class PersonWaits:
         if self._lending is None and not self._within_parent() and workflow.patched(PATCH):
             self._lending = asyncio.ensure_future(self._lend_while_children_wait())
         self._children[child_id] = step
+        let_go = False
         try:
             yield
+        except GeneratorExit:
+            let_go = True  # as in `own`
+            raise
         finally:
-            self._children.pop(child_id, None)
-            self._waiting.discard(child_id)
-            self._changed()
+            if not let_go:
+                self._children.pop(child_id, None)
+                self._waiting.discard(child_id)
+                self._changed()
 
     def heard(self, news: ChildWaiting) -> None:
         """A child's `child_waiting` signal."""
