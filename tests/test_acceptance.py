@@ -535,7 +535,9 @@ async def test_a_session_whose_turn_a_reviewer_holds_bounds_its_queue_and_contin
         ended = [await stack.wait_done(job_id, timeout=60) for job_id in jobs[1:3]]
         assert [(j["status"], j["turn"]) for j in ended] == [("completed", 2), ("completed", 3)]
         held = (await stack.http.get(f"/v1/jobs/{first}")).json()
-        assert held["status"] == "running" and held["turn"] == 1, held  # its side steps still at work
+        # Not ended: its side steps still at work, or (a slow host, past their four 10-15 s attempts) parked for an
+        # operator. Had the later turns waited for it to end, they would not have been answered.
+        assert held["status"] in ("running", "dead_lettered") and held["turn"] == 1, held
         asked = [c for c in stack.llm.calls if c["task"] == "answer" and tag in (c["question"] or "")]
         assert [c["question"] for c in asked] == [f"{q} {tag}" for q in (
             f"Who counts the herds? {slow.token}", "And from what?", long)], asked

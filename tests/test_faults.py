@@ -104,14 +104,15 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
         return any(c.finished_at is None for c in scripted_llm.calls_for())
 
     async with running_stack(address, scripted_llm, tmp_path, in_process_worker=False, task_queue=queue) as stack:
-        scripted_llm.set_delay(0.8)
+        scripted_llm.set_delay(0.4)
         worker = _worker_process(env, log)
         try:
-            uploads = await asyncio.gather(*(stack.upload((f"k{n}.pdf", _doc(n, pages=4)), collection="kill")
-                                             for n in range(20)))
-            # Chats go to a collection already indexed, so their answers need the model.
+            # Chats go to a collection already indexed, so their answers need the model. Uploaded first, it
+            # is indexed before the 20 uploads behind it, which the kills then find in flight.
             seed = await stack.upload(("seed.txt", b"Lighthouses guide ships. Keepers light them at dusk."),
                                       collection="killchat")
+            uploads = await asyncio.gather(*(stack.upload((f"k{n}.pdf", _doc(n, pages=4)), collection="kill")
+                                             for n in range(20)))
             await stack.wait_job(seed["job_id"])
             # Two sessions of ten turns: a session runs its turns one after another, so model calls are
             # still in flight for the second kill, after the worker's restart.
@@ -121,7 +122,7 @@ async def test_sigkilled_worker_loses_and_duplicates_nothing(temporal_env, priva
                                            for i in range(20)))
             for _ in range(2):
                 await asyncio.sleep(rng.uniform(1.0, 4.0))
-                # At a moment when the worker is waiting on the model (each reply takes 0.8 s): the kill
+                # At a moment when the worker is waiting on the model (each reply takes 0.4 s): the kill
                 # cuts that call off. (The worker comes back within seconds; chats are still queued.)
                 await eventually(model_call_in_flight, timeout=60, every=0.01,
                                  what="a model call in flight to kill the worker during")

@@ -109,7 +109,7 @@ async def test_workers_by_role_survive_sigkill_with_exact_counts(temporal_env, p
     assert sorted(fleet.specs) == ["worker-cpu", "worker-llm-1", "worker-llm-2", "worker-vector", "worker-workflows"]
     kills: list[float] = []
     async with running_stack(address, private_llm, tmp_path, in_process_worker=False, task_queue=queue) as stack:
-        private_llm.set_delay(1.0)
+        private_llm.set_delay(0.5)
         try:
             for name in fleet.specs:
                 fleet.start(name)
