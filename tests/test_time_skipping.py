@@ -39,7 +39,8 @@ async def time_skipping_worker(llm, tmp_path, **overrides):
         test_server_startup_timeout=SERVER_STARTUP)
     index = open_index(settings)
     try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as executor:
+        threads = settings.worker_cpu_concurrency + settings.worker_vector_concurrency + 4  # as worker.main has
+        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as executor:
             async with build_worker(env.client, settings, index, executor):
                 yield env.client, index
     finally:
