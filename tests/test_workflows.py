@@ -2178,3 +2178,100 @@ async def test_a_person_wait_closed_by_the_garbage_collector_tells_its_parent_no
     await asyncio.sleep(0)
     assert told == [True]
     pending.cancel()
+
+
+async def test_a_job_closed_by_the_garbage_collector_gives_back_no_slot_from_the_closed_coroutine(monkeypatch):
+    """A running job evicted from its worker's cache: its coroutine, closed, gave back its running slot (a wait and
+    a local activity) from the closing coroutine: "coroutine ignored GeneratorExit". The gate's sweep frees it."""
+    from workflows.job import JobWorkflow
+
+    monkeypatch.setattr(workflow, "patched", lambda patch_id: True)
+    forever = asyncio.get_running_loop().create_future()
+    released: list[bool] = []
+
+    async def acquire(**kwargs) -> None:
+        await forever
+
+    async def release() -> None:
+        released.append(True)
+        await forever
+
+    job = JobWorkflow.__new__(JobWorkflow)
+    job.events = SimpleNamespace(hold_steps=False, emit=lambda *args: None)
+    job.slot = SimpleNamespace(acquire=acquire, release=release)
+    job.SLOT_BEFORE_WORK = False
+    job.takes_slot = lambda: True
+    before = asyncio.all_tasks()
+    pending = asyncio.get_running_loop().create_future()
+    running = job.run_job(lambda: pending, accepted={})
+    running.send(None)  # at work, its slot asked for beside it
+    try:
+        assert released == []
+        running.close()  # raised RuntimeError once the release waited
+        assert released == []
+    finally:
+        for task in asyncio.all_tasks() - before:
+            task.cancel()
+        pending.cancel()
+
+
+async def test_a_step_closed_by_the_garbage_collector_tells_no_parent_it_stopped(monkeypatch):
+    """A step of a sub-agent counts as its work running; ended, the job tells its parent whether it now waits for a
+    person (a signal). Closed by the garbage collector, the step told it from the closing coroutine."""
+    from activities.chat import ChatActivities
+    from workflows.job import JobWorkflow
+
+    pending = asyncio.get_running_loop().create_future()
+    monkeypatch.setattr(policies, "execute", lambda activity, arg, **options: pending)
+
+    async def take_back() -> None:
+        pass
+
+    running: list[int] = []
+    job = JobWorkflow.__new__(JobWorkflow)
+    job.slot = SimpleNamespace(take_back=take_back)
+    job._calls_running = 0
+    job.waits = SimpleNamespace(recheck=lambda: running.append(job._calls_running))
+    job.steps = SimpleNamespace(scheduled=lambda step, name: None)
+    calling = job.call(ChatActivities.summarize_context, None, step="summarize")
+    calling.send(None)
+    assert running == [1]
+    calling.close()
+    assert running == [1]
+    pending.cancel()
+
+
+async def test_a_held_answer_closed_by_the_garbage_collector_writes_no_memo(monkeypatch):
+    """A held answer's turn marks its memo "review pending" and clears it once decided. Closed by the garbage collector
+    while the reviewer decides, it cleared the memo from the closing coroutine: on whatever workflow the closing
+    thread was running, or failing there."""
+    from workflows.chat import ChatTurnWorkflow
+
+    forever = asyncio.get_running_loop().create_future()
+    memos: list[dict] = []
+
+    async def wait(tasks, **kwargs) -> None:
+        await forever
+
+    async def beside(work):
+        return forever
+
+    async def review_decision(turn, answer):
+        await forever
+
+    monkeypatch.setattr(workflow, "patched", lambda patch_id: True)
+    monkeypatch.setattr(workflow, "wait", wait)
+    monkeypatch.setattr(workflow, "upsert_memo", memos.append)
+    turn = ChatTurnWorkflow.__new__(ChatTurnWorkflow)
+    turn.beside = beside
+    turn._review_decision = review_decision
+    before = asyncio.all_tasks()
+    reviewed = turn._reviewed_beside_side_steps(None, SimpleNamespace(answer="Ada."), None, None)
+    reviewed.send(None)  # the reviewer decides
+    try:
+        assert len(memos) == 1
+        reviewed.close()
+        assert len(memos) == 1
+    finally:
+        for task in asyncio.all_tasks() - before:
+            task.cancel()

@@ -382,6 +382,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         running = await self.beside(side_steps)
         workflow.upsert_memo({REVIEW_PENDING_MEMO: True})
         deciding = asyncio.ensure_future(self._review_decision(turn, answered.answer))
+        let_go = False
         try:
             if workflow.patched(SIDE_STEP_FAILURE_ENDS_REVIEW_PATCH):
                 await workflow.wait([deciding, running], return_when=asyncio.FIRST_COMPLETED)
@@ -392,8 +393,12 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             await self.stop(deciding)  # withdrawn: nothing waits for the reviewer any more
             await self.stop(running)  # rejected or cancelled: no summary of an answer nobody will see
             raise
+        except GeneratorExit:
+            let_go = True  # closed once its worker let go: the memo call would go to whatever workflow runs now
+            raise
         finally:
-            workflow.upsert_memo({REVIEW_PENDING_MEMO: None})
+            if not let_go:
+                workflow.upsert_memo({REVIEW_PENDING_MEMO: None})
         self._release(turn, self._with_review(answered, decision))
         return self._with_review(turn_result(*await running), decision)
 

@@ -111,6 +111,7 @@ class JobWorkflow:
         precondition, like a chat turn's go) and a running slot of its tenant are there."""
         self.events.hold_steps = self.HOLD_STEP_EVENTS and workflow.patched(HOLD_PATCH)
         self.events.emit("ragline.job.accepted", accepted)
+        let_go = False
         try:
             if ready is not None:
                 await ready()
@@ -139,14 +140,18 @@ class JobWorkflow:
                 first = details[0] if details and isinstance(details[0], dict) else {}
                 details = ({**first, **extra}, *details[1:]) if first else (extra, *details)
             raise ApplicationError(reason, *details, type=failure_type(exc), non_retryable=True) from exc
+        except GeneratorExit:
+            let_go = True  # as ENDED says: a closed coroutine gives nothing back (its worker let go of the run)
+            raise
         finally:
-            try:
-                await self.slot.release()
-            except asyncio.CancelledError:
-                # A cancel that comes once the terminal event is out changes nothing (workflows/events.py);
-                # the gate's sweep frees a slot whose release it stopped.
-                if not workflow.patched(TERMINAL_EVENT_STANDS_PATCH):
-                    raise
+            if not let_go:
+                try:
+                    await self.slot.release()
+                except asyncio.CancelledError:
+                    # A cancel that comes once the terminal event is out changes nothing (workflows/events.py);
+                    # the gate's sweep frees a slot whose release it stopped.
+                    if not workflow.patched(TERMINAL_EVENT_STANDS_PATCH):
+                        raise
 
     def stopping(self) -> bool:
         """Whether the job was told to stop and finish with what it has (agents): a parked step is withdrawn."""
@@ -272,11 +277,16 @@ class JobWorkflow:
             self.waits.recheck()
             self.steps.scheduled(step, name)
             try:
+                let_go = False
                 try:
                     return await policies.execute(activity, arg, **options)
+                except GeneratorExit:
+                    let_go = True  # as ENDED says: no parent is told anything from a closed coroutine
+                    raise
                 finally:
-                    self._calls_running -= 1
-                    self.waits.recheck()
+                    if not let_go:
+                        self._calls_running -= 1
+                        self.waits.recheck()
             except ActivityError as exc:
                 if is_cancelled_exception(exc):  # the job was cancelled: the step stopped, it did not fail
                     self.steps.cancel(step)
