@@ -304,6 +304,11 @@ def _pollers(settings: Settings) -> dict[str, Any]:
     return {"workflow_task_poller_behavior": behavior, "activity_task_poller_behavior": behavior}
 
 
+def activity_threads(settings: Settings) -> int:
+    """Threads for the sync activities: CPU-bound ones and the vector store's."""
+    return settings.worker_cpu_concurrency + settings.worker_vector_concurrency + 4
+
+
 def _prepare_relevance(embedder: Embedder, executor: concurrent.futures.ThreadPoolExecutor, *, remote: bool) -> None:
     """The relevance gate's everyday questions are embedded in the background at start, so no question
     waits for them (in-process only: a remote endpoint that hangs would hold the worker's stop for its
@@ -437,9 +442,7 @@ async def main(argv: list[str] | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # Threads for the sync activities: CPU-bound ones and the vector store's.
-    threads = settings.worker_cpu_concurrency + settings.worker_vector_concurrency + 4
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as executor:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=activity_threads(settings)) as executor:
         worker = build_worker(client, settings, index, executor, role)
         if address:
             export_activity_slots(runtime, worker.activity_slots)

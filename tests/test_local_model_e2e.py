@@ -108,7 +108,7 @@ async def test_real_local_models_entities_of_a_chinese_passage_parse(local_llm):
     """Asked for the entities of a Chinese passage, the shipped model replied "[1]" (the walkthrough: every
     turn about the Chinese document warned "invalid JSON twice"); held to the array's schema, it parses.
     One passage is enough: without the schema the model replies "[1]" to it too (checked), and on one
-    llama.cpp thread beside the other tests three passages took 20-40 s to read."""
+    llama.cpp thread beside the other tests the test took 18-43 s with three passages."""
     from activities.chat import ENTITIES_FORMAT, parse_entities
     from bench.quality import DOCS
     from models.ingest import SearchHit

@@ -17,7 +17,7 @@ from ragline.vectorstore import ChunkPoint, open_index
 from temporal.converter import build_data_converter
 from tests.conftest import FIXTURES, SERVER_STARTUP
 from tests.helpers import time_skipping_server_binary
-from worker import build_worker
+from worker import activity_threads, build_worker
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatTurnWorkflow
 
@@ -39,8 +39,7 @@ async def time_skipping_worker(llm, tmp_path, **overrides):
         test_server_startup_timeout=SERVER_STARTUP)
     index = open_index(settings)
     try:
-        threads = settings.worker_cpu_concurrency + settings.worker_vector_concurrency + 4  # as worker.main has
-        with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as executor:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=activity_threads(settings)) as executor:
             async with build_worker(env.client, settings, index, executor):
                 yield env.client, index
     finally:
