@@ -64,6 +64,9 @@ API_KEY_RPM = 1_000_000
 # The bench's tenant may run this many jobs at once (`[tenants.bench] max_running_jobs`): the bench
 # measures orchestration with hundreds of turns in flight, not the per-tenant cap (tests cover that).
 TENANT_MAX_RUNNING_JOBS = 100_000
+# The bench's key may hold this many event streams open on the API (RAGLINE_MAX_STREAMS_PER_KEY): the burst
+# follows each of its chats on a stream of its own, more than the default 100 a client would hold.
+STREAMS_PER_KEY = 10_000
 PHASES = ("accept", "burst", "ttfd", "overhead", "local", "order", "faults")
 QUESTION = "Which company runs the Lisbon data centre, and what does it use for cooling?"
 FOLLOW_UP_QUESTION = "Who leads its operations team?"
@@ -213,6 +216,8 @@ class Stack:
                "RAGLINE_RELEVANCE_THRESHOLD": "0", "RAGLINE_ANSWER_CACHE_SIZE": "0",
                # The scripted model stands in for a hosted endpoint (on loopback, it would count as local).
                "RAGLINE_LLM_LOCAL": "false"}
+        if "max_streams_per_key" in Settings.model_fields:
+            env[config.env_name("max_streams_per_key")] = str(STREAMS_PER_KEY)
         # The worker serves its metrics on a port of its own (the default one may be taken on a shared machine).
         if "worker_metrics_port" in Settings.model_fields:
             env[config.env_name("worker_metrics_port")] = str(free_port())
@@ -604,7 +609,7 @@ def _dirty(porcelain: str) -> list[str]:
 
 SETTINGS_SHOWN = ("temporal_rpc_timeout", "llm_concurrency", "llm_requests_per_second", "llm_timeout",
                   "llm_max_tokens", "worker_io_concurrency", "worker_cpu_concurrency", "rate_limit_per_minute",
-                  "tenant_max_running_jobs", "encrypt_payloads", "redact_pii")
+                  "tenant_max_running_jobs", "max_streams_per_key", "encrypt_payloads", "redact_pii")
 
 
 def settings_digest(env: dict[str, str]) -> dict:
