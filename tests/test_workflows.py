@@ -2011,7 +2011,8 @@ async def test_a_decision_that_comes_with_the_reviews_timeout_stands(env):
         await eventually(waits_for_a_reviewer, timeout=20, what="the agent waiting at the depth guard")
 
     # The review's timer fires with no worker to see it: the server's clock skips past it only once the worker
-    # has gone (a short real-time timeout raced a slow worker's shutdown, which then saw it time out).
+    # has gone. (A 2 s timer in real time could fire while a slow worker was still shutting down, which would
+    # then see the timeout itself.)
     await env.sleep(3601)
 
     async def timed_out() -> bool:
