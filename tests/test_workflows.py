@@ -2003,18 +2003,16 @@ async def test_a_decision_that_comes_with_the_reviews_timeout_stands(env):
     fakes = Fakes(plan=plan)
     async with fake_worker(env, fakes, sticky=False) as queue:
         agent = await env.client.start_workflow(
-            AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=0, review_timeout_seconds=3600),
+            AgentWorkflow.run, AgentInput(goal="Count the ships", max_depth=0, review_timeout_seconds=6),
             id=f"agent-{uuid.uuid4().hex[:8]}", task_queue=queue)
 
         async def waits_for_a_reviewer() -> bool:
             return (await agent.query(AgentWorkflow.progress)).status == "waiting_review"
         await eventually(waits_for_a_reviewer, timeout=20, what="the agent waiting at the depth guard")
 
-    # The review's timer fires with no worker to see it: the server's clock skips past it only once the worker
-    # has gone. (A 2 s timer in real time could fire while a slow worker was still shutting down, which would
-    # then see the timeout itself.)
-    await env.sleep(3601)
-
+    # The review's timer fires, in real time, with no worker to see it: 6 s leaves a slow worker time to shut
+    # down first (with 2 s, one still shutting down could see the timeout itself). The shared test server's
+    # clock cannot be skipped here: other tests' workflows hold it.
     async def timed_out() -> bool:
         return any([e.event_type == EventType.EVENT_TYPE_TIMER_FIRED async for e in agent.fetch_history_events()])
     await eventually(timed_out, timeout=20, what="the review's timer fired")
