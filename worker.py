@@ -288,9 +288,12 @@ def _slots(settings: Settings, kind: str) -> dict[str, Any]:
             activity_config=ResourceBasedSlotConfig(minimum_slots=1, maximum_slots=most,
                                                     ramp_throttle=timedelta(milliseconds=500)))}
     if kind == "llm":
-        # Model calls in flight are bounded here, per model endpoint, not by a semaphore in an activity.
+        # Model calls in flight are bounded here, per model endpoint, not by a semaphore in an activity. On few
+        # slots their beats (and so a cancel's answer) come sooner: a side step steps aside for a later answer.
+        beat = policies.model_call_beat(most)
         return {"max_concurrent_activities": most,
-                "max_task_queue_activities_per_second": settings.llm_requests_per_second}
+                "max_task_queue_activities_per_second": settings.llm_requests_per_second,
+                "max_heartbeat_throttle_interval": beat, "default_heartbeat_throttle_interval": beat}
     if kind == "vector":
         return {"max_concurrent_activities": most, "max_concurrent_local_activities": most}
     return {"max_concurrent_activities": most}
@@ -377,8 +380,8 @@ def build_worker(client: Client, settings: Settings, index: VectorIndex | None,
         # async activities runs them on the loop, and needs no thread per slot.
         threads = {"activity_executor": executor} if any(not inspect.iscoroutinefunction(a) for a in mine) else {}
         name = queues.queue_name(settings.task_queue, kind)
-        workers.append(Worker(client, task_queue=name, workflows=flows, activities=mine, **_slots(settings, kind),
-                              **threads, **common))
+        workers.append(Worker(client, task_queue=name, workflows=flows, activities=mine,
+                              **{**common, **threads, **_slots(settings, kind)}))
         if mine:
             activity_slots[name] = activity_slot_limit(settings, kind)
     return RaglineWorker(workers, role, activity_slots, models=[m for m in (model, fallback) if m is not None])

@@ -32,6 +32,7 @@ from ragline.llm import (
 )
 from ragline.settings import Settings
 from ragline.vectorstore import VectorIndex
+from temporal import policies
 from temporal.errors import translate_errors
 from models.jobs import EVENTS_TOPIC
 
@@ -160,6 +161,10 @@ class ChatActivities:
         self.cache.put(req.key, req.result.model_dump(mode="json"))
         return CacheOutput(stored=True, attempt=activity.info().attempt)
 
+    def _beat(self) -> timedelta:
+        """How often a model call beats: soon on few model slots, where a side step may be told to step aside."""
+        return policies.model_call_beat(self.settings.effective_llm_concurrency)
+
     def _passages(self, context_ref: str) -> list[SearchHit]:
         return [SearchHit.model_validate(p) for p in self.blobs.get_json(context_ref)]
 
@@ -178,6 +183,10 @@ class ChatActivities:
         return await self._generate(req, self.fallback)
 
     async def _generate(self, req: GenerateInput, model: ChatModel) -> GenerateOutput:
+        answered = await self._answer(req, model)
+        return answered.model_copy(update={"model_slots": self.settings.effective_llm_concurrency})
+
+    async def _answer(self, req: GenerateInput, model: ChatModel) -> GenerateOutput:
         passages = await asyncio.to_thread(self._passages, req.context_ref)
         attempt = activity.info().attempt
         if not passages:
@@ -191,7 +200,8 @@ class ChatActivities:
         messages = prompts.messages("answer", passages=context, history=history, question=req.question)
         result = StreamedCompletion(model=model.model)
         echo = EchoedTurn(req.question)
-        async with heartbeating(), AnswerDeltas(req.attempts_before + attempt, send=req.stream) as deltas:
+        async with heartbeating(every=self._beat()), \
+                AnswerDeltas(req.attempts_before + attempt, send=req.stream) as deltas:
             async for piece in model.stream(messages, result, step="generate"):
                 if shown := echo.feed(piece):
                     await deltas.publish(shown)
@@ -221,7 +231,7 @@ class ChatActivities:
                                      self.settings)
         if not passages:
             return SummaryOutput(summary="", attempt=activity.info().attempt)
-        async with heartbeating():
+        async with heartbeating(every=self._beat()):
             reply = await self.model.complete(prompts.messages(
                 "summarize", opens_alike=not req.before_answer, passages=prompts.format_passages(passages),
                 question=req.question), step="summarize")
@@ -239,7 +249,7 @@ class ChatActivities:
                                     question=req.question)
         # A server that takes JSON schemas (llama.cpp: RAGLINE_LLM_TOOL_CALLS=schema) holds the reply to the array.
         held = {"response_format": ENTITIES_FORMAT} if self.model.constrained_tool_calls else {}
-        async with heartbeating():
+        async with heartbeating(every=self._beat()):
             reply = await self.model.complete(messages, step="extract_entities", **held)
             usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=reply.completion_tokens)
             entities = parse_entities(reply.text)

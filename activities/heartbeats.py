@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 from temporalio import activity
@@ -20,11 +21,13 @@ from temporal import policies
 
 
 @contextlib.asynccontextmanager
-async def heartbeating(details: Callable[[], Any] | None = None) -> AsyncIterator[None]:
+async def heartbeating(details: Callable[[], Any] | None = None, *,
+                      every: timedelta | None = None) -> AsyncIterator[None]:
     """Heartbeat while the block runs. The first beat comes after one interval, so a short call sends
     none; the worker throttles beats to the same interval. An activity that keeps its progress in its
-    heartbeat details passes `details`: every beat replaces them."""
-    every = policies.heartbeat_every().total_seconds()
+    heartbeat details passes `details`: every beat replaces them. `every`: another interval than [heartbeats]
+    every (a model call on a worker of few model slots: policies.model_call_beat)."""
+    every = (every or policies.heartbeat_every()).total_seconds()
 
     async def beat() -> None:
         while True:

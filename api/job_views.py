@@ -651,7 +651,7 @@ async def _steps(client: Client, progress: JobProgress | None, desc) -> list[Ste
     # and its steps under way would show running for ever.
     if (ended := _ENDED_FROM_OUTSIDE.get(desc.status)) is not None:
         for step in steps:
-            if step.status in ("running", "dead_lettered"):
+            if step.status in ("running", "waiting", "dead_lettered"):
                 step.status, step.error = "failed", f"the job was {ended} while this step ran"
     return steps
 

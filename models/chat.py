@@ -34,12 +34,18 @@ class HistoryItem(BaseModel):
 class TurnContext(BaseModel):
     """Sent by the session when it is this turn's go: the recent turns to answer in context."""
     history: list[HistoryItem] = []
+    # The job of the turn before, when its summary and entities step aside for this turn's answer (a small
+    # model endpoint): told once that answer is out.
+    before: str | None = None
 
 
 class TurnAnswered(BaseModel):
     """Sent by a turn's job to its session once its answer is final, when a later turn of the session waits."""
     job_id: str
     answer: str
+    # Its summary and entities step aside for the next turn's answer (a small model endpoint): the next turn
+    # tells it once that answer is out (`TurnContext.before`).
+    steps_aside: bool = False
 
 
 class TurnInput(BaseModel):
@@ -297,6 +303,11 @@ class GenerateInput(BaseModel):
     attempts_before: int = 0
 
 
+# A chat turn's side steps (summary, entities) make up to this many model calls at once: on a worker with no
+# more model slots, a later turn's answer would wait for them, and they step aside for it (workflows/chat.py).
+SIDE_STEPS = 2
+
+
 class GenerateOutput(StreamedStepResult):
     answer: str
     # 1-based numbers of the passages the answer relies on, and their citations with the quoted span.
@@ -311,6 +322,9 @@ class GenerateOutput(StreamedStepResult):
     usage: Usage = Usage()
     # What the turn should tell about this answer (the model looped and the answer was cut).
     warnings: list[str] = []
+    # Model calls the worker makes at once (RAGLINE_LLM_CONCURRENCY): with no more than a turn's side steps,
+    # a later turn's answer would wait for them (None: a worker from before this was told).
+    model_slots: int | None = None
 
 
 class AwaitTurnInput(BaseModel):

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from temporalio import activity
 from temporalio.common import Priority, RetryPolicy
 
+from models.chat import SIDE_STEPS
 from ragline.errors import RaglineError
 from temporal import queues
 
@@ -127,8 +128,10 @@ class LoadedPolicies:
     slot_sweep: timedelta
     session_check: timedelta
     session_idle: timedelta
+    step_aside: timedelta
     subscriber_grace: timedelta
     heartbeat_every: timedelta
+    heartbeat_few_model_slots: timedelta
     workflows: WorkflowPriorities
 
 
@@ -137,9 +140,12 @@ DEFAULT_DEAD_LETTER_TTL = timedelta(days=7)
 DEFAULT_SLOT_SWEEP = timedelta(minutes=1)
 DEFAULT_SESSION_CHECK = timedelta(minutes=1)
 DEFAULT_SESSION_IDLE = timedelta(days=1)
-SESSION_KEYS = frozenset({"check", "idle"})
+DEFAULT_STEP_ASIDE = timedelta(minutes=2)
+SESSION_KEYS = frozenset({"check", "idle", "step_aside"})
 DEFAULT_SUBSCRIBER_GRACE = timedelta(milliseconds=500)
 DEFAULT_HEARTBEAT_EVERY = timedelta(seconds=2)
+DEFAULT_HEARTBEAT_FEW_MODEL_SLOTS = timedelta(milliseconds=500)
+HEARTBEAT_KEYS = frozenset({"every", "few_model_slots"})
 
 
 def activity_name(fn: Callable[..., Any]) -> str:
@@ -276,6 +282,12 @@ def parse_session_idle(text: str, source: str = "policies") -> timedelta:
     return _positive_duration(text, source, "sessions", "idle", DEFAULT_SESSION_IDLE, SESSION_KEYS)
 
 
+def parse_step_aside(text: str, source: str = "policies") -> timedelta:
+    """[sessions].step_aside: the longest a turn's summary and entities, stopped for a later turn's answer on a
+    small model endpoint, wait to be told that answer is out before they run again anyway (workflows/chat.py)."""
+    return _positive_duration(text, source, "sessions", "step_aside", DEFAULT_STEP_ASIDE, SESSION_KEYS)
+
+
 def parse_subscriber_grace(text: str, source: str = "policies") -> timedelta:
     """[events].subscriber_grace: how long an ending job that someone watches waits for the stream's
     next poll, so that its terminal event leaves with its last workflow task (workflows/events.py)."""
@@ -285,7 +297,14 @@ def parse_subscriber_grace(text: str, source: str = "policies") -> timedelta:
 def parse_heartbeat_every(text: str, source: str = "policies") -> timedelta:
     """[heartbeats].every: how often a long activity tells the server it is alive, and so how soon it
     learns that its job was cancelled or has ended (activities/heartbeats.py)."""
-    return _positive_duration(text, source, "heartbeats", "every", DEFAULT_HEARTBEAT_EVERY)
+    return _positive_duration(text, source, "heartbeats", "every", DEFAULT_HEARTBEAT_EVERY, HEARTBEAT_KEYS)
+
+
+def parse_heartbeat_few_model_slots(text: str, source: str = "policies") -> timedelta:
+    """[heartbeats].few_model_slots: how often model calls beat on a worker with no more model slots than a chat
+    turn's side steps: a side step stopped for a later turn's answer (workflows/chat.py) learns it that soon."""
+    return _positive_duration(text, source, "heartbeats", "few_model_slots", DEFAULT_HEARTBEAT_FEW_MODEL_SLOTS,
+                              HEARTBEAT_KEYS)
 
 
 def parse_workflow_priorities(text: str, source: str = "policies") -> WorkflowPriorities:
@@ -317,8 +336,10 @@ def load(path: Path | None, activities: Iterable[str], *,
                              slot_sweep=parse_slot_sweep(text, str(path)),
                              session_check=parse_session_check(text, str(path)),
                              session_idle=parse_session_idle(text, str(path)),
+                             step_aside=parse_step_aside(text, str(path)),
                              subscriber_grace=parse_subscriber_grace(text, str(path)),
                              heartbeat_every=every,
+                             heartbeat_few_model_slots=parse_heartbeat_few_model_slots(text, str(path)),
                              workflows=parse_workflow_priorities(text, str(path)))
     return _loaded.activities
 
@@ -346,12 +367,22 @@ def session_idle() -> timedelta:
     return loaded().session_idle
 
 
+def step_aside() -> timedelta:
+    return loaded().step_aside
+
+
 def subscriber_grace() -> timedelta:
     return loaded().subscriber_grace
 
 
 def heartbeat_every() -> timedelta:
     return loaded().heartbeat_every
+
+
+def model_call_beat(model_slots: int) -> timedelta:
+    """How often a model call heartbeats on a worker making `model_slots` calls at once."""
+    few = model_slots <= SIDE_STEPS
+    return loaded().heartbeat_few_model_slots if few else loaded().heartbeat_every
 
 
 def fair_share(tenant: str, weight: float | None = None) -> Priority:

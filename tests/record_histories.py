@@ -35,7 +35,8 @@ turn whose cache write fails every attempt, asked for its answer by the turn aft
 as it starts its own), a stop that withdraws a parked plan, review signals that come with a stop, uploads that
 run documents other uploads ran (cancelled, failed on a password, removed since), an upload cancelled as its
 document's job starts, a publish that ends with its cancel, an upload whose document was removed again while it
-ran, and a removal whose newer run failed (it takes only what was written before that run ended).
+ran, a removal whose newer run failed (it takes only what was written before that run ended), and a turn's
+summary that steps aside for the next question's answer on a one-slot model.
 Histories of earlier code stay in tests/histories/before-*/ (replayed as well, never re-recorded).
 """
 
@@ -84,8 +85,8 @@ from temporal.queues import queue_name
 from tests.conftest import running_stack
 from tests.helpers import (WaitsForSlot, delegate_until, eventually, fresh_plan, plan_depth, read_events,
                            two_sub_agents_that_delegate_deeper, until_waited, waiting_reviews)
-from tests.test_workflows import (Fakes, FirstRefusedCacheDown, FirstTurnsSummaryRunsOn, HoldsAPayload, document,
-                                  fake_worker, finish, start_session, turn, turn_result)
+from tests.test_workflows import (Fakes, FirstRefusedCacheDown, FirstTurnsSummaryRunsOn, HoldsAPayload,
+                                  ModelOfFewSlots, document, fake_worker, finish, start_session, turn, turn_result)
 from workflows.agent import AgentWorkflow
 from workflows.chat import ChatSessionWorkflow, ChatTurnWorkflow
 from workflows.events import POLL_UPDATE
@@ -560,6 +561,34 @@ async def _refusal_cache_down(stack) -> list[Path]:
     return saved
 
 
+async def _side_steps_step_aside(stack) -> list[Path]:
+    """On a model endpoint of one slot, the first turn's summary, running when the second question comes, stops
+    for that question's answer and runs again once the second turn says its answer is out (patches
+    side-steps-step-aside-for-a-later-answer, turn-tells-the-turn-before-its-answer-is-out). As
+    tests/test_workflows.py does it (test_on_a_local_model_a_turns_summary_steps_aside_for_the_next_questions_answer):
+    the real workflows on its fake activities."""
+    fakes = ModelOfFewSlots(slots=1)
+    session = f"aside-{uuid.uuid4().hex[:6]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    on_server = SimpleNamespace(client=stack.client)
+    async with _faked(stack.client, fakes) as queue:
+        handle = await start_session(on_server, queue, first)
+        for _ in range(200):
+            if any(c.arg.question == "First question?" for c in fakes.named("summarize_context")):
+                break
+            await asyncio.sleep(0.1)
+        await handle.signal(ChatSessionWorkflow.submit, second)
+        done = [await asyncio.wait_for(turn_result(on_server, t.job_id), 60) for t in (first, second)]
+    assert done[0].summary == "summary of ctx:First question?", done[0]
+    assert len([c for c in fakes.named("summarize_context") if c.arg.question == "First question?"]) == 2
+    await asyncio.sleep(1)  # visibility
+    name = "chat-side-steps-step-aside"
+    saved = (await _save(stack.client, name, f"WorkflowId = '{handle.id}'")
+             + await _save(stack.client, name, f"WorkflowId = '{first.job_id}' OR WorkflowId = '{second.job_id}'"))
+    await handle.terminate("recorded")
+    return saved
+
+
 @contextlib.asynccontextmanager
 async def _faked(client, fakes: Fakes, queue: str | None = None, **kw):
     """fake_worker on the recording server; the stack's policies put back after (it loads the test ones)."""
@@ -885,7 +914,8 @@ ALONE = {"chat-resent-after-gone": _resent_after_gone,
          "ingest-cancel-while-document-starts": _upload_cancelled_while_document_starts,
          "ingest-published-as-cancel-came": _publish_landed_with_cancel,
          "ingest-removed-again": _upload_removed_again,
-         "removal-after-failed-newer-run": _removal_after_failed_newer_run}
+         "removal-after-failed-newer-run": _removal_after_failed_newer_run,
+         "chat-side-steps-step-aside": _side_steps_step_aside}
 
 
 async def record(only: list[str] | None = None) -> list[Path]:

@@ -191,6 +191,21 @@ def test_the_workflow_timeouts_of_the_policy_file_have_defaults_and_must_be_posi
             parse(MINIMAL + '[sessions]\nidel = "1h"\n')
     with pytest.raises(policies.PolicyError, match=r"\[sessions\]\.idle must be positive"):
         policies.parse_session_idle(MINIMAL + '[sessions]\nidle = "0s"\n')
+    assert policies.parse_step_aside(MINIMAL) == policies.DEFAULT_STEP_ASIDE
+    assert policies.parse_step_aside(both + 'step_aside = "30s"\n') == timedelta(seconds=30)
+
+
+def test_model_calls_beat_sooner_on_a_worker_of_no_more_model_slots_than_a_turns_side_steps(restore_policies):
+    """Where a turn's side steps step aside for a later answer (a local model), their stop reaches them within a
+    beat; elsewhere model calls beat as every long activity does."""
+    shipped = policies.DEFAULT_FILE.read_text()
+    assert policies.parse_heartbeat_few_model_slots(shipped) == timedelta(milliseconds=500)
+    assert policies.parse_heartbeat_few_model_slots(MINIMAL) == policies.DEFAULT_HEARTBEAT_FEW_MODEL_SLOTS
+    with pytest.raises(policies.PolicyError, match="unknown key: evry"):
+        policies.parse_heartbeat_every(MINIMAL + '[heartbeats]\nevry = "1s"\n')
+    policies.load(policies.DEFAULT_FILE, NAMES)
+    assert [policies.model_call_beat(n) for n in (1, 2, 3, 64)] == [timedelta(milliseconds=500)] * 2 + [
+        timedelta(seconds=2)] * 2
 
 
 def _duration(d: timedelta | None) -> str:

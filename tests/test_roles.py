@@ -223,6 +223,17 @@ async def test_an_activity_role_exports_the_step_slas_its_latency_alert_compares
         proc.communicate(timeout=30)
 
 
+def test_the_llm_queue_of_a_local_model_hears_a_cancel_within_its_quick_beat(tmp_path, restore_policies):
+    """One model call at a time: the worker sends a model call's heartbeats (and so hears a side step's stop) every
+    [heartbeats] few_model_slots; a hosted endpoint's 64 slots keep [heartbeats] every."""
+    policies.load(policies.DEFAULT_FILE, worker.activity_names())
+    local = worker._slots(Settings(data_dir=tmp_path, llm_concurrency=1), "llm")
+    hosted = worker._slots(Settings(data_dir=tmp_path, llm_concurrency=64), "llm")
+    assert (local["max_concurrent_activities"], local["max_heartbeat_throttle_interval"]) == (1, timedelta(seconds=0.5))
+    assert hosted["max_heartbeat_throttle_interval"] == hosted["default_heartbeat_throttle_interval"] == \
+        timedelta(seconds=2)
+
+
 def test_resource_based_slots_for_the_cpu_role(tmp_path):
     slots = worker._slots(Settings(data_dir=tmp_path, worker_resource_tuning=True, worker_cpu_concurrency=6), "cpu")
     assert set(slots) == {"tuner"}

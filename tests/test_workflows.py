@@ -1371,6 +1371,89 @@ async def test_a_cancel_that_comes_with_the_next_questions_ask_waits_for_the_ans
     asked = next(c.arg for c in fakes.named("generate_answer") if c.arg.question == "Second question?")
     assert asked.history == [HistoryItem(question="First question?", answer="answer to First question?")]
 
+@dataclass
+class ModelOfFewSlots(Fakes):
+    """The answer step tells what a worker would: `slots` model calls at once (1: a local model). The first
+    question's first summary runs for `summary_seconds` (heartbeating, as the model steps do) unless cancelled."""
+
+    slots: int = 1
+    summary_seconds: float = 30
+    cancelled: list[Call] = field(default_factory=list)
+
+    @activity.defn(name="generate_answer")
+    async def generate_answer(self, req: GenerateInput) -> GenerateOutput:
+        return (await super().generate_answer(req)).model_copy(update={"model_slots": self.slots})
+
+    @activity.defn(name="summarize_context")
+    async def summarize_context(self, req: ContextInput) -> SummaryOutput:
+        if not req.question.startswith("First") or any(c.arg.question.startswith("First")
+                                                       for c in self.named("summarize_context")):
+            return await super().summarize_context(req)
+        call = self._start("summarize_context", req)
+        try:
+            for _ in range(int(self.summary_seconds * 10)):
+                activity.heartbeat()
+                await asyncio.sleep(0.1)
+        except asyncio.CancelledError:
+            self.cancelled.append(call)
+            raise
+        finally:
+            self._end(call)
+        return SummaryOutput(summary="the long summary")
+
+
+def _of(calls: list[Call], question: str) -> list[Call]:
+    return [c for c in calls if c.arg.question == question]
+
+
+async def _a_follow_up_while_the_first_turns_summary_runs(env, fakes: ModelOfFewSlots):
+    """A session's first question; once its answer is shown, its entities done and its summary under way, a
+    second question. Both turns' results, and the first job's steps."""
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        handle = await start_session(env, queue, first)
+
+        async def summary_runs_entities_done() -> bool:
+            return bool(_of(fakes.named("summarize_context"), "First question?")) and any(
+                c.finished is not None for c in _of(fakes.named("extract_entities"), "First question?"))
+
+        await eventually(summary_runs_entities_done, timeout=20, what="the first turn's side steps")
+        await handle.signal(ChatSessionWorkflow.submit, second)
+        results = [await turn_result(env, t.job_id) for t in (first, second)]
+        steps = (await env.client.get_workflow_handle(first.job_id).query(ChatTurnWorkflow.progress)).steps
+        await handle.terminate("test over")
+    return results, {s.name: s.status for s in steps}
+
+
+async def test_on_a_local_model_a_turns_summary_steps_aside_for_the_next_questions_answer(env):
+    """One model call at a time: the first turn's summary, still running when the next question comes, would hold
+    that question's answer back until it ended. It stops, the answer runs, and then the summary runs again; the
+    entities, done already, are not asked again. The first turn's result has both."""
+    fakes = ModelOfFewSlots(slots=1)
+    (first, second), steps = await _a_follow_up_while_the_first_turns_summary_runs(env, fakes)
+    [stopped, again] = _of(fakes.named("summarize_context"), "First question?")
+    [answer] = _of(fakes.named("generate_answer"), "Second question?")
+    assert stopped.started < answer.started and answer.finished < again.started
+    await eventually(lambda: _asyncify(fakes.cancelled == [stopped]), timeout=20, what="the summary's cancel")
+    assert len(_of(fakes.named("extract_entities"), "First question?")) == 1
+    assert (first.summary, [e.text for e in first.entities]) == ("summary of ctx:First question?", ["Mara"])
+    assert steps == dict.fromkeys(("retrieve_context", "generate_answer", "summarize_context", "extract_entities"),
+                                  "completed"), steps
+    assert answer.arg.history == [HistoryItem(question="First question?", answer="answer to First question?")]
+    assert second.answer == "answer to Second question?"
+
+
+async def test_on_a_hosted_model_a_turns_summary_runs_on_beside_the_next_questions_answer(env):
+    """Model slots to spare: the next answer does not wait for the summary, which runs on (stopping it would pay
+    for its tokens twice)."""
+    fakes = ModelOfFewSlots(slots=64, summary_seconds=1.5)
+    (first, _), steps = await _a_follow_up_while_the_first_turns_summary_runs(env, fakes)
+    assert fakes.cancelled == [] and len(_of(fakes.named("summarize_context"), "First question?")) == 1
+    assert first.summary == "the long summary"
+    assert steps["summarize_context"] == "completed"
+
+
 # -- the tenant gate (running slots) ------------------------------------------------------------------
 
 async def test_the_gate_grants_in_order_up_to_the_limit_and_frees_slots_of_ended_jobs(env):

@@ -23,6 +23,9 @@ ChatTurnWorkflow (id chat-<session_id>.<digest of session and Idempotency-Key>)
   session at once; rejected, the side steps are cancelled. One that cites a passage is shown at once.
   Its step events ride along with the events a person waits for (the deltas, the answer, the end), except
   while that summary runs: a person then sees the turn at work.
+  On a model endpoint with no more slots than the two side steps (a local model), the next question's answer
+  would wait for them: once the session has this answer (its next turn goes), they stop, and what was left of
+  them runs once that turn says its answer step has ended (signal `later_answer_out`; [sessions] step_aside).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.jobs import JobActivities
     from models.chat import (
         AwaitTurnInput, CacheInput, Citation, ContextInput, EntitiesOutput, GenerateInput, GenerateOutput, HistoryItem,
-        FINAL_ANSWER_DETAIL, KEY_EXPIRED, KEY_EXPIRED_TYPE, SESSION_ENDED, RetrieveInput, SessionLeft, SessionRun,
-        SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_busy,
+        FINAL_ANSWER_DETAIL, KEY_EXPIRED, KEY_EXPIRED_TYPE, SESSION_ENDED, SIDE_STEPS, RetrieveInput, SessionLeft,
+        SessionRun, SessionState, SummaryOutput, TurnAnswered, TurnContext, TurnInput, TurnResult, Usage, session_busy,
         session_workflow_id,
     )
     from models.jobs import ANSWERED_MEMO, REQUEST_MEMO, REVIEW_PENDING_MEMO
@@ -130,6 +133,14 @@ CARRIED_TURN_ASKED_PATCH = "carried-turn-asked-for-its-answer"
 # A refusal ("no passage answers this") no reviewer holds is final once shown: the session hears it then, as it
 # hears a model's answer. Earlier turns told it only at their end, after their cache write (which could park).
 REFUSAL_TOLD_PATCH = "refusal-told-to-its-session-once-shown"
+# On a small model endpoint, a turn whose session has heard its answer (a later turn goes next) stops its summary
+# and entities, which the later answer would wait for, and runs what was left of them once told that answer is
+# out. Earlier turns ran them on. Asked only by turns whose answer step said how small the endpoint is.
+STEP_ASIDE_PATCH = "side-steps-step-aside-for-a-later-answer"
+# A turn given the job of the turn before (`TurnContext.before`) tells it once its own answer step has ended.
+# Earlier turns sent nothing (their contexts named no job).
+TELLS_TURN_BEFORE_PATCH = "turn-tells-the-turn-before-its-answer-is-out"
+STEPPED_ASIDE = "stopped while the next question's answer uses the model; runs again once that answer is out"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -165,6 +176,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         self._telling_settled = False
         self._turn: TurnInput | None = None
         self._shown: dict | None = None  # `ragline.answer.completed`'s data, once emitted
+        self._later_answer_out = False  # the session's next turn has had its answer step
+        self._steps_aside = False  # its side steps stop for the next turn's answer once the session has this one
 
     @workflow.signal
     def proceed(self, context: TurnContext) -> None:
@@ -174,6 +187,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
     def follow_up_waits(self) -> None:
         """From the session: a later turn waits for this one's answer, which it is told once final."""
         self._follow_up_waits = True
+
+    @workflow.signal
+    def later_answer_out(self) -> None:
+        """From the session's next turn: its answer step has ended, so side steps set aside for it run again."""
+        self._later_answer_out = True
 
     @workflow.run
     async def run(self, turn: TurnInput) -> TurnResult:
@@ -282,6 +300,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             tenant=turn.tenant, question=question.message, collection=question.collection, top_k=question.top_k,
             use_cache=use_cache, follows=self.context.history[-1].question if self.context.history else None))
         self._passages = retrieved.citations
+        if retrieved.cached is not None or not retrieved.supported:
+            self._tell_turn_before()  # no model call for this answer
         if retrieved.cached is not None:
             result = retrieved.cached.model_copy(update={
                 "session_id": turn.session_id, "turn": turn.turn, "question": question.message, "cached": True,
@@ -326,6 +346,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
 
         answer = await self.step(ChatActivities.generate_answer, generate, resume=numbered_on,
                                  on_exhausted=fall_back if turn.fallback else None)
+        self._tell_turn_before()
         fallback_model = (answer.model or "fallback") if fell_back else None
         citations = answer.citations
         self._show_answer({"answer": answer.answer, "citations": [c.model_dump(mode="json") for c in citations]})
@@ -346,7 +367,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                 usage=summary.usage + entities.usage + answer.usage, supported=answer.grounded,
                 fallback_model=fallback_model, answered=answer.answered)
 
-        side_steps = self._side_steps(context, summary)
+        side_steps = self._side_steps_after_a_later_answer(context, summary, answer)
         answered = turn_result(SummaryOutput(summary=""), EntitiesOutput(entities=[]))  # before the side steps
         if self._answer_held and workflow.patched(REVIEW_BESIDE_SIDE_STEPS_PATCH):
             if self._needs_review(turn, answered):
@@ -371,6 +392,69 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
                 return await self.together(*both)
             return await asyncio.gather(*both)
         return summary, await self.step(ChatActivities.extract_entities, context)
+
+    async def _side_steps_after_a_later_answer(self, context: ContextInput, summary: SummaryOutput | None,
+                                               answer: GenerateOutput) -> tuple[SummaryOutput, EntitiesOutput]:
+        """The side steps. On an endpoint with no more model slots than they take (a local model), the next
+        question's answer would wait for them: once the session has heard this answer (that question goes next),
+        they stop, and what was left of them runs once told that answer is out. The running slot is lent meanwhile:
+        a tenant with one could otherwise run neither turn."""
+        if answer.model_slots is None or answer.model_slots > SIDE_STEPS:
+            return await self._side_steps(context, summary)
+        self._steps_aside = True  # the session, told the answer, has the next turn tell this one
+        done: dict[str, Any] = {} if summary is None else {policies.activity_name(ChatActivities.summarize_context):
+                                                           summary}
+        side = [a for a in (ChatActivities.summarize_context, ChatActivities.extract_entities)
+                if policies.activity_name(a) not in done]
+
+        async def run(activity: Callable[..., Any]) -> None:
+            done[policies.activity_name(activity)] = await self.step(activity, context)
+
+        def results() -> tuple[SummaryOutput, EntitiesOutput]:
+            return (done[policies.activity_name(ChatActivities.summarize_context)],
+                    done[policies.activity_name(ChatActivities.extract_entities)])
+
+        def next_goes() -> bool:  # the session heard this answer, or is about to: its next turn goes now
+            return self._session_told or (self._follow_up_waits and self._final_answer is not None)
+
+        running = None
+        if not next_goes():
+            running = asyncio.ensure_future(self.together(*(run(a) for a in side)))
+            await workflow.wait_condition(lambda: running.done() or next_goes())
+            if running.done():
+                self._steps_aside = False
+                await running
+                return results()
+        if not workflow.patched(STEP_ASIDE_PATCH):  # recorded by a worker that ran them on
+            await (running or self.together(*(run(a) for a in side)))
+            return results()
+        if running is not None:
+            await self.stop(running)
+        for activity in side:
+            if (name := policies.activity_name(activity)) not in done:
+                self.steps.set_aside(name, STEPPED_ASIDE)
+        async with self.slot.lent():
+            try:
+                await workflow.wait_condition(lambda: self._later_answer_out, timeout=policies.step_aside())
+            except asyncio.TimeoutError:
+                pass  # not told (that turn failed before its answer, say): they run now
+        await self.together(*(run(a) for a in side if policies.activity_name(a) not in done))
+        return results()
+
+    def _tell_turn_before(self) -> None:
+        """The turn before, which may have set its side steps aside for this answer, may run them now."""
+        before = self.context.before if self.context is not None else None
+        if before is None or not workflow.patched(TELLS_TURN_BEFORE_PATCH):
+            return
+        self.context = self.context.model_copy(update={"before": None})  # told once
+
+        async def tell() -> None:
+            try:
+                await workflow.get_external_workflow_handle(before).signal(ChatTurnWorkflow.later_answer_out)
+            except FailureError:
+                pass  # it has ended: nothing was set aside
+
+        asyncio.ensure_future(tell())
 
     async def _reviewed_beside_side_steps(
             self, turn: TurnInput, answered: TurnResult, side_steps: Awaitable[tuple[SummaryOutput, EntitiesOutput]],
@@ -430,7 +514,8 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         try:
             await session.signal(ChatSessionWorkflow.turn_answered,
                                  TurnAnswered(job_id=workflow.info().workflow_id,
-                                              answer=(self._final_answer or "")[:HISTORY_ANSWER_CHARS]))
+                                              answer=(self._final_answer or "")[:HISTORY_ANSWER_CHARS],
+                                              steps_aside=self._steps_aside))
         except FailureError:
             pass  # the session has moved on: it read the answer from this job's end
         finally:
@@ -539,6 +624,8 @@ class ChatSessionWorkflow:
         self.submits_this_run = 0
         self.refusing: dict[str, asyncio.Future] = {}  # turns refused (session full) whose jobs are starting
         self.stays_mid_turn = False  # replaying a run that did not continue as new while its turn waited
+        self.stepping_aside: set[str] = set()  # turns whose side steps wait for the next turn's answer
+        self.before: str | None = None  # ... the one of them just run: the next turn tells it
 
     @workflow.signal
     def submit(self, turn: TurnInput) -> None:
@@ -585,6 +672,8 @@ class ChatSessionWorkflow:
     def turn_answered(self, told: TurnAnswered) -> None:
         if self.queue and self.queue[0].job_id == told.job_id:
             self.answered[told.job_id] = told.answer
+            if told.steps_aside:
+                self.stepping_aside.add(told.job_id)
 
     @workflow.query
     def pending_turns(self) -> list[TurnInput]:
@@ -645,7 +734,8 @@ class ChatSessionWorkflow:
             return await self._run_turn_traced(head)
 
     async def _run_turn_traced(self, head: TurnInput) -> str | None:
-        context = TurnContext(history=self.state.history[-HISTORY_TURNS:])
+        context = TurnContext(history=self.state.history[-HISTORY_TURNS:], before=self.before)
+        self.before = None
         start = self.starts.pop(head.job_id, None)
         child = await start if start is not None else None
         if child is not None:
@@ -674,6 +764,7 @@ class ChatSessionWorkflow:
                 return self._told_at_the_end(head, ended.result().answer)
             if asks and head.job_id in self.answered:
                 ended.cancel()  # its answer is final: the next turn goes, whatever its side steps still do
+                self._next_tells(head)
                 return self.answered.pop(head.job_id) or None
             if asks and not asked and len(self.queue) > 1:
                 asked = True
@@ -684,6 +775,12 @@ class ChatSessionWorkflow:
                     pass  # it has ended: its outcome is coming
                 continue
             self._carry_on_mid_turn()
+
+    def _next_tells(self, head: TurnInput) -> None:
+        """A turn told its answer: if its side steps step aside for the next answer, the next turn tells it."""
+        if head.job_id in self.stepping_aside:
+            self.stepping_aside.discard(head.job_id)
+            self.before = head.job_id
 
     def _told_at_the_end(self, head: TurnInput, outcome: str | None) -> str | None:
         """The turn's answer from its end, or, when the end had none to carry (a cancel), what it told."""
@@ -705,6 +802,7 @@ class ChatSessionWorkflow:
             if outcome.done():
                 return self._told_at_the_end(head, outcome.result())
             if head.job_id in self.answered:
+                self._next_tells(head)
                 return self.answered.pop(head.job_id) or None  # "": no answer, nothing for history
             if self._grown_mid_turn():
                 self._carry_on_mid_turn()

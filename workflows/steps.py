@@ -123,12 +123,20 @@ class StepLog:
         if step.status != "failed":
             step.status, step.finished_at = "cancelled", workflow.now()
 
+    def set_aside(self, name: str, detail: str) -> None:
+        """The step was stopped to run again later (a chat turn's summary, while a later turn's answer uses
+        the model): it waits, saying why, and shows running again when it does."""
+        step = self._steps.setdefault(name, StepState(name=name))
+        step.status, step.detail, step.finished_at = "waiting", detail, None
+        self._events.emit("ragline.step.progress", {"step": name, "detail": detail})
+        self._on_change()
+
     def cancel_running(self, *names: str) -> None:
         """Steps of many calls (a document's batches) that were stopped before all of them had ended; with
         no names, every step still running (the job was cancelled: a step the cancel reached before its
         activity began, while it waited for the running slot, say, would otherwise show running for ever)."""
         for name in names or list(self._steps):
-            if name in self._steps and self._steps[name].status == "running":
+            if name in self._steps and self._steps[name].status in ("running", "waiting"):  # (waiting: set aside)
                 self.cancel(name)
 
     def skip_pending(self) -> None:
