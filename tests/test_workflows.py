@@ -1444,6 +1444,49 @@ async def test_on_a_local_model_a_turns_summary_steps_aside_for_the_next_questio
     assert second.answer == "answer to Second question?"
 
 
+@dataclass
+class SecondAnswerHeld(ModelOfFewSlots):
+    """... and the second question's answer waits for `go_on`."""
+    go_on: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @activity.defn(name="generate_answer")
+    async def generate_answer(self, req: GenerateInput) -> GenerateOutput:
+        if req.question.startswith("Second"):
+            await self.go_on.wait()
+        return await super().generate_answer(req)
+
+
+async def test_a_turn_cancelled_while_its_side_steps_wait_for_the_next_answer_ends_cancelled(env):
+    """The first turn's summary stepped aside and waits (the job shows it waiting, saying why) when the person
+    cancels that turn: it ends cancelled, its waiting steps too, and the next question is answered as usual."""
+    fakes = SecondAnswerHeld(slots=1)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        handle = await start_session(env, queue, first)
+        await eventually(lambda: _asyncify(_of(fakes.named("summarize_context"), "First question?")), timeout=20,
+                         what="the first turn's summary")
+        await handle.signal(ChatSessionWorkflow.submit, second)
+        job = env.client.get_workflow_handle(first.job_id)
+
+        async def set_aside() -> StepState | None:
+            steps = {s.name: s for s in (await job.query(ChatTurnWorkflow.progress)).steps}
+            return steps["summarize_context"] if steps["summarize_context"].status == "waiting" else None
+
+        waiting = await eventually(set_aside, timeout=20, what="the summary set aside")
+        assert "next question" in waiting.detail
+        await job.cancel()
+        with pytest.raises(WorkflowFailureError) as ended:
+            await job.result()
+        assert isinstance(ended.value.cause, CancelledError), ended.value.cause
+        steps = {s.name: s.status for s in (await job.query(ChatTurnWorkflow.progress)).steps}
+        fakes.go_on.set()
+        assert (await turn_result(env, second.job_id)).answer == "answer to Second question?"
+        await handle.terminate("test over")
+    assert steps["summarize_context"] == "cancelled" and steps["generate_answer"] == "completed", steps
+    assert len(_of(fakes.named("summarize_context"), "First question?")) == 1
+
+
 async def test_on_a_hosted_model_a_turns_summary_runs_on_beside_the_next_questions_answer(env):
     """Model slots to spare: the next answer does not wait for the summary, which runs on (stopping it would pay
     for its tokens twice)."""

@@ -420,7 +420,11 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         running = None
         if not next_goes():
             running = asyncio.ensure_future(self.together(*(run(a) for a in side)))
-            await workflow.wait_condition(lambda: running.done() or next_goes())
+            try:
+                await workflow.wait_condition(lambda: running.done() or next_goes())
+            except ENDED:  # the job's cancel, or a reviewer's rejection: it reaches the steps only through here
+                await self.stop(running)
+                raise
             if running.done():
                 self._steps_aside = False
                 await running
