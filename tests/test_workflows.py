@@ -1423,7 +1423,7 @@ async def _a_follow_up_while_the_first_turns_summary_runs(env, fakes: ModelOfFew
         results = [await turn_result(env, t.job_id) for t in (first, second)]
         steps = (await env.client.get_workflow_handle(first.job_id).query(ChatTurnWorkflow.progress)).steps
         await handle.terminate("test over")
-    return results, {s.name: s.status for s in steps}
+    return results, {s.name: s for s in steps}
 
 
 async def test_on_a_local_model_a_turns_summary_steps_aside_for_the_next_questions_answer(env):
@@ -1438,8 +1438,10 @@ async def test_on_a_local_model_a_turns_summary_steps_aside_for_the_next_questio
     await eventually(lambda: _asyncify(fakes.cancelled == [stopped]), timeout=20, what="the summary's cancel")
     assert len(_of(fakes.named("extract_entities"), "First question?")) == 1
     assert (first.summary, [e.text for e in first.entities]) == ("summary of ctx:First question?", ["Mara"])
-    assert steps == dict.fromkeys(("retrieve_context", "generate_answer", "summarize_context", "extract_entities"),
-                                  "completed"), steps
+    assert {name: s.status for name, s in steps.items()} == dict.fromkeys(
+        ("retrieve_context", "generate_answer", "summarize_context", "extract_entities"), "completed"), steps
+    assert steps["summarize_context"].detail == "stopped for the next question's answer, then run again"
+    assert steps["extract_entities"].detail is None
     assert answer.arg.history == [HistoryItem(question="First question?", answer="answer to First question?")]
     assert second.answer == "answer to Second question?"
 
@@ -1494,7 +1496,7 @@ async def test_on_a_hosted_model_a_turns_summary_runs_on_beside_the_next_questio
     (first, _), steps = await _a_follow_up_while_the_first_turns_summary_runs(env, fakes)
     assert fakes.cancelled == [] and len(_of(fakes.named("summarize_context"), "First question?")) == 1
     assert first.summary == "the long summary"
-    assert steps["summarize_context"] == "completed"
+    assert (steps["summarize_context"].status, steps["summarize_context"].detail) == ("completed", None)
 
 
 # -- the tenant gate (running slots) ------------------------------------------------------------------

@@ -141,6 +141,7 @@ STEP_ASIDE_PATCH = "side-steps-step-aside-for-a-later-answer"
 # Earlier turns sent nothing (their contexts named no job).
 TELLS_TURN_BEFORE_PATCH = "turn-tells-the-turn-before-its-answer-is-out"
 STEPPED_ASIDE = "stopped while the next question's answer uses the model; runs again once that answer is out"
+RAN_AGAIN = "stopped for the next question's answer, then run again"
 SESSION_CHECK_AT_MOST_EVERY = timedelta(hours=1)  # from [sessions] check, doubled after each look
 UNVERIFIED_WARNING = "the answer cites no passage and no passage supports it: treat it as unverified"
 HISTORY_TURNS = 4           # recent turns given to the model
@@ -436,7 +437,7 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             await self.stop(running)
         for activity in side:
             if (name := policies.activity_name(activity)) not in done:
-                self.steps.set_aside(name, STEPPED_ASIDE)
+                self.steps.set_aside(name, STEPPED_ASIDE, RAN_AGAIN)
         async with self.slot.lent():
             try:
                 await workflow.wait_condition(lambda: self._later_answer_out, timeout=policies.step_aside())

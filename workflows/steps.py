@@ -21,6 +21,7 @@ class StepLog:
         self._parked: dict[str, int] = {}  # calls of a step (a document's batches) waiting for an operator
         self._detail_before_wait: dict[str, str | None] = {}
         self._scheduled: set[str] = set()  # steps whose activity was asked for (an attempt was made or is due)
+        self._again: dict[str, str] = {}  # set-aside steps: what they say once they run again
 
     @property
     def started(self) -> bool:
@@ -28,6 +29,7 @@ class StepLog:
 
     def start(self, name: str, detail: str | None = None) -> None:
         step = self._steps.setdefault(name, StepState(name=name))
+        detail = self._again.pop(name, detail)
         if detail is not None:
             step.detail = detail
         if step.status != "running" and not self._parked.get(name):
@@ -123,11 +125,12 @@ class StepLog:
         if step.status != "failed":
             step.status, step.finished_at = "cancelled", workflow.now()
 
-    def set_aside(self, name: str, detail: str) -> None:
+    def set_aside(self, name: str, detail: str, again: str) -> None:
         """The step was stopped to run again later (a chat turn's summary, while a later turn's answer uses
-        the model): it waits, saying why, and shows running again when it does."""
+        the model): it waits, saying why (`detail`), and runs again saying so (`again`)."""
         step = self._steps.setdefault(name, StepState(name=name))
         step.status, step.detail, step.finished_at = "waiting", detail, None
+        self._again[name] = again
         self._events.emit("ragline.step.progress", {"step": name, "detail": detail})
         self._on_change()
 
