@@ -1489,6 +1489,41 @@ async def test_a_turn_cancelled_while_its_side_steps_wait_for_the_next_answer_en
     assert len(_of(fakes.named("summarize_context"), "First question?")) == 1
 
 
+@dataclass
+class SecondRetrievalFails(ModelOfFewSlots):
+    """... and the second question's retrieval fails for good."""
+
+    @activity.defn(name="retrieve_context")
+    async def retrieve_context(self, req: RetrieveInput) -> RetrieveOutput:
+        if req.question.startswith("Second"):
+            self._end(self._start("retrieve_context", req))
+            raise ApplicationError("the collection is gone", type="InputError", non_retryable=True)
+        return await super().retrieve_context(req)
+
+
+async def test_a_next_turn_that_fails_before_its_answer_tells_the_turn_that_stepped_aside(env):
+    """The next question's turn fails before it asks the model: it tells the turn before on its way out, whose
+    summary runs again then, rather than after [sessions] step_aside."""
+    fakes = SecondRetrievalFails(slots=1)
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    async with fake_worker(env, fakes) as queue:
+        handle = await start_session(env, queue, first)
+        await eventually(lambda: _asyncify(_of(fakes.named("summarize_context"), "First question?")), timeout=20,
+                         what="the first turn's summary")
+        await handle.signal(ChatSessionWorkflow.submit, second)
+        with pytest.raises(WorkflowFailureError):
+            await turn_result(env, second.job_id)
+        result = await turn_result(env, first.job_id)
+        history = await env.client.get_workflow_handle(first.job_id).fetch_history()
+        await handle.terminate("test over")
+    assert result.summary == "summary of ctx:First question?"
+    signals = [e.workflow_execution_signaled_event_attributes.signal_name for e in history.events
+               if e.HasField("workflow_execution_signaled_event_attributes")]
+    assert "later_answer_out" in signals, signals
+    assert not any(e.HasField("timer_fired_event_attributes") for e in history.events)
+
+
 async def test_on_a_hosted_model_a_turns_summary_runs_on_beside_the_next_questions_answer(env):
     """Model slots to spare: the next answer does not wait for the summary, which runs on (stopping it would pay
     for its tokens twice)."""

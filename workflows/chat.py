@@ -251,7 +251,12 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
             # out as it happens, or the person would see nothing until the review, minutes on a local model.
             self.events.hold_steps = False
             self.events.release()
-        result = await self._chain(turn)
+        try:
+            result = await self._chain(turn)
+        except ENDED:  # failed or cancelled before its answer: the turn before need not wait [sessions] step_aside
+            if (telling := self._tell_turn_before()) is not None:
+                await telling  # sent before the job ends
+            raise
         if self._needs_review(turn, result) and result.review is None:  # not already reviewed beside the side steps
             result = await self._hold_for_review(turn, result)
         if self._held_answer is not None:  # released (or never held after all): the person sees it now
@@ -446,20 +451,20 @@ class ChatTurnWorkflow(JobWorkflow, ReviewHandlers):
         await self.together(*(run(a) for a in side if policies.activity_name(a) not in done))
         return results()
 
-    def _tell_turn_before(self) -> None:
-        """The turn before, which may have set its side steps aside for this answer, may run them now."""
+    def _tell_turn_before(self) -> asyncio.Future[None] | None:
+        """The turn before, which set its side steps aside for this answer, may run them now (told once)."""
         before = self.context.before if self.context is not None else None
         if before is None or not workflow.patched(TELLS_TURN_BEFORE_PATCH):
-            return
-        self.context = self.context.model_copy(update={"before": None})  # told once
+            return None
+        self.context = self.context.model_copy(update={"before": None})
 
         async def tell() -> None:
             try:
                 await workflow.get_external_workflow_handle(before).signal(ChatTurnWorkflow.later_answer_out)
             except FailureError:
-                pass  # it has ended: nothing was set aside
+                pass  # it has ended: nothing waits
 
-        asyncio.ensure_future(tell())
+        return asyncio.ensure_future(tell())
 
     async def _reviewed_beside_side_steps(
             self, turn: TurnInput, answered: TurnResult, side_steps: Awaitable[tuple[SummaryOutput, EntitiesOutput]],
