@@ -1406,23 +1406,32 @@ def _of(calls: list[Call], question: str) -> list[Call]:
     return [c for c in calls if c.arg.question == question]
 
 
-async def _a_follow_up_while_the_first_turns_summary_runs(env, fakes: ModelOfFewSlots):
-    """A session's first question; once its answer is shown, its entities done and its summary under way, a
-    second question. Both turns' results, and the first job's steps."""
+@asynccontextmanager
+async def _second_question_while_the_first_summary_runs(env, fakes: ModelOfFewSlots, *,
+                                                         entities_done: bool = False):
+    """A session's first question; once its answer is shown and its summary under way (its entities done too, if
+    asked), a second question. Yields both turns."""
     session = f"s-{uuid.uuid4().hex[:8]}"
     first, second = turn(session, "First question?"), turn(session, "Second question?")
     async with fake_worker(env, fakes) as queue:
         handle = await start_session(env, queue, first)
 
-        async def summary_runs_entities_done() -> bool:
-            return bool(_of(fakes.named("summarize_context"), "First question?")) and any(
-                c.finished is not None for c in _of(fakes.named("extract_entities"), "First question?"))
+        async def ready() -> bool:
+            return bool(_of(fakes.named("summarize_context"), "First question?")) and (not entities_done or any(
+                c.finished is not None for c in _of(fakes.named("extract_entities"), "First question?")))
 
-        await eventually(summary_runs_entities_done, timeout=20, what="the first turn's side steps")
+        await eventually(ready, timeout=20, what="the first turn's side steps")
         await handle.signal(ChatSessionWorkflow.submit, second)
+        yield first, second
+        await handle.terminate("test over")
+
+
+async def _a_follow_up_while_the_first_turns_summary_runs(env, fakes: ModelOfFewSlots):
+    """Both turns' results, and the first job's steps, of a second question sent once the first turn's entities are
+    done and its summary under way."""
+    async with _second_question_while_the_first_summary_runs(env, fakes, entities_done=True) as (first, second):
         results = [await turn_result(env, t.job_id) for t in (first, second)]
         steps = (await env.client.get_workflow_handle(first.job_id).query(ChatTurnWorkflow.progress)).steps
-        await handle.terminate("test over")
     return results, {s.name: s for s in steps}
 
 
@@ -1462,13 +1471,7 @@ async def test_a_turn_cancelled_while_its_side_steps_wait_for_the_next_answer_en
     """The first turn's summary stepped aside and waits (the job shows it waiting, saying why) when the person
     cancels that turn: it ends cancelled, its waiting steps too, and the next question is answered as usual."""
     fakes = SecondAnswerHeld(slots=1)
-    session = f"s-{uuid.uuid4().hex[:8]}"
-    first, second = turn(session, "First question?"), turn(session, "Second question?")
-    async with fake_worker(env, fakes) as queue:
-        handle = await start_session(env, queue, first)
-        await eventually(lambda: _asyncify(_of(fakes.named("summarize_context"), "First question?")), timeout=20,
-                         what="the first turn's summary")
-        await handle.signal(ChatSessionWorkflow.submit, second)
+    async with _second_question_while_the_first_summary_runs(env, fakes) as (first, second):
         job = env.client.get_workflow_handle(first.job_id)
 
         async def set_aside() -> StepState | None:
@@ -1484,7 +1487,6 @@ async def test_a_turn_cancelled_while_its_side_steps_wait_for_the_next_answer_en
         steps = {s.name: s.status for s in (await job.query(ChatTurnWorkflow.progress)).steps}
         fakes.go_on.set()
         assert (await turn_result(env, second.job_id)).answer == "answer to Second question?"
-        await handle.terminate("test over")
     assert steps["summarize_context"] == "cancelled" and steps["generate_answer"] == "completed", steps
     assert len(_of(fakes.named("summarize_context"), "First question?")) == 1
 
@@ -1505,18 +1507,11 @@ async def test_a_next_turn_that_fails_before_its_answer_tells_the_turn_that_step
     """The next question's turn fails before it asks the model: it tells the turn before on its way out, whose
     summary runs again then, rather than after [sessions] step_aside."""
     fakes = SecondRetrievalFails(slots=1)
-    session = f"s-{uuid.uuid4().hex[:8]}"
-    first, second = turn(session, "First question?"), turn(session, "Second question?")
-    async with fake_worker(env, fakes) as queue:
-        handle = await start_session(env, queue, first)
-        await eventually(lambda: _asyncify(_of(fakes.named("summarize_context"), "First question?")), timeout=20,
-                         what="the first turn's summary")
-        await handle.signal(ChatSessionWorkflow.submit, second)
+    async with _second_question_while_the_first_summary_runs(env, fakes) as (first, second):
         with pytest.raises(WorkflowFailureError):
             await turn_result(env, second.job_id)
         result = await turn_result(env, first.job_id)
         history = await env.client.get_workflow_handle(first.job_id).fetch_history()
-        await handle.terminate("test over")
     assert result.summary == "summary of ctx:First question?"
     signals = [e.workflow_execution_signaled_event_attributes.signal_name for e in history.events
                if e.HasField("workflow_execution_signaled_event_attributes")]
