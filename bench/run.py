@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import platform
@@ -716,29 +717,33 @@ async def scripted_prompt(stack: Stack) -> list[dict] | None:
     return ratios.recorded_prompt(await stack.llm_stats(calls=True), QUESTION)
 
 
-async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: list[dict]) -> dict:  # noqa: ANN001
-    """First answer delta with the local llama.cpp model: the worker restarted against it."""
-    before = cpu_snapshot(stack)
+class LocalModelSkipped(Exception):
+    """No local model file here (nor a way to fetch one): the phase that needs it says why and is skipped."""
+
+
+@contextlib.asynccontextmanager
+async def local_model(stack: Stack, key: str | None, threads: int | None = None):
+    """llama.cpp with the local model `key` (the default one when None), and the worker restarted against it
+    as `make run` gives it the local server; the worker goes back to the scripted model after. Yields the
+    server's base URL and the llama.cpp command line; raises LocalModelSkipped."""
     from devtools.localmodel import LocalModelError, ensure_model, llama_server_argv
     from ragline.settings import Settings
 
-    key = args.local_model or Settings.model_fields["local_model"].default
+    key = key or Settings.model_fields["local_model"].default
     folder, why = ratios.local_model_file(ROOT, key)
     if folder is None:
-        log(f"[local] skipped: {why}")
-        return {"skipped": why, "model": key}
+        raise LocalModelSkipped(why)
     port = free_port()
-    threads = {config.env_name("local_model_threads"): str(args.local_model_threads)} \
-        if args.local_model_threads else {}
+    extra_threads = {config.env_name("local_model_threads"): str(threads)} if threads else {}
     llm_settings = config.settings_from_env({config.env_name("local_model"): key,
-                                             config.env_name("llm_port"): str(port), **threads})
+                                             config.env_name("llm_port"): str(port), **extra_threads})
     try:
         model_path = ensure_model(llm_settings, models_dir=folder, log=log)
     except LocalModelError as exc:
-        log(f"[local] skipped: {exc}")
-        return {"skipped": str(exc), "model": key}
+        raise LocalModelSkipped(str(exc)) from exc
     log(f"[local] llama.cpp with {model_path.name} on port {port}")
-    llama = stack._spawn("llama", llama_server_argv(llm_settings, model_path), {})
+    argv = llama_server_argv(llm_settings, model_path)
+    llama = stack._spawn("llama", argv, {})
     base_url = llm_settings.effective_llm_base_url
     try:
         await llama.wait_ready(http_ok(f"{base_url}/models"), 300)
@@ -750,38 +755,50 @@ async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: 
                  config.env_name("llm_concurrency"): str(local_slots), config.env_name("llm_local"): "true"}
         log(f"[local] restarting the worker against it ({', '.join(f'{k}={v}' for k, v in extra.items())})")
         await stack.restart_worker(extra, name="worker-local")
-        worker = stack.worker_settings
-        log("[local] warm-up: one bare call and one turn")
-        from openai import AsyncOpenAI
-        oai = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.request_timeout)
-        try:
-            await ratios.bare_stream(oai, worker.llm_model, messages, worker.llm_max_tokens)
-        finally:
-            await oai.close()
-        async with procs.client(stack.api_url, 300) as http:
-            t = await chat_turn(http, {"message": QUESTION, "collection": COLLECTION,
-                                       "session_id": f"local-warm-{uuid.uuid4().hex[:6]}"}, 300)
-        if not t.completed:
-            log(f"[local] warm-up turn did not complete: {t.error or t.terminal_type}")
-        log(f"[local] {args.local_turns} sequential turns and bare streamed calls (a 1-token call to another "
-            f"prompt before each, so llama.cpp's prompt cache helps neither)")
-        out = await ratios.first_delta(stack.api_url, client, base_url, worker.llm_model, worker.llm_max_tokens, messages,
-                                       args.local_turns, QUESTION, COLLECTION, 300, log, flush=True)
-        log(f"[local] {args.local_turns} follow-ups, each asked as the turn before it has its answer")
-        out["follow_up"] = await ratios.follow_up(stack.api_url, base_url, worker.llm_model, worker.llm_max_tokens,
-                                                  messages, args.local_turns, QUESTION, FOLLOW_UP_QUESTION,
-                                                  COLLECTION, 300, log, flush=True)
-        out["cpu"] = cpu_delta(before, cpu_snapshot(stack))  # before the model server stops
-        out.update(model=key, llama_argv=" ".join(Path(a).name if a.startswith("/") else a
-                                                   for a in llama_server_argv(llm_settings, model_path)[1:]),
-                   worker_settings=settings_digest(stack.worker_env))
-        return out
+        yield base_url, " ".join(Path(a).name if a.startswith("/") else a for a in argv[1:])
     finally:
         await llama.stop()
         stack.procs.remove(llama)
         if stack.worker_env != stack.env:
             log("[local] restarting the worker against the scripted model again")
             await stack.restart_worker({}, name="worker-scripted")
+
+
+async def local_phase(stack: Stack, client, args: argparse.Namespace, messages: list[dict]) -> dict:  # noqa: ANN001
+    """First answer delta with the local llama.cpp model: the worker restarted against it."""
+    from ragline.settings import Settings
+
+    before = cpu_snapshot(stack)
+    key = args.local_model or Settings.model_fields["local_model"].default
+    try:
+        async with local_model(stack, key, args.local_model_threads) as (base_url, llama_argv):
+            worker = stack.worker_settings
+            log("[local] warm-up: one bare call and one turn")
+            from openai import AsyncOpenAI
+            oai = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=args.request_timeout)
+            try:
+                await ratios.bare_stream(oai, worker.llm_model, messages, worker.llm_max_tokens)
+            finally:
+                await oai.close()
+            async with procs.client(stack.api_url, 300) as http:
+                t = await chat_turn(http, {"message": QUESTION, "collection": COLLECTION,
+                                           "session_id": f"local-warm-{uuid.uuid4().hex[:6]}"}, 300)
+            if not t.completed:
+                log(f"[local] warm-up turn did not complete: {t.error or t.terminal_type}")
+            log(f"[local] {args.local_turns} sequential turns and bare streamed calls (a 1-token call to another "
+                f"prompt before each, so llama.cpp's prompt cache helps neither)")
+            out = await ratios.first_delta(stack.api_url, client, base_url, worker.llm_model, worker.llm_max_tokens,
+                                           messages, args.local_turns, QUESTION, COLLECTION, 300, log, flush=True)
+            log(f"[local] {args.local_turns} follow-ups, each asked as the turn before it has its answer")
+            out["follow_up"] = await ratios.follow_up(stack.api_url, base_url, worker.llm_model,
+                                                      worker.llm_max_tokens, messages, args.local_turns, QUESTION,
+                                                      FOLLOW_UP_QUESTION, COLLECTION, 300, log, flush=True)
+            out["cpu"] = cpu_delta(before, cpu_snapshot(stack))  # before the model server stops
+            out.update(model=key, llama_argv=llama_argv, worker_settings=settings_digest(stack.worker_env))
+            return out
+    except LocalModelSkipped as skipped:
+        log(f"[local] skipped: {skipped}")
+        return {"skipped": str(skipped), "model": key}
 
 
 async def settle(stack: Stack, limit: float = 60.0) -> None:
