@@ -1,6 +1,6 @@
 """End to end with the real local model (llama.cpp + Qwen2.5-Coder-0.5B, the `make run` default):
-ingest a short document, ask a question whose answer is in it, get an answer that cites it; and an
-agent's plan steps are calls of its tools."""
+ingest a short document, ask a question whose answer is in it, get an answer that cites it; a follow-up does
+not wait for the side steps of the turn before it; and an agent's plan steps are calls of its tools."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import json
 from pathlib import Path
 
 import pytest
+from temporalio.service import RPCError
 
 from activities.agent import checked_call
 from ragline import prompts
 from ragline.llm import ChatModel, StreamedCompletion
 from ragline.settings import Settings
 from tests.conftest import running_stack
+from tests.helpers import eventually
 from tests.local_llm import local_llm_unavailable, model_dir, start_local_llm
+from workflows.chat import RAN_AGAIN, ChatTurnWorkflow
 
 DOCUMENT = ("Brightwater Lighthouse stands on the northern cape of the island of Vell. "
             "Its keeper is Marta Quill, who has kept the light burning since 1987. "
@@ -54,6 +57,35 @@ async def test_real_local_model_answers_from_an_ingested_document(temporal_env, 
     assert result["citations"], f"the answer cites nothing: {result['answer']!r}"
     assert result["citations"][0]["document_id"] == body["documents"][0]["document_id"]
     assert result["model"] and result["usage"]["completion_tokens"] > 0
+
+
+async def test_on_the_local_model_a_follow_up_does_not_wait_for_the_side_steps_before_it(
+        temporal_env, scripted_llm, local_llm, tmp_path, restore_policies):
+    """One model call at a time, as `make run` gives the local model: the first turn's summary and entities, under
+    way when the next question comes, stop for its answer and run after it (the first of them to run says so).
+    Both turns complete, the first with its summary."""
+    address = temporal_env.client.service_client.config.target_host
+    async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-local-llm-aside",
+                             llm_base_url=local_llm, llm_model="local", llm_timeout=240, llm_max_tokens=96,
+                             llm_concurrency=1, policies=SHIPPED_POLICIES) as stack:
+        body = await stack.upload(("lighthouse.txt", DOCUMENT.encode()), collection="e2e")
+        assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
+        first = await stack.chat("Who is the keeper of Brightwater Lighthouse?", collection="e2e")
+        handle = stack.client.get_workflow_handle(first["job_id"])
+
+        async def answer_shown() -> bool:
+            try:
+                return (await handle.query(ChatTurnWorkflow.progress)).answer is not None
+            except RPCError:  # its session has not started it yet
+                return False
+
+        await eventually(answer_shown, timeout=300, every=0.1, what="the first turn's answer")
+        second = await stack.chat("When is the lamp lit?", session_id=first["session_id"], collection="e2e")
+        jobs = [await stack.wait_done(t["job_id"], timeout=600) for t in (first, second)]
+    assert [j["status"] for j in jobs] == ["completed", "completed"], jobs
+    assert jobs[0]["result"]["summary"].strip()
+    details = {s["name"]: s.get("detail") for s in jobs[0]["steps"]}
+    assert RAN_AGAIN in (details["summarize_context"], details["extract_entities"]), details
 
 
 # Goals the shipped model, given OpenAI `tools`, answered with tools it made up (`compare_hotel_limit`,
