@@ -36,6 +36,7 @@ def local_llm() -> str:
 
 
 SHIPPED_POLICIES = Path(__file__).resolve().parent.parent / "temporal" / "policies.toml"
+COLLECTION = "e2e-follow-up"  # the follow-up test's own (the answer cache is keyed by collection)
 
 
 async def test_real_local_model_answers_from_an_ingested_document(temporal_env, scripted_llm, local_llm, tmp_path,
@@ -65,12 +66,14 @@ async def test_on_the_local_model_a_follow_up_does_not_wait_for_the_side_steps_b
     way when the next question comes, stop for its answer and run after it (the first of them to run says so).
     Both turns complete, the first with its summary."""
     address = temporal_env.client.service_client.config.target_host
+    # A collection and question of its own: the answer cache (the test above asks in "e2e") would answer the
+    # first question without the model, and no side step would run.
     async with running_stack(address, scripted_llm, tmp_path, task_queue="ragline-local-llm-aside",
                              llm_base_url=local_llm, llm_model="local", llm_timeout=240, llm_max_tokens=96,
                              llm_concurrency=1, policies=SHIPPED_POLICIES) as stack:
-        body = await stack.upload(("lighthouse.txt", DOCUMENT.encode()), collection="e2e")
+        body = await stack.upload(("lighthouse.txt", DOCUMENT.encode()), collection=COLLECTION)
         assert (await stack.wait_job(body["job_id"]))["status"] == "completed"
-        first = await stack.chat("Who is the keeper of Brightwater Lighthouse?", collection="e2e")
+        first = await stack.chat("Who keeps the light of Brightwater Lighthouse?", collection=COLLECTION)
         handle = stack.client.get_workflow_handle(first["job_id"])
 
         async def answer_shown() -> bool:
@@ -80,7 +83,7 @@ async def test_on_the_local_model_a_follow_up_does_not_wait_for_the_side_steps_b
                 return False
 
         await eventually(answer_shown, timeout=300, every=0.1, what="the first turn's answer")
-        second = await stack.chat("When is the lamp lit?", session_id=first["session_id"], collection="e2e")
+        second = await stack.chat("When is the lamp lit?", session_id=first["session_id"], collection=COLLECTION)
         jobs = [await stack.wait_done(t["job_id"], timeout=600) for t in (first, second)]
     assert [j["status"] for j in jobs] == ["completed", "completed"], jobs
     assert jobs[0]["result"]["summary"].strip()
