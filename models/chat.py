@@ -141,6 +141,9 @@ class SessionState(BaseModel):
     resumed_from: str | None = None
     # The final answer the head turn told (by job id) before the run continued as new: the turn tells it once.
     answered: dict[str, str] = {}
+    # The job of the turn just run, when its side steps step aside for the next turn's answer and the run continued
+    # as new before that turn's go: the next turn is given it to tell (`TurnContext.before`).
+    next_tells: str | None = None
 
 
 class SessionLeft(BaseModel):

@@ -1085,11 +1085,12 @@ async def test_chat_turn_started_with_its_go_needs_no_signal(bare_env):
     assert fakes.one("generate_answer").arg.history == history
 
 
-async def start_session(env: WorkflowEnvironment, queue: str, first: TurnInput, *, resumed_from: str | None = None):
+async def start_session(env: WorkflowEnvironment, queue: str, first: TurnInput, *, resumed_from: str | None = None,
+                        **state: Any):
     """A session's workflow, started by its first turn as `POST /v1/chats` starts it (signal-with-start); again
-    after a run of it ended (`resumed_from`: that run's id)."""
+    after a run of it ended (`resumed_from`: that run's id). `state`: other fields of its SessionState."""
     return await env.client.start_workflow(
-        ChatSessionWorkflow.run, SessionState(session_id=first.session_id, resumed_from=resumed_from),
+        ChatSessionWorkflow.run, SessionState(session_id=first.session_id, resumed_from=resumed_from, **state),
         id=session_workflow_id("default", first.session_id), task_queue=queue, start_signal="submit",
         start_signal_args=[first])
 
@@ -1408,13 +1409,13 @@ def _of(calls: list[Call], question: str) -> list[Call]:
 
 @asynccontextmanager
 async def _second_question_while_the_first_summary_runs(env, fakes: ModelOfFewSlots, *,
-                                                         entities_done: bool = False):
+                                                         entities_done: bool = False, **session: Any):
     """A session's first question; once its answer is shown and its summary under way (its entities done too, if
-    asked), a second question. Yields both turns."""
-    session = f"s-{uuid.uuid4().hex[:8]}"
-    first, second = turn(session, "First question?"), turn(session, "Second question?")
+    asked), a second question. Yields both turns. `session`: fields of the session's SessionState."""
+    session_id = f"s-{uuid.uuid4().hex[:8]}"
+    first, second = turn(session_id, "First question?"), turn(session_id, "Second question?")
     async with fake_worker(env, fakes) as queue:
-        handle = await start_session(env, queue, first)
+        handle = await start_session(env, queue, first, **session)
 
         async def ready() -> bool:
             return bool(_of(fakes.named("summarize_context"), "First question?")) and (not entities_done or any(
@@ -1503,6 +1504,14 @@ class SecondRetrievalFails(ModelOfFewSlots):
         return await super().retrieve_context(req)
 
 
+def _told_not_timed_out(history) -> None:  # noqa: ANN001
+    """The turn ran its set-aside side steps because the next turn told it, not after [sessions] step_aside."""
+    signals = [e.workflow_execution_signaled_event_attributes.signal_name for e in history.events
+               if e.HasField("workflow_execution_signaled_event_attributes")]
+    assert "later_answer_out" in signals, signals
+    assert not any(e.HasField("timer_fired_event_attributes") for e in history.events)
+
+
 async def test_a_next_turn_that_fails_before_its_answer_tells_the_turn_that_stepped_aside(env):
     """The next question's turn fails before it asks the model: it tells the turn before on its way out, whose
     summary runs again then, rather than after [sessions] step_aside."""
@@ -1513,10 +1522,20 @@ async def test_a_next_turn_that_fails_before_its_answer_tells_the_turn_that_step
         result = await turn_result(env, first.job_id)
         history = await env.client.get_workflow_handle(first.job_id).fetch_history()
     assert result.summary == "summary of ctx:First question?"
-    signals = [e.workflow_execution_signaled_event_attributes.signal_name for e in history.events
-               if e.HasField("workflow_execution_signaled_event_attributes")]
-    assert "later_answer_out" in signals, signals
-    assert not any(e.HasField("timer_fired_event_attributes") for e in history.events)
+    _told_not_timed_out(history)
+
+
+async def test_a_session_that_continues_as_new_between_the_turns_still_has_the_next_turn_tell(env):
+    """The session continues as new after each turn: the run that gives the second question its go is not the one
+    the first turn told that its side steps step aside. That is carried, and the second turn still tells it."""
+    fakes = ModelOfFewSlots(slots=1)
+    async with _second_question_while_the_first_summary_runs(env, fakes, turns_per_run=1) as (first, second):
+        results = [await turn_result(env, t.job_id) for t in (first, second)]
+        history = await env.client.get_workflow_handle(first.job_id).fetch_history()
+        session = await env.client.get_workflow_handle(session_workflow_id("default", first.session_id)).describe()
+    assert session.run_id != session.raw_description.workflow_execution_info.first_run_id  # it continued as new
+    assert results[0].summary == "summary of ctx:First question?"
+    _told_not_timed_out(history)
 
 
 async def test_on_a_hosted_model_a_turns_summary_runs_on_beside_the_next_questions_answer(env):

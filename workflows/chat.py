@@ -635,7 +635,7 @@ class ChatSessionWorkflow:
         self.refusing: dict[str, asyncio.Future] = {}  # turns refused (session full) whose jobs are starting
         self.stays_mid_turn = False  # replaying a run that did not continue as new while its turn waited
         self.stepping_aside: set[str] = set()  # turns whose side steps wait for the next turn's answer
-        self.before: str | None = None  # ... the one of them just run: the next turn tells it
+        self.before: str | None = state.next_tells  # ... the one of them just run: the next turn tells it
 
     @workflow.signal
     def submit(self, turn: TurnInput) -> None:
@@ -841,7 +841,7 @@ class ChatSessionWorkflow:
         queued = {turn.job_id for turn in self.queue}
         answered = {job_id: told for job_id, told in self.answered.items() if job_id in queued}
         return self.state.model_copy(update={"pending": pending, "seen": list(self.seen), "resumed_from": None,
-                                             "answered": answered})
+                                             "answered": answered, "next_tells": self.before})
 
     async def _take_up(self, run_id: str) -> None:
         """What the session's run that ended idle left (turn numbers, history, the requests it saw), before
