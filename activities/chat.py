@@ -183,10 +183,10 @@ class ChatActivities:
         return await self._generate(req, self.fallback)
 
     async def _generate(self, req: GenerateInput, model: ChatModel) -> GenerateOutput:
-        answered = await self._answer(req, model)
+        answered = await self._stream_answer(req, model)
         return answered.model_copy(update={"model_slots": self.settings.effective_llm_concurrency})
 
-    async def _answer(self, req: GenerateInput, model: ChatModel) -> GenerateOutput:
+    async def _stream_answer(self, req: GenerateInput, model: ChatModel) -> GenerateOutput:
         passages = await asyncio.to_thread(self._passages, req.context_ref)
         attempt = activity.info().attempt
         if not passages:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench import procs
 from bench.procs import ROOT
-from bench.run import LocalModelSkipped, Stack, local_model, log
+from bench.run import LocalModelSkipped, Stack, local_model, log, wait_job
 from bench.sse import TurnTimes, chat_turn, watch
 
 PDF = ROOT.parent / "shared" / "pdfs" / "Seige_of_Vicksburg_Sample_OCR.pdf"
@@ -38,8 +38,7 @@ async def upload(http, pdf: Path) -> None:  # noqa: ANN001
                         files=[("files", (pdf.name, pdf.read_bytes(), "application/pdf"))])
     if r.status_code != 202:
         raise RuntimeError(f"upload refused: {r.status_code} {r.text[:300]}")
-    while (job := (await http.get(f"/v1/jobs/{r.json()['job_id']}")).json())["status"] not in ("completed", "failed"):
-        await asyncio.sleep(1)
+    job = await wait_job(http, r.json()["job_id"], 600)
     if job["status"] != "completed":
         raise RuntimeError(f"ingestion failed: {job.get('error')}")
 
@@ -50,6 +49,8 @@ async def one_round(http, question: str, follow_up: str, read: float) -> dict:  
     first = TurnTimes(session_id=session)
     t0 = time.perf_counter()
     r = await http.post("/v1/chats", json={"message": question, "collection": COLLECTION, "session_id": session})
+    if r.status_code != 202:
+        raise RuntimeError(f"chat refused: {r.status_code} {r.text[:300]}")
     first.job_id = r.json()["job_id"]
     watching = asyncio.create_task(watch(http, first.job_id, t0, first))
     while first.answer_completed is None and not watching.done():
